@@ -1,0 +1,23 @@
+# The two commands a fresh machine needs (see README): `make run` and `make test`.
+.PHONY: setup run test test-unit test-heavy
+
+PY := .venv/bin/python
+# Heavy tests: multi-process (gloo), real vLLM engines and end-to-end runs; budgeted to stay within
+# ~20 minutes on 2 cores together with the unit tests.
+HEAVY := multiproc or vllm or e2e or slow
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	$(PY) -m meshrl.trainer.main --config-name cpu_smollm2_grpo
+
+test: setup
+	$(PY) -m pytest -q --timeout=600
+	$(PY) -m pytest -q --timeout=900 -m "$(HEAVY)"
+
+test-unit: setup
+	$(PY) -m pytest -q --timeout=600
+
+test-heavy: setup
+	$(PY) -m pytest -q --timeout=900 -m "$(HEAVY)"

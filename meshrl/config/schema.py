@@ -1,0 +1,339 @@
+"""The typed configuration tree, with verl's section and key names.
+
+Users arrive from verl and type its keys (``algorithm.adv_estimator=remax``,
+``actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000``, ``trainer.n_gpus_per_node=8``), so the
+tree mirrors verl's ``ppo_trainer`` config. Keys verl has for its FSDP backend (``fsdp_config.*``)
+are accepted so that verl scripts parse unchanged; ``param_offload`` / ``optimizer_offload`` there
+mean the same thing for meshrl's Megatron backend.
+
+Defaults differ from verl's where meshrl's design says so: dynamic token-budget micro-batches are
+on by default, and ``trainer.device="auto"`` picks CUDA when present, CPU otherwise.
+
+Every field is typed: OmegaConf rejects a wrong type, and ``meshrl.config.loader`` rejects an
+unknown key with a did-you-mean suggestion. Semantic checks live in ``meshrl.config.validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+# Values a few string keys may take; validate.py checks them and names the alternatives.
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+ROLLOUT_ENGINES = ("vllm", "hf")
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("constant", "cosine")
+RESUME_MODES = ("auto", "disable", "resume_path")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None  # default: the policy model's tokenizer
+    train_files: Any = "~/data/gsm8k/train.parquet"  # a path or a list of paths
+    val_files: Any = "~/data/gsm8k/test.parquet"
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024
+    val_batch_size: Optional[int] = None  # None: the whole validation set in one generate call
+    val_max_samples: int = -1  # -1: every validation row
+    return_raw_chat: bool = False
+    return_raw_input_ids: bool = False
+    shuffle: bool = True
+    seed: int = 1
+    filter_overlong_prompts: bool = False
+    filter_overlong_prompts_workers: int = 1
+    truncation: str = "error"
+    dataloader_num_workers: int = 0
+
+
+@dataclass
+class ModelConfig:
+    # A local HF folder, or "embedded:smollm2" (the packaged SmolLM2-135M-Instruct), or
+    # "tiny:llama" / "tiny:qwen2" (tiny random models with real layouts, for tests).
+    path: str = "embedded:smollm2"
+    tokenizer_path: Optional[str] = None
+    use_remove_padding: bool = True
+    enable_gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    use_shm: bool = False
+    external_lib: Optional[str] = None
+    override_config: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    warmup_style: str = "constant"  # verl's name for the schedule after warm-up
+    lr_scheduler_type: Optional[str] = None  # newer verl name; wins over warmup_style when set
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    total_training_steps: int = -1  # filled in by the trainer from the data and epochs
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    seed: int = 42
+
+
+@dataclass
+class FSDPCompatConfig:
+    """verl's FSDP keys, accepted so verl scripts parse; offload flags carry over to Megatron."""
+
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+    fsdp_size: int = -1
+    forward_prefetch: bool = False
+    model_dtype: Optional[str] = None
+    wrap_policy: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointContentsConfig:
+    save_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    load_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"  # vanilla | gpg | reinforce | gspo | cispo | a registered name
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "megatron"
+    ppo_mini_batch_size: int = 256  # in prompts, multiplied by rollout.n (as verl)
+    ppo_micro_batch_size: Optional[int] = None
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: bool = True
+    ppo_max_token_len_per_gpu: int = 16384
+    grad_clip: float = 1.0
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # None: clip_ratio
+    clip_ratio_high: Optional[float] = None  # None: clip_ratio
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    use_torch_compile: bool = False
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
+    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+
+
+@dataclass
+class RefConfig:
+    strategy: str = "megatron"
+    log_prob_micro_batch_size: Optional[int] = None
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # None: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # None: actor.ppo_max_token_len_per_gpu
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
+
+
+@dataclass
+class ValKwargsConfig:
+    top_k: int = -1
+    top_p: float = 1.0
+    temperature: float = 0.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"
+    mode: str = "sync"
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    n: int = 1
+    seed: int = 0
+    prompt_length: Optional[int] = None  # None: data.max_prompt_length
+    response_length: Optional[int] = None  # None: data.max_response_length
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: Optional[int] = None  # CPU engines need it explicit; None: 1 GiB on CPU
+    ignore_eos: bool = False
+    enforce_eager: bool = True
+    free_cache_engine: bool = True
+    load_format: str = "dummy_megatron"
+    tensor_model_parallel_size: int = 1
+    max_num_batched_tokens: int = 8192
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 1024
+    enable_chunked_prefill: bool = True
+    disable_log_stats: bool = True
+    calculate_log_probs: bool = False
+    log_prob_micro_batch_size: Optional[int] = None
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    update_weights_bucket_megabytes: int = 512
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # None: the actor's model
+    tokenizer_path: Optional[str] = None
+    use_remove_padding: bool = True
+    enable_gradient_checkpointing: bool = False
+    override_config: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CriticConfig:
+    strategy: str = "megatron"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    ppo_mini_batch_size: Optional[int] = None  # None: actor's
+    ppo_micro_batch_size: Optional[int] = None
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: Optional[bool] = None  # None: actor's
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: Optional[int] = None  # None: ppo_max_token_len_per_gpu
+    ppo_epochs: Optional[int] = None  # None: actor's
+    shuffle: bool = False
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    loss_agg_mode: Optional[str] = None  # None: actor's
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
+    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False  # a learned reward model; meshrl scores with rule-based rewards
+    reward_manager: str = "naive"
+    launch_reward_fn_async: bool = False
+    num_workers: int = 2  # processes for rule-based scoring of big batches
+    timeout_s: float = 10.0  # per response; a timeout scores 0 and is counted
+    strategy: str = "megatron"
+    model: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+    reward_kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class GPGConfig:
+    # "paper": α = B/(B−M), M = responses in zero-signal groups (the GPG paper); "verl": α = B/#nonzero.
+    alpha_mode: str = "paper"
+    # True: F_norm = std of the group; False: F_norm = 1.
+    norm_by_std: bool = True
+
+
+@dataclass
+class ReMaxConfig:
+    # Rewards clipped to ±reward_clip before computing advantages (the ReMax paper uses 5); <=0: off.
+    reward_clip: float = 0.0
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0
+    lam: float = 1.0
+    adv_estimator: str = "gae"
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    use_pf_ppo: bool = False
+    gpg: GPGConfig = field(default_factory=GPGConfig)
+    remax: ReMaxConfig = field(default_factory=ReMaxConfig)
+
+
+@dataclass
+class TrainerConfig:
+    balance_batch: bool = True
+    total_epochs: int = 30
+    total_training_steps: Optional[int] = None
+    project_name: str = "meshrl"
+    experiment_name: str = "run"
+    logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])
+    log_val_generations: int = 0
+    nnodes: int = 1
+    n_gpus_per_node: int = 8  # on CPU: training processes per node
+    device: str = "auto"
+    save_freq: int = -1
+    resume_mode: str = "auto"
+    resume_from_path: Optional[str] = None
+    test_freq: int = -1
+    critic_warmup: int = 0
+    val_before_train: bool = True
+    val_only: bool = False
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    max_actor_ckpt_to_keep: Optional[int] = None
+    max_critic_ckpt_to_keep: Optional[int] = None
+    ray_wait_register_center_timeout: int = 300
+    worker_timeout_s: float = 600.0  # collective/RPC timeout: a dead worker fails the step this fast
+    seed: int = 1
+
+
+@dataclass
+class MeshRLConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

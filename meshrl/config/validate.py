@@ -1,0 +1,202 @@
+"""Semantic checks of a loaded configuration: ranges, choices and cross-key rules.
+
+``validate_config(cfg)`` collects every problem and raises one ``ConfigError`` listing them all, each
+naming the key and the fix, so a user fixes a recipe in one pass. ``validate_against_model`` adds the
+checks that need the model's HF config (parallel sizes must divide heads and layers).
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from meshrl.config.loader import ConfigError
+from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_SCHEDULES,
+                                  RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def require(self, ok: bool, key: str, message: str) -> None:
+        if not ok:
+            self.items.append(f"{key}: {message}")
+
+    def choice(self, value: str, key: str, choices) -> None:
+        self.require(value in choices, key, f"'{value}' is not one of {', '.join(map(str, choices))}")
+
+    def positive(self, value, key: str) -> None:
+        self.require(value is not None and value > 0, key, f"must be > 0, got {value}")
+
+    def freq(self, value: int, key: str) -> None:
+        self.require(value == -1 or value > 0, key, f"must be -1 (never) or a positive step count, got {value}")
+
+    def raise_if_any(self, what: str) -> None:
+        if self.items:
+            lines = "\n  - ".join(self.items)
+            raise ConfigError(f"invalid {what} ({len(self.items)} problem(s)):\n  - {lines}")
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Training processes: ``trainer.nnodes × trainer.n_gpus_per_node`` (processes per node on CPU)."""
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` listing every semantic problem of ``cfg`` (see module docstring)."""
+    p = _Problems()
+    data, arr, trainer, algo = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
+    actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
+
+    # data
+    p.require(bool(data.train_files), "data.train_files", "is empty; give a parquet/jsonl path or a list")
+    p.positive(data.train_batch_size, "data.train_batch_size")
+    p.positive(data.max_prompt_length, "data.max_prompt_length")
+    p.positive(data.max_response_length, "data.max_response_length")
+    p.choice(data.truncation, "data.truncation", TRUNCATION_MODES)
+    if data.val_batch_size is not None:
+        p.positive(data.val_batch_size, "data.val_batch_size")
+
+    # rollout
+    p.choice(rollout.name, "actor_rollout_ref.rollout.name", ROLLOUT_ENGINES)
+    p.require(rollout.n >= 1, "actor_rollout_ref.rollout.n", f"must be >= 1 responses per prompt, got {rollout.n}")
+    p.require(rollout.temperature >= 0, "actor_rollout_ref.rollout.temperature",
+              f"must be >= 0 (0 = greedy), got {rollout.temperature}")
+    p.require(0 < rollout.top_p <= 1, "actor_rollout_ref.rollout.top_p", f"must be in (0, 1], got {rollout.top_p}")
+    p.require(rollout.top_k == -1 or rollout.top_k >= 1, "actor_rollout_ref.rollout.top_k",
+              f"must be -1 (off) or >= 1, got {rollout.top_k}")
+    p.require(0 < rollout.gpu_memory_utilization <= 1, "actor_rollout_ref.rollout.gpu_memory_utilization",
+              f"must be in (0, 1], got {rollout.gpu_memory_utilization}")
+    p.positive(rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    p.positive(rollout.update_weights_bucket_megabytes, "actor_rollout_ref.rollout.update_weights_bucket_megabytes")
+    if rollout.kv_cache_memory_bytes is not None:
+        p.positive(rollout.kv_cache_memory_bytes, "actor_rollout_ref.rollout.kv_cache_memory_bytes")
+
+    # actor
+    p.require(actor.strategy == "megatron", "actor_rollout_ref.actor.strategy",
+              f"meshrl trains with its Megatron backend; got '{actor.strategy}'. Remove the key or set megatron "
+              "(fsdp_config.param_offload/optimizer_offload are honoured).")
+    p.positive(actor.ppo_mini_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    if data.train_batch_size > 0 and actor.ppo_mini_batch_size > 0:
+        p.require(actor.ppo_mini_batch_size <= data.train_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size",
+                  f"{actor.ppo_mini_batch_size} prompts is more than data.train_batch_size="
+                  f"{data.train_batch_size}; lower it to at most the batch size")
+        p.require(data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
+                  f"must divide data.train_batch_size={data.train_batch_size} (got {actor.ppo_mini_batch_size})")
+    if actor.use_dynamic_bsz:
+        p.positive(actor.ppo_max_token_len_per_gpu, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    else:
+        p.require(actor.ppo_micro_batch_size_per_gpu is not None and actor.ppo_micro_batch_size_per_gpu > 0,
+                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                  "must be set (> 0) when use_dynamic_bsz=False; or set use_dynamic_bsz=True with "
+                  "ppo_max_token_len_per_gpu")
+    for key in ("log_prob_max_token_len_per_gpu",):
+        for section, name in ((ref, "ref"), (rollout, "rollout")):
+            value = section[key]
+            if value is not None:
+                p.positive(value, f"actor_rollout_ref.{name}.{key}")
+    p.positive(actor.ppo_epochs, "actor_rollout_ref.actor.ppo_epochs")
+    p.choice(actor.loss_agg_mode, "actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES)
+    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        value = actor[key]
+        if value is not None:
+            p.require(value > 0, f"actor_rollout_ref.actor.{key}", f"must be > 0, got {value}")
+    p.require(actor.clip_ratio_c > 1, "actor_rollout_ref.actor.clip_ratio_c",
+              f"the dual-clip bound must be > 1, got {actor.clip_ratio_c}")
+    p.require(actor.kl_loss_coef >= 0, "actor_rollout_ref.actor.kl_loss_coef", f"must be >= 0, got {actor.kl_loss_coef}")
+    p.require(actor.grad_clip > 0, "actor_rollout_ref.actor.grad_clip", f"must be > 0, got {actor.grad_clip}")
+    _check_optim(p, actor.optim, "actor_rollout_ref.actor.optim")
+    _check_megatron(p, cfg, actor.megatron, "actor_rollout_ref.actor.megatron")
+
+    # critic (only PPO's gae trains one)
+    if algo.adv_estimator == "gae":
+        _check_optim(p, critic.optim, "critic.optim")
+        _check_megatron(p, cfg, critic.megatron, "critic.megatron")
+        p.require(critic.cliprange_value > 0, "critic.cliprange_value", f"must be > 0, got {critic.cliprange_value}")
+
+    # algorithm
+    p.require(0 <= algo.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {algo.gamma}")
+    p.require(0 <= algo.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {algo.lam}")
+    p.choice(algo.kl_ctrl.type, "algorithm.kl_ctrl.type", KL_CTRL_TYPES)
+    p.require(algo.kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", f"must be >= 0, got {algo.kl_ctrl.kl_coef}")
+    p.positive(algo.kl_ctrl.horizon, "algorithm.kl_ctrl.horizon")
+    p.positive(algo.kl_ctrl.target_kl, "algorithm.kl_ctrl.target_kl")
+    p.choice(algo.gpg.alpha_mode, "algorithm.gpg.alpha_mode", ("paper", "verl"))
+    if algo.adv_estimator == "rloo":
+        p.require(rollout.n >= 2, "actor_rollout_ref.rollout.n",
+                  f"rloo needs at least 2 responses per prompt for a leave-one-out baseline, got {rollout.n}")
+
+    # trainer
+    p.choice(trainer.device, "trainer.device", DEVICES)
+    p.positive(trainer.nnodes, "trainer.nnodes")
+    p.positive(trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
+    p.positive(trainer.total_epochs, "trainer.total_epochs")
+    if trainer.total_training_steps is not None:
+        p.positive(trainer.total_training_steps, "trainer.total_training_steps")
+    p.freq(trainer.save_freq, "trainer.save_freq")
+    p.freq(trainer.test_freq, "trainer.test_freq")
+    p.require(trainer.critic_warmup >= 0, "trainer.critic_warmup", f"must be >= 0, got {trainer.critic_warmup}")
+    p.choice(trainer.resume_mode, "trainer.resume_mode", RESUME_MODES)
+    p.require(trainer.resume_mode != "resume_path" or bool(trainer.resume_from_path), "trainer.resume_from_path",
+              "must be set when trainer.resume_mode=resume_path")
+    for name in trainer.logger:
+        p.choice(name, "trainer.logger", LOGGERS)
+    p.positive(trainer.worker_timeout_s, "trainer.worker_timeout_s")
+    ws = world_size(cfg)
+    p.require(ws % rollout.tensor_model_parallel_size == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",
+              f"{rollout.tensor_model_parallel_size} must divide the {ws} training processes "
+              "(trainer.nnodes × trainer.n_gpus_per_node)")
+    p.raise_if_any("configuration")
+
+
+def _check_optim(p: _Problems, optim: DictConfig, key: str) -> None:
+    p.require(optim.lr >= 0, f"{key}.lr", f"must be >= 0, got {optim.lr}")
+    p.require(0 <= optim.lr_warmup_steps_ratio <= 1, f"{key}.lr_warmup_steps_ratio",
+              f"must be in [0, 1], got {optim.lr_warmup_steps_ratio}")
+    p.require(0 <= optim.min_lr_ratio <= 1, f"{key}.min_lr_ratio", f"must be in [0, 1], got {optim.min_lr_ratio}")
+    schedule = optim.lr_scheduler_type or optim.warmup_style
+    p.choice(schedule, f"{key}.lr_scheduler_type", LR_SCHEDULES)
+    p.require(optim.weight_decay >= 0, f"{key}.weight_decay", f"must be >= 0, got {optim.weight_decay}")
+    p.require(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas), f"{key}.betas",
+              f"must be two numbers in [0, 1), got {list(optim.betas)}")
+
+
+def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> None:
+    for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        p.positive(mg[size], f"{key}.{size}")
+    model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
+    ws = world_size(cfg)
+    if model_parallel > 0:
+        p.require(ws % model_parallel == 0, key,
+                  f"TP×PP×CP = {model_parallel} must divide the {ws} training processes "
+                  "(trainer.nnodes × trainer.n_gpus_per_node); change the parallel sizes or the process count")
+    if mg.virtual_pipeline_model_parallel_size is not None:
+        p.require(mg.pipeline_model_parallel_size > 1, f"{key}.virtual_pipeline_model_parallel_size",
+                  "needs pipeline_model_parallel_size > 1")
+    p.require(not mg.sequence_parallel or mg.tensor_model_parallel_size > 1, f"{key}.sequence_parallel",
+              "needs tensor_model_parallel_size > 1")
+
+
+def validate_against_model(cfg: DictConfig, hf_config) -> None:
+    """Checks that need the model: parallel sizes must divide its heads, KV heads and layers."""
+    p = _Problems()
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    layers = hf_config.num_hidden_layers
+    sections = [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron)]
+    if cfg.algorithm.adv_estimator == "gae":
+        sections.append(("critic.megatron", cfg.critic.megatron))
+    for key, mg in sections:
+        tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+        p.require(heads % tp == 0, f"{key}.tensor_model_parallel_size",
+                  f"{tp} does not divide the model's {heads} attention heads; use a divisor of {heads}")
+        p.require(kv_heads % tp == 0, f"{key}.tensor_model_parallel_size",
+                  f"{tp} does not divide the model's {kv_heads} key/value heads; use a divisor of {kv_heads}")
+        vpp = mg.virtual_pipeline_model_parallel_size or 1
+        p.require(layers % (pp * vpp) == 0, f"{key}.pipeline_model_parallel_size",
+                  f"PP×VPP = {pp * vpp} does not divide the model's {layers} layers")
+    rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    p.require(heads % rtp == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",
+              f"{rtp} does not divide the model's {heads} attention heads")
+    p.raise_if_any("configuration for this model")

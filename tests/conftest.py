@@ -1,0 +1,34 @@
+"""Shared test set-up: project-local caches, offline hub, one thread per process, model fixtures."""
+
+import pytest
+import torch
+
+from meshrl.runtime import configure_environment
+
+configure_environment()
+# Two cores are shared by the test process and any engines or ranks it starts.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """Local HF folder of the embedded SmolLM2-135M-Instruct (converted once, cached)."""
+    from meshrl.models.embedded import smollm2_hf_dir
+
+    return smollm2_hf_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir():
+    """Tiny random Llama (GQA, tied embeddings) with the SmolLM2 tokenizer."""
+    from meshrl.models.tiny import TinySpec, tiny_model_dir
+
+    return tiny_model_dir(TinySpec())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir():
+    """Tiny random Qwen2 (GQA, QKV bias, untied embeddings) with the SmolLM2 tokenizer."""
+    from meshrl.models.tiny import TinySpec, tiny_model_dir
+
+    return tiny_model_dir(TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False))
