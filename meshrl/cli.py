@@ -1,0 +1,51 @@
+"""The ``meshrl`` command.
+
+    meshrl train RECIPE.yaml [key=value ...]     train (same as python -m meshrl.trainer.main)
+    meshrl plot RUN_DIR [--out FILE]             draw a run's metrics.jsonl to a PNG
+    meshrl convert hf-to-mcore|mcore-to-hf ...   checkpoint conversion (see --help)
+    meshrl preprocess gsm8k|math|math500 ...     write verl-layout parquet from the packaged data
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+COMMANDS = ("train", "plot", "convert", "preprocess")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "train":
+        from meshrl.trainer.main import main as train_main
+
+        if not rest or "=" in rest[0]:
+            return train_main(rest)
+        return train_main(["--config-name", rest[0], *rest[1:]])
+    if command == "plot":
+        from meshrl.trainer.plot import main as plot_main
+
+        return plot_main(rest) or 0
+    if command == "convert":
+        from meshrl.parallel.convert_cli import main as convert_main
+
+        return convert_main(rest) or 0
+    if command == "preprocess":
+        from meshrl.data.preprocess import main as preprocess_main
+
+        preprocess_main(rest)
+        return 0
+    import difflib
+
+    close = difflib.get_close_matches(command, COMMANDS, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    print(f"meshrl: unknown command '{command}'.{hint} Commands: {', '.join(COMMANDS)}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

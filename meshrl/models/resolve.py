@@ -1,0 +1,37 @@
+"""``actor_rollout_ref.model.path`` → a local Hugging Face folder.
+
+    embedded:smollm2       the packaged SmolLM2-135M-Instruct (converted once into the cache)
+    tiny:llama, tiny:qwen2 tiny random models with real layouts (tests, smoke runs)
+    <folder>               a local HF folder (config.json + safetensors + tokenizer)
+
+No model hub is reachable, so a hub id such as ``Qwen/Qwen2.5-7B-Instruct`` that is not a local
+folder is an error that says how to provide the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EMBEDDED_MODELS = ("embedded:smollm2",)
+TINY_MODELS = ("tiny:llama", "tiny:qwen2")
+
+
+def resolve_model_path(path: str) -> Path:
+    if path == "embedded:smollm2":
+        from meshrl.models.embedded import smollm2_hf_dir
+
+        return smollm2_hf_dir()
+    if path in TINY_MODELS:
+        from meshrl.models.tiny import TinySpec, tiny_model_dir
+
+        spec = TinySpec() if path == "tiny:llama" else TinySpec(arch="qwen2", hidden_size=256,
+                                                               tie_word_embeddings=False)
+        return tiny_model_dir(spec)
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file():
+        return folder
+    if folder.exists():
+        raise FileNotFoundError(f"model path {folder} has no config.json; give a Hugging Face model folder")
+    raise FileNotFoundError(
+        f"model path '{path}' is not a local folder, and no model hub is reachable from here. Download the "
+        f"model elsewhere and pass its folder, or use one of: {', '.join(EMBEDDED_MODELS + TINY_MODELS)}.")

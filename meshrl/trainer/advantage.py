@@ -1,0 +1,65 @@
+"""Driver-side step 5: token rewards (with optional KL in the reward) and advantages, from config.
+
+Input batch fields: ``token_level_scores`` (B, T) (the outcome score on each response's last valid
+token), ``response_mask`` (B, T), ``uid`` (B,) int group ids; as the method needs: ``old_log_probs``
+and ``ref_log_probs`` (KL in reward), ``values`` (gae), ``greedy_scores`` (remax).
+Output fields: ``token_level_rewards``, ``advantages``, ``returns`` (the critic's target where the
+estimator defines one, else the advantages).
+"""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from meshrl.algorithms import ADVANTAGE_ESTIMATORS, KLController, apply_kl_penalty, call_with_available
+from meshrl.protocol import Batch
+
+
+def outcome_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place each response's outcome score on its last valid token: r_{i,t} = s_i·[t = last_i]."""
+    lengths = response_mask.sum(-1).long()
+    if (lengths == 0).any():
+        empty = torch.nonzero(lengths == 0).flatten().tolist()
+        raise ValueError(f"responses {empty[:8]} have no valid token; cannot place their scores")
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    token_scores[torch.arange(len(scores)), lengths - 1] = scores.float()
+    return token_scores
+
+
+def compute_token_rewards(batch: Batch, algo: DictConfig, kl_ctrl: KLController | None) -> dict[str, float]:
+    """``token_level_rewards`` = scores, minus β·KL per token when ``algorithm.use_kl_in_reward``."""
+    scores = batch["token_level_scores"]
+    if algo.remax.reward_clip > 0:  # the ReMax paper clips rewards to ±5
+        scores = scores.clamp(-algo.remax.reward_clip, algo.remax.reward_clip)
+    if not algo.use_kl_in_reward:
+        batch.set("token_level_rewards", scores)
+        return {}
+    penalised = apply_kl_penalty(scores, batch["old_log_probs"], batch["ref_log_probs"], batch["response_mask"],
+                                 kl_coef=kl_ctrl.value, kl_type=algo.kl_penalty)
+    batch.set("token_level_rewards", penalised.rewards)
+    metrics = {"actor/reward_kl_penalty": float(penalised.mean_kl), "actor/reward_kl_coef": kl_ctrl.value}
+    kl_ctrl.update(penalised.mean_kl, n_steps=len(batch))
+    return metrics
+
+
+def compute_advantages(batch: Batch, algo: DictConfig) -> dict[str, float]:
+    """Run ``algorithm.adv_estimator`` (a registered name or ``module:function``) on the batch."""
+    estimator = ADVANTAGE_ESTIMATORS.get(algo.adv_estimator)
+    available = {name: batch[name] for name in ("uid", "values", "greedy_scores") if name in batch}
+    available.update(
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        norm_by_std=algo.gpg.norm_by_std,
+        gpg_alpha_mode=algo.gpg.alpha_mode,
+    )
+    out = call_with_available(estimator, batch["token_level_rewards"], batch["response_mask"], **available)
+    batch.set("advantages", out.advantages)
+    batch.set("returns", out.returns if out.returns is not None else out.advantages)
+    mask = batch["response_mask"].bool()
+    valid = out.advantages[mask]
+    metrics = {"critic/advantages/mean": float(valid.mean()), "critic/advantages/max": float(valid.max()),
+               "critic/advantages/min": float(valid.min())}
+    metrics.update({f"algo/{k}": float(v) for k, v in out.metrics.items()})
+    return metrics

@@ -1,0 +1,349 @@
+"""Driver-side checkpoint folders: atomic saves, rotation, and verl's resume semantics.
+
+Layout under ``trainer.default_local_dir`` (verl's names, so verl users find what they expect)::
+
+    latest_checkpointed_iteration.txt    the step of the checkpoint written last, e.g. "120"
+    global_step_120/
+        actor/ critic/ ...               written by the workers (``write_parts``)
+        trainer_state.pt                 the driver's state dict (torch.save), authoritative
+        trainer_state.json               a human-readable view of it (scalars; tensors summarised)
+        COMPLETE                         written last: the folder holds a whole checkpoint
+
+A save builds everything in ``global_step_N.tmp-<pid>``, fsyncs it, and renames it into place, so a
+``global_step_N`` folder appears whole or not at all; the ``latest`` pointer moves only afterwards.
+A crash at any point leaves the previous checkpoint and pointer as they were; the half-written
+``*.tmp-<pid>`` folder is removed by the next manager start.
+
+Driver state is loaded with ``torch.load(weights_only=True)`` plus NumPy arrays and scalars (the RNG
+states), so resuming never runs code from a checkpoint file. A save checks the state loads back that
+way before marking the folder complete: a state the resume could not read fails at the first save,
+not hours later at resume time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshrl.config.schema import RESUME_MODES
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+COMPLETE_MARKER = "COMPLETE"
+DRIVER_STATE_PT = "trainer_state.pt"
+DRIVER_STATE_JSON = "trainer_state.json"
+
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+# The temporary names this module creates; nothing else in a shared run folder is touched.
+_TMP_NAME = re.compile(rf"(?:global_step_\d+|{re.escape(LATEST_FILE)})\.tmp-(\d+)(?:-\w+)?")
+
+# What weights_only unpickling needs beyond torch's defaults to read NumPy arrays and scalars (the
+# legacy NumPy RNG state is an array); found through pickling itself, so NumPy 1.x and 2.x both work.
+_NUMPY_SAFE_GLOBALS = [
+    np.arange(1).__reduce__()[0],
+    np.float32(0).__reduce__()[0],
+    np.ndarray,
+    np.dtype,
+    *(getattr(np.dtypes, name) for name in np.dtypes.__all__),
+]
+
+_PLAIN_DATA = (
+    "Driver state must be plain data (dicts, lists, numbers, strings, tensors, NumPy arrays); "
+    "convert objects with their state_dict()."
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, or unreadable; the message names the folder."""
+
+
+def step_of(path: Path) -> int | None:
+    """N for a folder named ``global_step_N``; None for any other name (temporary folders included)."""
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: Path) -> bool:
+    """True when ``path`` is a ``global_step_N`` folder whose save finished (marker and driver state present)."""
+    path = Path(path)
+    return step_of(path) is not None and (path / COMPLETE_MARKER).is_file() and (path / DRIVER_STATE_PT).is_file()
+
+
+class CheckpointManager:
+    """Saves, rotates and finds the checkpoints under one root folder (``trainer.default_local_dir``).
+
+    Args:
+        root: the checkpoint root; created if missing.
+        keep_last: how many complete checkpoints to keep (``trainer.max_actor_ckpt_to_keep``); None or 0
+            keeps all (as verl). After each save the lowest steps go first; the checkpoint just written
+            is never deleted. Incomplete folders are neither counted nor deleted.
+
+    Starting a manager removes ``*.tmp-<pid>`` leftovers of killed saves (those of a live process other
+    than this one are left alone, with a warning: two trainers are writing the same root).
+    """
+
+    def __init__(self, root: Path, keep_last: int | None = None) -> None:
+        if keep_last is not None and keep_last < 0:
+            raise ValueError(f"keep_last (trainer.max_actor_ckpt_to_keep) must be None or >= 0, got {keep_last}")
+        self.root = Path(root).expanduser()
+        self.keep_last = keep_last or None
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temporaries()
+
+    # ---------------------------------------------------------------- saving
+
+    def save(self, step: int, driver_state: dict[str, Any], write_parts: Callable[[Path], None]) -> Path:
+        """Write checkpoint ``global_step_<step>`` atomically and return its path.
+
+        ``write_parts(tmp_dir)`` writes the workers' parts (``actor/``, ``critic/``, ...) into the
+        temporary folder; then the driver state, fsync of every file and folder, the ``COMPLETE`` marker,
+        the rename into place, the ``latest`` pointer (itself replaced atomically) and rotation follow.
+        An exception before the rename removes the temporary folder and leaves the previous checkpoint
+        and pointer untouched. Saving a step that already has a folder replaces it.
+
+        Raises:
+            CheckpointError: ``driver_state`` holds a type the resume could not load (named).
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        final = self.root / f"global_step_{step}"
+        tmp = self.root / f"{final.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            write_parts(tmp)
+            _save_state_file(driver_state, tmp / DRIVER_STATE_PT)
+            _write_text(tmp / DRIVER_STATE_JSON, json.dumps(_json_view(driver_state), indent=2) + "\n")
+            _fsync_tree(tmp)
+            marker = {"step": step, "completed_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            _write_text(tmp / COMPLETE_MARKER, json.dumps(marker) + "\n")
+            _fsync_dir(tmp)
+            self._move_into_place(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._write_latest(step)
+        self._rotate(keep=final)
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def _move_into_place(self, tmp: Path, final: Path) -> None:
+        # os.replace cannot overwrite a non-empty folder: an old folder of the same step (a run resumed
+        # from an earlier step, or an incomplete copy) moves aside under a temporary name first, so a
+        # crash between the two renames leaves only a temporary folder for the next start to remove.
+        aside = None
+        if final.exists():
+            aside = self.root / f"{final.name}.tmp-{os.getpid()}-replaced"
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        if aside is not None:
+            shutil.rmtree(aside)
+
+    def _write_latest(self, step: int) -> None:
+        pointer = self.root / LATEST_FILE
+        tmp = pointer.with_name(f"{LATEST_FILE}.tmp-{os.getpid()}")
+        _write_text(tmp, f"{step}\n")
+        os.replace(tmp, pointer)
+        _fsync_dir(self.root)
+
+    def _rotate(self, keep: Path) -> None:
+        if self.keep_last is None:
+            return
+        complete = sorted((p for p in self.checkpoints() if p != keep), key=step_of)
+        # The newest keep_last - 1 others survive, plus the one just written.
+        doomed = complete[: max(0, len(complete) - (self.keep_last - 1))]
+        for path in doomed:
+            # Renamed before deletion so an interrupted delete never leaves a folder that looks whole.
+            trash = self.root / f"{path.name}.tmp-{os.getpid()}-deleting"
+            os.replace(path, trash)
+            shutil.rmtree(trash)
+            logger.info("removed old checkpoint %s (keep_last=%d)", path, self.keep_last)
+
+    # ---------------------------------------------------------------- finding
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoint folders under the root, by step."""
+        return _complete_in(self.root)
+
+    def latest(self) -> Path | None:
+        """The checkpoint to resume from automatically, or None when there is none.
+
+        The ``latest`` pointer wins (after a resume from an earlier step it names the newest write, not
+        the highest step). Without a usable pointer (missing, unparsable, or naming a folder that is gone
+        or incomplete) the highest complete step is used, with a warning naming what was skipped.
+        """
+        return _latest_in(self.root)
+
+    def resolve(self, resume_mode: str, resume_from_path: str | Path | None = None) -> Path | None:
+        """The checkpoint a run starts from, with verl's ``trainer.resume_mode`` semantics.
+
+        ``auto``: :meth:`latest` (None: start from scratch). ``disable``: None. ``resume_path``:
+        ``resume_from_path``, which must be a complete ``global_step_N`` folder.
+
+        Raises:
+            ValueError: unknown mode, or ``resume_path`` without a path.
+            CheckpointError: the path is missing or not a complete checkpoint (the message names it).
+        """
+        if resume_mode == "disable":
+            return None
+        if resume_mode == "auto":
+            return self.latest()
+        if resume_mode != "resume_path":
+            raise ValueError(f"trainer.resume_mode={resume_mode!r} is not one of {', '.join(RESUME_MODES)}")
+        if not resume_from_path:
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
+        path = Path(resume_from_path).expanduser()
+        _require_complete(path)
+        return path
+
+    def load_driver_state(self, path: Path) -> dict[str, Any]:
+        """The driver state dict saved in checkpoint folder ``path`` (as given to :meth:`save`).
+
+        Raises:
+            CheckpointError: the folder is missing or incomplete, or its state file is unreadable.
+        """
+        path = Path(path)
+        _require_complete(path)
+        return _load_state_file(path / DRIVER_STATE_PT)
+
+    # ---------------------------------------------------------------- start-up
+
+    def _remove_stale_temporaries(self) -> None:
+        for path in self.root.iterdir():
+            match = _TMP_NAME.fullmatch(path.name)
+            if match is None:
+                continue
+            pid = int(match.group(1))
+            if pid != os.getpid() and _process_alive(pid):
+                logger.warning("leaving %s: process %d is alive and may be saving into this root", path, pid)
+                continue
+            logger.info("removing %s, left by an interrupted save", path)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _complete_in(root: Path) -> list[Path]:
+    return sorted((p for p in root.iterdir() if p.is_dir() and is_complete(p)), key=step_of)
+
+
+def _latest_in(root: Path) -> Path | None:
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        text = pointer.read_text().strip()
+        target = root / f"global_step_{text}"
+        if text.isdigit() and is_complete(target):
+            return target
+        logger.warning(
+            "%s names %r, which is not a complete checkpoint (%s); falling back to the highest complete step",
+            pointer, text, target,
+        )
+    complete = _complete_in(root)
+    return complete[-1] if complete else None
+
+
+def _require_complete(path: Path) -> None:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {path} does not exist" + (" (it is a file)" if path.exists() else ""))
+    if step_of(path) is None:
+        latest = _latest_in(path)
+        hint = f" It looks like a checkpoint root; did you mean {latest}?" if latest else ""
+        raise CheckpointError(f"{path} is not a checkpoint folder (expected a global_step_N folder).{hint}")
+    if not is_complete(path):
+        missing = [name for name in (COMPLETE_MARKER, DRIVER_STATE_PT) if not (path / name).is_file()]
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (missing {', '.join(missing)}): its save did not finish, it was "
+            "copied partially, or another tool wrote it. Resume from another global_step_N folder."
+        )
+
+
+def _save_state_file(state: dict[str, Any], path: Path) -> None:
+    """torch.save, then the resume's own load, so a state the resume could not read fails now."""
+    try:
+        torch.save(state, path)
+    except Exception as err:
+        raise CheckpointError(f"cannot save the driver state: {err}. {_PLAIN_DATA}") from err
+    _load_state_file(path)
+
+
+def _load_state_file(path: Path) -> dict[str, Any]:
+    try:
+        with torch.serialization.safe_globals(_NUMPY_SAFE_GLOBALS):
+            return torch.load(path, weights_only=True)
+    except Exception as err:
+        unsupported = re.search(r"GLOBAL (\S+)", str(err))
+        detail = f"it holds {unsupported.group(1)}" if unsupported else str(err).splitlines()[0]
+        raise CheckpointError(f"cannot load the driver state {path}: {detail}. {_PLAIN_DATA}") from err
+
+
+def _json_view(value: Any) -> Any:
+    """JSON-safe view of the state for people: tensors and long lists summarised, non-finite floats as null."""
+    if isinstance(value, dict):
+        return {str(k): _json_view(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if len(value) > 16:
+            return f"<{type(value).__name__} of {len(value)}>"
+        return [_json_view(v) for v in value]
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if math.prod(value.shape) == 1:
+            return _json_view(value.item())
+        return f"<{type(value).__name__} {list(value.shape)} {value.dtype}>"
+    if isinstance(value, np.generic):
+        return _json_view(value.item())
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return f"<{type(value).__name__}>"
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (the workers' files included), deepest first."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True

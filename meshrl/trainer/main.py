@@ -1,0 +1,105 @@
+"""Entry point: ``python -m meshrl.trainer.main [--config-name RECIPE] key=value ...`` (verl's syntax).
+
+``meshrl train RECIPE.yaml key=value ...`` (``meshrl.cli``) lands in ``run`` too. ``run`` builds every
+part from the config — model, data, reward, Ray worker groups, tracker, checkpoints — hands them to
+``RLTrainer.fit`` and shuts the workers down whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from meshrl.runtime import configure_environment
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``[--config-name NAME] [--config-path DIR] key=value ...`` → (recipe, overrides)."""
+    parser = argparse.ArgumentParser(prog="python -m meshrl.trainer.main",
+                                     description="Train a policy with RL; every verl key=value override works.")
+    parser.add_argument("--config-name", "--config", dest="config_name", default=None,
+                        help="recipe name in recipes/ or a YAML path")
+    parser.add_argument("--config-path", dest="config_path", default=None, help="folder to find --config-name in")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. algorithm.adv_estimator=grpo")
+    args = parser.parse_args(list(argv))
+    recipe = args.config_name
+    if recipe is not None and args.config_path is not None:
+        recipe = str(Path(args.config_path) / recipe)
+    return recipe, args.overrides
+
+
+def run(cfg) -> dict[str, float]:
+    """Train with a loaded, validated config; returns the final step's metrics."""
+    import ray
+    from transformers import AutoConfig, AutoTokenizer
+
+    from meshrl.config.validate import validate_against_model
+    from meshrl.data.dataset import RLDataset
+    from meshrl.data.embedded import resolve_data_files
+    from meshrl.models.resolve import resolve_model_path
+    from meshrl.rewards.dispatch import RewardSpec
+    from meshrl.rewards.pool import RewardPool
+    from meshrl.trainer.checkpoint import CheckpointManager
+    from meshrl.trainer.rl_trainer import RLTrainer, total_training_steps
+    from meshrl.trainer.tracking import Tracker
+    from meshrl.workers.actor_rollout_ref import ActorRolloutRefGroup
+    from meshrl.workers.cluster import start_ray
+    from meshrl.workers.critic import CriticGroup
+    from omegaconf import OmegaConf
+
+    model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    validate_against_model(cfg, AutoConfig.from_pretrained(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_dir)
+    data = cfg.data
+    dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts,
+                          truncation=data.truncation, prompt_key=data.prompt_key)
+    train_data = RLDataset(resolve_data_files(data.train_files), tokenizer, **dataset_kwargs)
+    val_data = RLDataset(resolve_data_files(data.val_files), tokenizer, **dataset_kwargs) if data.val_files else None
+    total_steps = total_training_steps(cfg, len(train_data))
+    OmegaConf.update(cfg, "actor_rollout_ref.actor.optim.total_training_steps", total_steps)
+    OmegaConf.update(cfg, "critic.optim.total_training_steps", total_steps)
+
+    run_dir = Path(cfg.trainer.default_local_dir)
+    start_ray(cfg)
+    policy = critic = None
+    reward = RewardPool(RewardSpec(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                                   dict(cfg.custom_reward_function.reward_kwargs)),
+                        num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s)
+    try:
+        policy = ActorRolloutRefGroup(cfg, model_dir)
+        if cfg.algorithm.adv_estimator == "gae":
+            critic = CriticGroup(cfg, resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else model_dir)
+        with Tracker(list(cfg.trainer.logger), run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                     OmegaConf.to_container(cfg), total_steps) as tracker:
+            trainer = RLTrainer(cfg, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
+                                val_data=val_data, reward=reward, tracker=tracker,
+                                checkpoints=CheckpointManager(run_dir, cfg.trainer.max_actor_ckpt_to_keep))
+            return trainer.fit()
+    finally:
+        reward.close()
+        for group in (policy, critic):
+            if group is not None:
+                group.shutdown()
+        ray.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_environment()
+    from meshrl.config import ConfigError, load_config
+    from meshrl.config.validate import validate_config
+
+    recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(overrides, recipe=recipe)
+        validate_config(cfg)
+    except ConfigError as exc:
+        print(f"meshrl: {exc}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

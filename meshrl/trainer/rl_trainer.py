@@ -1,0 +1,254 @@
+"""The RL loop. ``RLTrainer.train_step`` is the algorithm; everything else is bookkeeping.
+
+    for step in 1..T:
+        prompts       ← sampler                                   (data.train_batch_size prompts)
+        responses     ← policy.generate(prompts × n)             (+ one greedy response per prompt: ReMax)
+        scores        ← reward(responses)                        (rule-based, process pool)
+        ref_log_probs ← reference(responses)                     (only when a KL term is used)
+        old_log_probs ← policy(responses)
+        values        ← critic(responses)                        (PPO)
+        rewards       ← scores − β·KL                            (algorithm.use_kl_in_reward)
+        advantages    ← estimator(rewards, ...)                  (algorithm.adv_estimator)
+        critic.update(returns)                                   (PPO)
+        policy.update(advantages)   if step > critic_warmup      (ppo_epochs × mini-batches, token-budget micro-batches)
+        engine ← sync(policy weights)
+        validate every test_freq; checkpoint every save_freq
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from meshrl.algorithms import GlobalNorm, make_kl_controller
+from meshrl.data.dataset import RLDataset
+from meshrl.data.sampler import PromptSampler, validation_batches
+from meshrl.protocol import Batch
+from meshrl.rewards.pool import RewardPool
+from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
+from meshrl.trainer.checkpoint import CheckpointManager
+from meshrl.trainer.tracking import Timer, Tracker
+
+# Estimators that need each prompt's greedy response scored (the ReMax baseline).
+GREEDY_BASELINE_ESTIMATORS = ("remax",)
+
+
+@dataclass
+class StepPlan:
+    """What this run computes, derived once from the config."""
+
+    use_reference: bool
+    use_critic: bool
+    greedy_baseline: bool
+    total_steps: int
+
+
+class RLTrainer:
+    def __init__(self, cfg: DictConfig, *, policy, critic, tokenizer, train_data: RLDataset,
+                 val_data: RLDataset | None, reward: RewardPool, tracker: Tracker,
+                 checkpoints: CheckpointManager) -> None:
+        self.cfg = cfg
+        self.policy = policy  # ActorRolloutRefGroup: generate / log-probs / update / sync / save
+        self.critic = critic  # CriticGroup or None
+        self.tokenizer = tokenizer
+        self.train_data = train_data
+        self.val_data = val_data
+        self.reward = reward
+        self.tracker = tracker
+        self.checkpoints = checkpoints
+        algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+        self.sampler = PromptSampler(len(train_data), cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                     seed=cfg.data.seed)
+        self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, kl_coef=algo.kl_ctrl.kl_coef,
+                                          target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
+        self.plan = StepPlan(
+            use_reference=bool(algo.use_kl_in_reward or actor.use_kl_loss),
+            use_critic=critic is not None,
+            greedy_baseline=algo.adv_estimator in GREEDY_BASELINE_ESTIMATORS,
+            total_steps=total_training_steps(cfg, len(train_data)),
+        )
+        self.step = 0
+
+    # ------------------------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, float]:
+        """Train for ``total_steps`` (resuming if a checkpoint exists); returns the last step's metrics."""
+        self.resume()
+        trainer = self.cfg.trainer
+        last: dict[str, float] = {}
+        if self.val_data is not None and trainer.val_before_train and self.step == 0:
+            last = self.validate()
+            self.tracker.log(last, step=0)
+        while self.step < self.plan.total_steps:
+            self.step += 1
+            last = self.train_step()
+            if self.val_data is not None and trainer.test_freq > 0 and (
+                    self.step % trainer.test_freq == 0 or self.step == self.plan.total_steps):
+                last.update(self.validate())
+            self.tracker.log(last, step=self.step)
+            if trainer.save_freq > 0 and (self.step % trainer.save_freq == 0 or self.step == self.plan.total_steps):
+                self.save()
+        return last
+
+    def train_step(self) -> dict[str, float]:
+        cfg, plan = self.cfg, self.plan
+        timer, metrics = Timer(), {}
+        with timer("step"):
+            with timer("gen"):
+                prompts = self.next_prompts()
+                batch = self.policy.generate(prompts.repeat_interleave(cfg.actor_rollout_ref.rollout.n),
+                                             mode="train")
+            with timer("reward"):
+                metrics.update(self.score(batch, prefix="score"))
+            if plan.greedy_baseline:
+                with timer("gen_greedy"):
+                    greedy = self.policy.generate(prompts, mode="greedy")
+                    self.score(greedy, prefix="greedy_score")
+                    baseline = greedy["token_level_scores"].sum(-1)
+                batch.set("greedy_scores", baseline[batch["uid"]])
+            if plan.use_reference:
+                with timer("ref"):
+                    batch = self.policy.compute_log_probs(batch, model="ref")
+            with timer("old_log_prob"):
+                batch = self.policy.compute_log_probs(batch, model="actor")
+            if plan.use_critic:
+                with timer("values"):
+                    batch = self.critic.compute_values(batch)
+            with timer("adv"):
+                metrics.update(compute_token_rewards(batch, cfg.algorithm, self.kl_ctrl))
+                metrics.update(compute_advantages(batch, cfg.algorithm))
+            updates = self.mini_batches(batch)
+            if plan.use_critic:
+                with timer("update_critic"):
+                    metrics.update(self.critic.update(updates))
+            if self.step > cfg.trainer.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(self.policy.update(updates))
+                with timer("sync"):
+                    metrics.update(self.policy.sync_weights())
+        metrics.update(batch_metrics(batch, plan))
+        metrics.update(timer.metrics())
+        metrics["perf/tokens_per_s"] = float(batch["response_mask"].sum() + sum(map(len, batch["prompt_ids"]))) \
+            / max(timer.total("step"), 1e-9)
+        metrics["training/epoch"] = float(self.sampler.epoch)
+        return metrics
+
+    # ------------------------------------------------------------------------------- pieces
+    def next_prompts(self) -> Batch:
+        return prompts_batch(self.train_data, self.sampler.next_batch())
+
+    def score(self, batch: Batch, prefix: str) -> dict[str, float]:
+        """Decode responses, score them, and set ``token_level_scores``; returns reward metrics."""
+        texts = self.tokenizer.batch_decode(
+            [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])],
+            skip_special_tokens=True)
+        result = self.reward.score(list(batch["data_source"]), texts, list(batch["ground_truth"]),
+                                   list(batch["extra_info"]))
+        scores = torch.tensor(result.scores, dtype=torch.float32)
+        batch.set("token_level_scores", outcome_to_token_scores(scores, batch["response_mask"]))
+        out = {f"{prefix}/mean": float(scores.mean()), f"{prefix}/std": float(scores.std()) if len(scores) > 1 else 0.0,
+               f"{prefix}/accuracy": float((scores >= 1.0).float().mean())}
+        out.update({f"reward/{k}": float(v) for k, v in result.metrics.items()})
+        return out
+
+    def mini_batches(self, batch: Batch) -> list[tuple[Batch, GlobalNorm]]:
+        """``ppo_epochs`` × mini-batches of ``ppo_mini_batch_size × n`` responses, each with its global normaliser."""
+        actor, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
+        size = actor.ppo_mini_batch_size * n
+        rng = np.random.default_rng([self.cfg.trainer.seed, self.step])
+        max_len = self.cfg.data.max_response_length
+        updates = []
+        for _ in range(actor.ppo_epochs):
+            order = rng.permutation(len(batch)) if actor.shuffle else np.arange(len(batch))
+            for start in range(0, len(batch), size):
+                mini = batch.take(order[start:start + size])
+                updates.append((mini, GlobalNorm.from_mask(mini["response_mask"], max_len=max_len)))
+        return updates
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (``rollout.val_kwargs``) generation on the validation set; mean score per data source."""
+        scores, sources = [], []
+        limit = self.cfg.data.val_max_samples
+        count = len(self.val_data) if limit <= 0 else min(limit, len(self.val_data))
+        for indices in validation_batches(count, self.cfg.data.val_batch_size):
+            batch = self.policy.generate(prompts_batch(self.val_data, indices), mode="val")
+            self.score(batch, prefix="val_tmp")
+            scores.append(batch["token_level_scores"].sum(-1))
+            sources.extend(batch["data_source"])
+        all_scores = torch.cat(scores)
+        out = {"val/score": float(all_scores.mean()), "val/accuracy": float((all_scores >= 1).float().mean())}
+        for source in sorted(set(sources)):
+            picked = all_scores[torch.tensor([s == source for s in sources])]
+            out[f"val/{source}/score"] = float(picked.mean())
+        return out
+
+    # ------------------------------------------------------------------------------- checkpoints
+    def driver_state(self) -> dict[str, Any]:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                "config": OmegaConf.to_container(self.cfg)}
+
+    def save(self) -> Path:
+        parts = [self.policy] + ([self.critic] if self.critic is not None else [])
+        return self.checkpoints.save(self.step, self.driver_state(),
+                                     lambda folder: [p.save_checkpoint(folder) for p in parts])
+
+    def resume(self) -> None:
+        trainer = self.cfg.trainer
+        path = self.checkpoints.resolve(trainer.resume_mode, trainer.resume_from_path)
+        if path is None:
+            # A fresh run in a folder holding an older run's metrics must not append to them.
+            self.tracker.truncate_after(0)
+            return
+        state = self.checkpoints.load_driver_state(path)
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.policy.load_checkpoint(path)
+        if self.critic is not None:
+            self.critic.load_checkpoint(path)
+        self.tracker.truncate_after(self.step)
+
+
+def prompts_batch(dataset: RLDataset, indices) -> Batch:
+    """Prompts → a ``Batch``: ragged ``prompt_ids`` + reward metadata, and ``uid`` = position in the batch."""
+    prompts = dataset.get_batch(list(indices))
+    return Batch(
+        tensors={"uid": torch.arange(len(prompts.indices))},
+        non_tensors={"prompt_ids": prompts.prompt_ids, "data_source": prompts.data_sources,
+                     "ground_truth": prompts.ground_truths, "extra_info": prompts.extra_infos},
+    )
+
+
+def total_training_steps(cfg: DictConfig, num_prompts: int) -> int:
+    """``trainer.total_training_steps`` if set, else ``total_epochs`` × full batches per epoch."""
+    if cfg.trainer.total_training_steps is not None:
+        return int(cfg.trainer.total_training_steps)
+    return cfg.trainer.total_epochs * (num_prompts // cfg.data.train_batch_size)
+
+
+def batch_metrics(batch: Batch, plan: StepPlan) -> dict[str, float]:
+    """Response-length and log-prob diagnostics of a trained batch."""
+    mask = batch["response_mask"].bool()
+    lengths = mask.sum(-1).float()
+    width = mask.shape[-1]
+    out = {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+           "response_length/clip_ratio": float((lengths >= width).float().mean()),
+           "prompt_length/mean": float(np.mean([len(p) for p in batch["prompt_ids"]]))}
+    if plan.use_reference:
+        diff = (batch["old_log_probs"] - batch["ref_log_probs"])[mask]
+        out["actor/ref_kl_k1"] = float(diff.mean())
+        out["actor/ref_log_prob_max_abs_diff"] = float(diff.abs().max())
+    if "rollout_log_probs" in batch:
+        out["rollout/log_prob_max_abs_diff"] = float((batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
+    if plan.use_critic:
+        out["critic/values/mean"] = float(batch["values"][mask].mean())
+    return out

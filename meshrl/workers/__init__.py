@@ -1,0 +1,1 @@
+"""Per-rank workers (policy + reference + rollout engine; critic), their objectives, and Ray worker groups."""

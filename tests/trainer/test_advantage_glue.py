@@ -1,0 +1,75 @@
+"""Driver step 5: outcome scores placed on the last token, KL in reward, estimator dispatch by config."""
+
+import pytest
+import torch
+
+from meshrl.algorithms import make_kl_controller
+from meshrl.config import load_config
+from meshrl.protocol import Batch
+from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
+
+
+def rollout_batch():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    return Batch(tensors={
+        "response_mask": mask,
+        "token_level_scores": outcome_to_token_scores(scores, mask),
+        "uid": torch.tensor([0, 0, 1, 1]),
+        "old_log_probs": -torch.ones(4, 4),
+        "ref_log_probs": -torch.ones(4, 4),
+    })
+
+
+def test_scores_sit_on_last_valid_token():
+    batch = rollout_batch()
+    expected = torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0]], dtype=torch.float32)
+    assert torch.equal(batch["token_level_scores"], expected)
+    with pytest.raises(ValueError, match="no valid token"):
+        outcome_to_token_scores(torch.ones(1), torch.zeros(1, 3))
+
+
+def test_grpo_by_config():
+    batch = rollout_batch()
+    cfg = load_config(["algorithm.adv_estimator=grpo"])
+    compute_token_rewards(batch, cfg.algorithm, None)
+    compute_advantages(batch, cfg.algorithm)
+    adv = batch["advantages"]
+    # group 0: scores (1, 0): mean .5, std .7071 → ±0.7071; group 1 all equal → 0
+    assert adv[0, 0] == pytest.approx(0.5 / (2 ** 0.5 / 2 + 1e-6), rel=1e-5)
+    assert adv[1, 0] == pytest.approx(-adv[0, 0].item(), rel=1e-6)
+    assert torch.all(adv[2:] == 0) and torch.all(adv[0, 3] == 0)
+
+
+def test_remax_needs_greedy_scores_and_uses_them():
+    batch = rollout_batch()
+    cfg = load_config(["algorithm.adv_estimator=remax"])
+    compute_token_rewards(batch, cfg.algorithm, None)
+    with pytest.raises(ValueError, match="greedy_scores"):
+        compute_advantages(batch, cfg.algorithm)
+    batch.set("greedy_scores", torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    compute_advantages(batch, cfg.algorithm)
+    # response 0 equals the greedy score → 0 advantage on every token; response 1 scored 0 vs 1 → -1
+    assert torch.all(batch["advantages"][0] == 0)
+    assert batch["advantages"][1, :2].tolist() == [-1.0, -1.0]
+
+
+def test_kl_in_reward_with_identical_policies_changes_nothing():
+    batch = rollout_batch()
+    cfg = load_config(["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=True"])
+    ctrl = make_kl_controller("fixed", kl_coef=0.5)
+    metrics = compute_token_rewards(batch, cfg.algorithm, ctrl)
+    assert metrics["actor/reward_kl_penalty"] == 0.0
+    assert torch.equal(batch["token_level_rewards"], batch["token_level_scores"])
+    batch.set("old_log_probs", torch.zeros(4, 4))  # now KL(k1) = +1 per valid token
+    compute_token_rewards(batch, cfg.algorithm, ctrl)
+    diff = batch["token_level_scores"] - batch["token_level_rewards"]
+    assert torch.allclose(diff, 0.5 * batch["response_mask"])
+
+
+def test_unknown_estimator_suggests():
+    batch = rollout_batch()
+    cfg = load_config(["algorithm.adv_estimator=grppo"])
+    compute_token_rewards(batch, cfg.algorithm, None)
+    with pytest.raises(ValueError, match="grpo"):
+        compute_advantages(batch, cfg.algorithm)
