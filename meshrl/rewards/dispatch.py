@@ -1,0 +1,124 @@
+"""Reward function selection: built-in rule rewards by ``data_source``, or a custom function from a file.
+
+Built-in dispatch (the ``data_source`` names verl's preprocess scripts write, plus short aliases):
+
+- GSM8K: ``openai/gsm8k``, ``gsm8k`` -> :func:`meshrl.rewards.gsm8k.compute_score` (strict "####").
+- MATH: ``DigitalLearningGmbH/MATH-lighteval``, ``lighteval/MATH``, ``HuggingFaceH4/MATH-500``,
+  ``math``, ``math500`` -> :func:`meshrl.rewards.math.judge` (math-verify).
+
+A custom reward (``custom_reward_function.path`` / ``.name`` in the config, as in verl) is a Python
+file defining ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``
+returning a float, or a dict with a ``"score"`` key whose other entries are reported per sample.
+``reward_kwargs`` are passed as keyword arguments on every call.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshrl.rewards import gsm8k
+from meshrl.rewards import math as math_reward
+
+RewardOutput = float | dict[str, Any]
+RewardFn = Callable[..., RewardOutput]
+
+GSM8K_SOURCES = frozenset({"openai/gsm8k", "gsm8k"})
+MATH_SOURCES = frozenset(
+    {"DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500", "math", "math500"}
+)
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: Mapping[str, Any] | None = None
+) -> RewardOutput:
+    """Built-in rule reward chosen by ``data_source``.
+
+    GSM8K returns a float; MATH returns ``{"score", "math_verify_fallback"}`` so that fallbacks to
+    string comparison are counted.
+
+    Raises:
+        NotImplementedError: unknown ``data_source`` (the message says how to plug in a custom reward).
+    """
+    if data_source in GSM8K_SOURCES:
+        return gsm8k.compute_score(solution_str, ground_truth)
+    if data_source in MATH_SOURCES:
+        verdict = math_reward.judge(solution_str, ground_truth)
+        return {"score": verdict.score, "math_verify_fallback": verdict.math_verify_fallback}
+    known = ", ".join(sorted(GSM8K_SOURCES | MATH_SOURCES))
+    raise NotImplementedError(
+        f"No built-in reward for data_source={data_source!r} (built-in: {known}). Write a "
+        f"compute_score(data_source, solution_str, ground_truth, extra_info=None) function and point "
+        f"custom_reward_function.path (and .name) at it."
+    )
+
+
+def load_custom_reward_function(path: str | Path, name: str = "compute_score") -> RewardFn:
+    """Load function ``name`` from the Python file ``path`` and check that it takes verl's arguments.
+
+    Raises:
+        FileNotFoundError: no such file.
+        AttributeError: the file defines no callable ``name`` (the message lists those it does define).
+        TypeError: the function cannot be called as ``fn(data_source, solution_str, ground_truth, extra_info)``.
+    """
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"custom_reward_function.path={str(path)!r}: no such file ({file})")
+    # A distinct module name per file keeps two custom reward files from shadowing each other.
+    module_name = f"meshrl_custom_reward_{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, file)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"custom_reward_function.path={str(path)!r} is not a loadable Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        defined = sorted(
+            k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", None) == module_name
+        )
+        raise AttributeError(
+            f"custom_reward_function.name={name!r} is not a function in {file}; functions defined there: "
+            f"{defined or 'none'}"
+        )
+    try:
+        inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", None)
+    except TypeError as e:
+        raise TypeError(
+            f"{file}:{name} must accept (data_source, solution_str, ground_truth, extra_info=None): {e}"
+        ) from None
+    except ValueError:
+        pass  # builtins without an introspectable signature: trust them
+    return fn
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """Picklable description of the reward function, so that worker processes can rebuild it.
+
+    ``custom_path`` None selects :func:`default_compute_score`; ``reward_kwargs`` are passed to every call.
+    """
+
+    custom_path: str | None = None
+    custom_name: str = "compute_score"
+    reward_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def build(self) -> RewardFn:
+        """The callable ``fn(data_source, solution_str, ground_truth, extra_info)``."""
+        fn = default_compute_score
+        if self.custom_path:
+            fn = load_custom_reward_function(self.custom_path, self.custom_name)
+        return functools.partial(fn, **self.reward_kwargs) if self.reward_kwargs else fn
