@@ -101,8 +101,7 @@ class RLTrainer:
         with timer("step"):
             with timer("gen"):
                 prompts = self.next_prompts()
-                batch = self.policy.generate(prompts.repeat_interleave(cfg.actor_rollout_ref.rollout.n),
-                                             mode="train")
+                batch = self.policy.generate(prompts, mode="train")  # rollout.n rows per prompt
             with timer("reward"):
                 metrics.update(self.score(batch, prefix="score"))
             if plan.greedy_baseline:
@@ -153,7 +152,7 @@ class RLTrainer:
         batch.set("token_level_scores", outcome_to_token_scores(scores, batch["response_mask"]))
         out = {f"{prefix}/mean": float(scores.mean()), f"{prefix}/std": float(scores.std()) if len(scores) > 1 else 0.0,
                f"{prefix}/accuracy": float((scores >= 1.0).float().mean())}
-        out.update({f"reward/{k}": float(v) for k, v in result.metrics.items()})
+        out.update({k: float(v) for k, v in result.metrics.items()})  # already named reward/...
         return out
 
     def mini_batches(self, batch: Batch) -> list[tuple[Batch, GlobalNorm]]:
@@ -196,7 +195,7 @@ class RLTrainer:
     def save(self) -> Path:
         parts = [self.policy] + ([self.critic] if self.critic is not None else [])
         return self.checkpoints.save(self.step, self.driver_state(),
-                                     lambda folder: [p.save_checkpoint(folder) for p in parts])
+                                     lambda folder: [p.save_checkpoint(folder, self.step) for p in parts])
 
     def resume(self) -> None:
         trainer = self.cfg.trainer

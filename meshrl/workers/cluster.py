@@ -1,7 +1,7 @@
 """Start (or join) the Ray cluster the worker groups run on.
 
 On one machine: loopback only, no dashboard, temp files in the project cache, a small object store,
-and logical CPUs = one per training process plus room for the driver. With ``RAY_ADDRESS`` set (a
+and logical CPUs = one per worker process plus room for the driver. With ``RAY_ADDRESS`` set (a
 cluster started by ``launch/``), join it instead.
 """
 
@@ -12,6 +12,7 @@ import os
 from omegaconf import DictConfig
 
 from meshrl.config.validate import world_size
+from meshrl.workers.dispatch import groups_per_rank
 from meshrl.runtime import configure_environment
 
 
@@ -25,7 +26,7 @@ def start_ray(cfg: DictConfig) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return
     ray.init(
-        num_cpus=world_size(cfg) + 2,
+        num_cpus=world_size(cfg) * groups_per_rank(cfg) + 2,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         _temp_dir=os.environ["RAY_TMPDIR"],

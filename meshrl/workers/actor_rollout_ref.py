@@ -1,0 +1,252 @@
+"""The policy worker: one process per device holding the policy's Megatron shard and optimizer, the
+reference model's shard (only when a KL term is used), and a colocated rollout engine.
+
+Per step the driver calls, in order: ``generate`` (engine), ``compute_log_probs`` (reference and
+policy, forward-only, token-budget micro-batches), ``update`` (``ppo_epochs`` × mini-batches, one
+optimizer step each), ``sync_weights`` (Megatron shard → engine, in place, through the resharding
+layer). ``ActorRolloutRefGroup`` is the driver-side handle that dispatches those calls.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshrl.protocol import Batch
+from meshrl.workers.dispatch import DispatchGroup
+from meshrl.workers.objectives import ActorObjective, sum_metrics
+from meshrl.workers.rank import RankWorker
+from meshrl.workers.sequences import gather_response_outputs, response_part, split_micro_batches
+
+
+def optimizer_config(optim, grad_clip: float, distributed: bool):
+    """``actor.optim`` (verl keys) → ``meshrl.parallel.optimizer.OptimizerConfig``."""
+    from meshrl.parallel.optimizer import OptimizerConfig
+
+    total = max(int(optim.total_training_steps), 1)
+    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total)
+    schedule = optim.lr_scheduler_type or optim.warmup_style
+    return OptimizerConfig(
+        lr=optim.lr, min_lr=optim.lr * optim.min_lr_ratio, weight_decay=optim.weight_decay,
+        betas=tuple(optim.betas), eps=optim.eps, clip_grad=grad_clip, warmup_steps=warmup,
+        schedule=schedule, decay_steps=max(total, warmup + 1) if schedule != "constant" else None,
+        use_distributed_optimizer=distributed,
+    )
+
+
+def log_prob_budget(cfg, section) -> int:
+    """Token budget of forward-only passes: ``<section>.log_prob_max_token_len_per_gpu`` or the actor's."""
+    return section.log_prob_max_token_len_per_gpu or cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+
+
+class ActorRolloutRefWorker(RankWorker):
+    # ---------------------------------------------------------------------------------- set-up
+    def setup(self, address: tuple[str, int]) -> dict[str, Any]:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from meshrl.parallel.hf_conversion import load_hf_weights
+        from meshrl.parallel.model_builder import build_model
+        from meshrl.parallel.optimizer import build_optimizer
+        from meshrl.rollout.base import EngineConfig, SamplingConfig, create_engine
+
+        actor_cfg = self._cfg_section("actor_rollout_ref.actor")
+        threads = int(os.environ.get("MESHRL_THREADS", "1"))
+        layout = self._init_distributed(address, actor_cfg.megatron, threads)
+        cfg = self.cfg
+        arr, actor = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        distributed_opt = actor.megatron.use_distributed_optimizer
+        self.policy = build_model(self.hf_config, use_distributed_optimizer=distributed_opt)
+        load_hf_weights(self.policy, self.model_dir, self.hf_config)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.policy, optimizer_config(actor.optim, actor.grad_clip, distributed_opt))
+        self.ref = None
+        if cfg.algorithm.use_kl_in_reward or actor.use_kl_loss:
+            self.ref = build_model(self.hf_config)
+            load_hf_weights(self.ref, self.model_dir, self.hf_config)
+        self.objective = ActorObjective.from_config(actor)
+        rollout = arr.rollout
+        self.response_length = rollout.response_length or cfg.data.max_response_length
+        engine_cfg = EngineConfig.from_rollout(
+            rollout, max_model_len=(rollout.prompt_length or cfg.data.max_prompt_length) + self.response_length,
+            generation_threads=threads)
+        self.replica = self.rank // rollout.tensor_model_parallel_size
+        self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)
+        self.bucket_bytes = engine_cfg.bucket_bytes
+        train = SamplingConfig.from_rollout(rollout, max_response_length=self.response_length)
+        self.sampling = {"train": train, "greedy": train.as_greedy(),
+                         "val": SamplingConfig.from_rollout(rollout, max_response_length=self.response_length,
+                                                            validation=True)}
+        # The engine sleeps between rollouts (releases its GPU memory; a no-op on CPU).
+        self.engine.sleep()
+        return {**self.layout_dict(), "replica": self.replica,
+                "replica_leader": self.rank % rollout.tensor_model_parallel_size == 0,
+                "num_replicas": self.world_size // rollout.tensor_model_parallel_size}
+
+    def _cfg_section(self, dotted: str):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.select(OmegaConf.create(self.cfg_dict), dotted)
+
+    # ---------------------------------------------------------------------------------- rollout
+    def generate(self, prompts: Batch, mode: str) -> Batch | None:
+        """``rollout.n`` responses per prompt (``mode``: train | greedy | val); rows prompt-major."""
+        from meshrl.rollout.weight_sync import colocated_rollout
+
+        sampling = self.sampling[mode]
+        with colocated_rollout(self.engine):
+            completions = self.engine.generate([list(p) for p in prompts["prompt_ids"]], sampling)
+        n, width = sampling.n, self.response_length
+        out = prompts.repeat_interleave(n) if n > 1 else prompts.take(np.arange(len(prompts)))
+        responses = torch.full((len(out), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(out), width), dtype=torch.float32)
+        log_probs = torch.zeros((len(out), width), dtype=torch.float32)
+        for c in completions:
+            row, length = c.prompt_index * n + c.sample_index, len(c.token_ids)
+            responses[row, :length] = torch.as_tensor(c.token_ids)
+            mask[row, :length] = 1.0
+            log_probs[row, :length] = torch.as_tensor(c.logprobs)
+        out.set("responses", responses)
+        out.set("response_mask", mask)
+        out.set("rollout_log_probs", log_probs)
+        out.set("finish_reason", [c.finish_reason for c in completions])
+        return out if self.rank % self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 0 else None
+
+    # ---------------------------------------------------------------------------------- log-probs
+    def compute_log_probs(self, shard: Batch, model: str) -> Batch | None:
+        """Per-token log-probs of the responses under the policy (``old_log_probs``) or the reference
+        (``ref_log_probs``); forward-only, token-budget micro-batches of ``log_prob_max_token_len_per_gpu``."""
+        from meshrl.parallel import state
+        from meshrl.parallel.forward import OutputRequest
+        from meshrl.parallel.schedule import forward_only
+
+        arr = self.cfg.actor_rollout_ref
+        chunks, budget, field = {
+            "actor": (self.policy, log_prob_budget(self.cfg, arr.rollout), "old_log_probs"),
+            "ref": (self.ref, log_prob_budget(self.cfg, arr.ref), "ref_log_probs"),
+        }[model]
+        if chunks is None:
+            raise RuntimeError("compute_log_probs(model='ref') without a reference model: "
+                               "enable algorithm.use_kl_in_reward or actor.use_kl_loss")
+        plan, rows, micros = split_micro_batches(shard, budget, state.dp_group(), self.pad_id,
+                                                 min_micro=self._min_micro())
+        outputs = forward_only(chunks, micros, OutputRequest(log_probs=True))
+        parts = [response_part(o["log_probs"], m) for o, m in zip(outputs, micros)]
+        result = Batch(tensors={field: gather_response_outputs(parts, plan, rows, self.response_length)})
+        return result if self.layout.collect else None
+
+    def _min_micro(self) -> int:
+        """The pipeline schedules need at least one micro-batch per stage to fill the pipeline."""
+        megatron = self.cfg.actor_rollout_ref.actor.megatron
+        return megatron.pipeline_model_parallel_size
+
+    # ---------------------------------------------------------------------------------- update
+    def update(self, updates: list[tuple[Batch, Any]]) -> dict[str, float]:
+        """One optimizer step per (mini-batch shard, its global normaliser); metrics averaged over steps."""
+        import torch.distributed as dist
+
+        from meshrl.parallel import state
+        from meshrl.parallel.forward import OutputRequest
+        from meshrl.parallel.optimizer import train_step
+
+        actor = self.cfg.actor_rollout_ref.actor
+        fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if actor.use_kl_loss else ())
+        request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy)
+        per_step = []
+        for shard, norm in updates:
+            plan, _, micros = split_micro_batches(shard, actor.ppo_max_token_len_per_gpu, state.dp_group(),
+                                                  self.pad_id, response_fields=fields, min_micro=self._min_micro())
+
+            def loss_fn(outputs, micro, norm=norm):
+                entropy = response_part(outputs["entropy"], micro) if request.entropy else None
+                loss, metrics = self.objective(response_part(outputs["log_probs"], micro), entropy, micro, norm)
+                if not torch.isfinite(loss):
+                    # Raised before backward: the optimizer never sees the NaN and the weights stay intact.
+                    raise FloatingPointError(f"actor loss is {loss.item()} on rank {self.rank} "
+                                             f"(metrics: { {k: float(v) for k, v in metrics.items()} }); check "
+                                             "the rewards and advantages, or lower actor_rollout_ref.actor.optim.lr")
+                return loss, metrics
+
+            result = train_step(self.policy, self.optimizer, self.scheduler, micros, loss_fn, request)
+            shares = sum_metrics(result["metrics"])
+            # Metric shares of this DP rank's micro-batches add up to the mini-batch value over ranks.
+            values = torch.tensor(list(shares.values()), dtype=torch.float64)
+            dist.all_reduce(values, group=state.dp_group())
+            metrics = dict(zip(shares, values.tolist()))
+            metrics.update({"actor/loss": result["loss"], "actor/lr": result["lr"],
+                            "actor/grad_norm": result["grad_norm"] if result["grad_norm"] is not None else float("nan")})
+            metrics.update(plan.metrics())
+            per_step.append(metrics)
+        return {key: float(np.mean([m[key] for m in per_step])) for key in per_step[0]}
+
+    # ---------------------------------------------------------------------------------- weights
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the policy's weights into the engine (resharding layer); every MP rank takes part."""
+        from meshrl.parallel.hf_conversion import iter_hf_weights
+
+        stats = self.engine.load_weights(iter_hf_weights(self.policy, self.hf_config), bucket_bytes=self.bucket_bytes)
+        return {"sync/seconds": stats.seconds, "sync/gigabytes": stats.bytes / 1e9, "sync/buckets": float(stats.buckets)}
+
+    def save_checkpoint(self, folder: str, step: int) -> None:
+        from meshrl.parallel.checkpoint import save_checkpoint
+
+        save_checkpoint(Path(folder) / "actor", step, self.policy, self.optimizer, self.scheduler,
+                        extra={"engine": self.engine.state_dict()})
+
+    def load_checkpoint(self, folder: str) -> None:
+        from meshrl.parallel.checkpoint import load_checkpoint
+
+        loaded = load_checkpoint(Path(folder) / "actor", self.policy, self.optimizer, self.scheduler)
+        self.engine.load_state_dict(loaded["extra"]["engine"])
+        self.sync_weights()  # the engine must serve the resumed policy, not the initial one
+
+    def export_hf(self, out_dir: str) -> None:
+        from meshrl.parallel.hf_conversion import save_hf_checkpoint
+
+        save_hf_checkpoint(self.policy, self.hf_config, out_dir, tokenizer_dir=self.model_dir)
+
+    def shutdown_engine(self) -> None:
+        self.engine.shutdown()
+
+
+class ActorRolloutRefGroup(DispatchGroup):
+    """Driver-side handle: the calls of ``RLTrainer.train_step`` on the policy workers."""
+
+    def __init__(self, cfg, model_dir) -> None:
+        super().__init__(ActorRolloutRefWorker, cfg, model_dir, name="actor_rollout_ref")
+
+    def generate(self, prompts: Batch, mode: str) -> Batch:
+        return self.dispatch("generate", prompts, by="replica", mode=mode)
+
+    def compute_log_probs(self, batch: Batch, model: str) -> Batch:
+        needed = batch.select(["prompt_ids", "responses", "response_mask"])
+        return batch.union(self.dispatch("compute_log_probs", needed, model=model))
+
+    def update(self, updates: list[tuple[Batch, Any]]) -> dict[str, float]:
+        fields = ["prompt_ids", "responses", "response_mask", "old_log_probs", "advantages"]
+        if self.cfg.actor_rollout_ref.actor.use_kl_loss:
+            fields.append("ref_log_probs")
+        per_dp: list[list[tuple[Batch, Any]]] = [[] for _ in range(self.dp_size)]
+        for mini, norm in updates:
+            mini = mini.select(fields)
+            for dp_rank, rows in enumerate(self.split(mini, self.dp_size, balance=True)):
+                per_dp[dp_rank].append((mini.take(rows), norm))
+        return self.group.call_per_rank("update", self.per_dp_rank(per_dp))[0]
+
+    def sync_weights(self) -> dict[str, float]:
+        return self.group.call("sync_weights")[0]
+
+    def save_checkpoint(self, folder: Path, step: int) -> None:
+        self.group.call("save_checkpoint", str(folder), step)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self.group.call("load_checkpoint", str(folder))
+
+    def export_hf(self, out_dir: Path) -> None:
+        self.group.call("export_hf", str(out_dir))

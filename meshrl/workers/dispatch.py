@@ -1,0 +1,94 @@
+"""Driver-side handle of a group of rank workers: start them, split batches across them, collect results.
+
+Data-parallel dispatch (``by="dp"``): the batch is split into ``dp_size`` shards — balanced by token
+workload with equal sizes when ``trainer.balance_batch`` — every rank gets its replica's shard (the
+TP/PP ranks of one replica share one object-store copy), and the results of the collecting rank of
+each replica are concatenated and put back into the batch's original row order.
+Rollout dispatch (``by="replica"``): the same over inference replicas (``rollout.tensor_model_parallel_size``
+consecutive ranks form one).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from meshrl.config.validate import world_size
+from meshrl.data.dynamic_batching import balance_batch
+from meshrl.protocol import Batch
+from meshrl.workers.group import WorkerGroup
+from meshrl.workers.sequences import sequence_lengths
+
+
+def groups_per_rank(cfg: DictConfig) -> int:
+    """Worker processes per training rank: the policy's, plus the critic's for PPO (``gae``)."""
+    return 2 if cfg.algorithm.adv_estimator == "gae" else 1
+
+
+def use_cuda(cfg: DictConfig) -> bool:
+    if cfg.trainer.device == "cpu":
+        return False
+    available = torch.cuda.is_available() or bool(ray.cluster_resources().get("GPU"))
+    if cfg.trainer.device == "cuda" and not available:
+        raise RuntimeError("trainer.device=cuda but no GPU is visible; use trainer.device=cpu or auto")
+    return available
+
+
+class DispatchGroup:
+    def __init__(self, worker_cls: type, cfg: DictConfig, model_dir, *, name: str) -> None:
+        self.cfg = cfg
+        world = world_size(cfg)
+        cuda = use_cuda(cfg)
+        # On CPU the machine's cores are shared out between the ranks (Ray would pin each to 1 thread).
+        threads = max(1, (os.cpu_count() or 1) // world) if not cuda else 4
+        # PPO's critic group shares each device with the policy group (colocated, half a GPU each).
+        groups_per_device = groups_per_rank(cfg)
+        self.group = WorkerGroup(
+            worker_cls, world, name=name, num_cpus_per_worker=1,
+            num_gpus_per_worker=1 / groups_per_device if cuda else 0,
+            timeout_s=cfg.trainer.worker_timeout_s,
+            env_vars={"OMP_NUM_THREADS": str(threads), "MESHRL_THREADS": str(threads),
+                      **{k: v for k, v in os.environ.items() if k.startswith(("MESHRL_", "VLLM_", "TORCHDYNAMO"))}},
+            init_kwargs={"cfg": OmegaConf.to_container(cfg, resolve=True), "model_dir": str(model_dir)},
+        )
+        try:
+            address = ray.get(self.group.workers[0].address.remote(), timeout=cfg.trainer.worker_timeout_s)
+            self.layouts: list[dict[str, Any]] = self.group.call("setup", address)
+        except BaseException:
+            self.group.shutdown()
+            raise
+        self.dp_size = self.layouts[0]["dp_size"]
+        self.num_replicas = self.layouts[0].get("num_replicas", self.dp_size)
+
+    def dispatch(self, method: str, batch: Batch, *, by: str = "dp", **kwargs: Any) -> Batch:
+        """Run ``method(shard, **kwargs)`` on every rank; the collected shards as one batch in row order."""
+        parts = self.split(batch, self.num_replicas if by == "replica" else self.dp_size, balance=by == "dp")
+        refs = [ray.put(batch.take(p)) for p in parts]
+        coord, collect = ("replica", "replica_leader") if by == "replica" else ("dp_rank", "collect")
+        results = self.group.call_per_rank(method, [(refs[lay[coord]],) for lay in self.layouts], **kwargs)
+        collected = sorted((lay[coord], out) for lay, out in zip(self.layouts, results) if lay[collect])
+        merged = Batch.concat([out for _, out in collected])
+        order = np.concatenate(parts)
+        rows_per_input = len(merged) // len(batch)  # generation returns n rows per prompt
+        expanded = (order[:, None] * rows_per_input + np.arange(rows_per_input)).reshape(-1)
+        return merged.reorder(np.argsort(expanded))
+
+    def split(self, batch: Batch, pieces: int, balance: bool) -> list[np.ndarray]:
+        """Row indices of each shard: workload-balanced equal-size parts, or consecutive chunks."""
+        if len(batch) < pieces:
+            raise ValueError(f"{len(batch)} rows cannot be split over {pieces} ranks; raise data.train_batch_size")
+        if balance and self.cfg.trainer.balance_batch and "response_mask" in batch and pieces > 1:
+            return [np.asarray(p, dtype=np.int64) for p in balance_batch(sequence_lengths(batch), pieces)]
+        return np.array_split(np.arange(len(batch)), pieces)
+
+    def per_dp_rank(self, shards_by_dp: list[Any]) -> list[tuple]:
+        """Argument tuples for ``call_per_rank``: each rank gets its replica's entry."""
+        return [(shards_by_dp[lay["dp_rank"]],) for lay in self.layouts]
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

@@ -1,0 +1,86 @@
+"""What every training rank (a Ray actor) does the same way: join the process group, set up the
+Megatron parallel state, and report where it sits in the layout so the driver can dispatch data.
+
+Two-phase start: the constructor only stores arguments (Ray builds actors concurrently); rank 0's
+``address()`` names the rendezvous; ``setup(address)`` then forms the ``torch.distributed`` group
+(gloo on CPU, NCCL on GPU, with ``trainer.worker_timeout_s`` as the collective timeout, so a dead
+peer fails a step in bounded time) and builds the rank's models.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from meshrl.runtime import configure_environment
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where a rank sits: training data-parallel coordinates, and whether its outputs are collected."""
+
+    rank: int
+    dp_rank: int
+    dp_size: int
+    collect: bool  # TP rank 0 of the last pipeline stage: its results represent the replica
+
+
+class RankWorker:
+    def __init__(self, rank: int, world_size: int, cfg: dict, model_dir: str) -> None:
+        configure_environment()
+        self.rank = rank
+        self.world_size = world_size
+        self.cfg_dict = cfg
+        self.model_dir = model_dir
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port, for the rendezvous (called on rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        host = "127.0.0.1" if self.world_size == 1 or _single_node() else socket.gethostbyname(socket.gethostname())
+        return host, port
+
+    def _init_distributed(self, address: tuple[str, int], megatron_cfg, threads: int) -> RankLayout:
+        import torch
+        import torch.distributed as dist
+        from omegaconf import OmegaConf
+
+        from meshrl.parallel import state
+
+        self.cfg = OmegaConf.create(self.cfg_dict)
+        torch.set_num_threads(threads)
+        cuda = torch.cuda.is_available() and self.cfg.trainer.device != "cpu"
+        if cuda:
+            torch.cuda.set_device(0)  # Ray exposes one GPU per worker as device 0
+        os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        timeout = timedelta(seconds=self.cfg.trainer.worker_timeout_s)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
+        parallel = state.ParallelConfig(
+            tensor_parallel=megatron_cfg.tensor_model_parallel_size,
+            pipeline_parallel=megatron_cfg.pipeline_model_parallel_size,
+            virtual_pipeline=megatron_cfg.virtual_pipeline_model_parallel_size,
+            context_parallel=megatron_cfg.context_parallel_size,
+            timeout_s=self.cfg.trainer.worker_timeout_s,
+            seed=megatron_cfg.seed,
+        )
+        state.initialize(parallel)
+        from megatron.core import parallel_state
+
+        self.layout = RankLayout(
+            rank=self.rank, dp_rank=state.dp_rank(), dp_size=state.dp_size(),
+            collect=parallel_state.get_tensor_model_parallel_rank() == 0 and state.is_pipeline_last_stage(),
+        )
+        return self.layout
+
+    def layout_dict(self) -> dict[str, Any]:
+        return asdict(self.layout)
+
+
+def _single_node() -> bool:
+    return not os.environ.get("RAY_ADDRESS")

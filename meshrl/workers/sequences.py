@@ -1,0 +1,95 @@
+"""Between the RL batch layout and the parallel layer's micro-batches.
+
+RL layout (a ``Batch``): ragged ``prompt_ids`` (object array of token lists), ``responses`` (B, R) and
+``response_mask`` (B, R), right-padded, R = ``data.max_response_length``; per-token quantities
+(log-probs, advantages, ...) are (B, R) aligned with ``responses``.
+
+Micro-batch layout (``meshrl.parallel.schedule``): ``input_ids`` / ``attention_mask`` (b, P + R_mb) with
+prompts left-padded to the micro-batch's longest prompt P and responses trimmed to its longest
+response R_mb, so every response starts at column P. The parallel layer's output ``out[:, t]``
+concerns token t, hence the response part of any output is ``out[:, P:P + R_mb]``.
+
+Micro-batches are formed by token budget (``meshrl.data.dynamic_batching.plan_micro_batches``): the
+same count on every data-parallel rank, Karmarkar–Karp balanced, a strict cap per micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshrl.data.dynamic_batching import MicroBatchPlan, plan_micro_batches
+from meshrl.protocol import Batch
+
+RESPONSE_START = "response_start"
+
+
+def sequence_lengths(batch: Batch) -> np.ndarray:
+    """Tokens per sample: prompt + valid response tokens."""
+    prompt = np.fromiter((len(p) for p in batch["prompt_ids"]), dtype=np.int64, count=len(batch))
+    return prompt + batch["response_mask"].sum(-1).long().numpy()
+
+
+def build_micro_batch(batch: Batch, pad_id: int, response_fields: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One micro-batch dict from ``batch`` (see the module docstring); ``response_fields`` are trimmed to R_mb."""
+    prompts = list(batch["prompt_ids"])
+    mask = batch["response_mask"]
+    width = max(int(mask.sum(-1).max()), 1)
+    start = max(len(p) for p in prompts)
+    b = len(prompts)
+    input_ids = torch.full((b, start + width), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, start + width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, start - len(p):start] = torch.as_tensor(p, dtype=torch.long)
+        attention[i, start - len(p):start] = 1
+    input_ids[:, start:] = torch.where(mask[:, :width].bool(), batch["responses"][:, :width], pad_id)
+    attention[:, start:] = mask[:, :width].long()
+    micro = {"input_ids": input_ids, "attention_mask": attention, RESPONSE_START: start}
+    for name in ("response_mask", *response_fields):
+        micro[name] = batch[name][:, :width]
+    return micro
+
+
+def response_part(output: torch.Tensor, micro: dict[str, Any]) -> torch.Tensor:
+    """The (b, R_mb) response columns of a (b, P + R_mb) parallel-layer output."""
+    return output[:, micro[RESPONSE_START]:]
+
+
+def split_micro_batches(batch: Batch, max_token_len: int, group: Any, pad_id: int,
+                        response_fields: tuple[str, ...] = (), min_micro: int = 1,
+                        multiple_of: int = 1) -> tuple[MicroBatchPlan, list[Batch], list[dict[str, Any]]]:
+    """Token-budget micro-batches of ``batch``: (plan, rows of each, micro-batch dicts).
+
+    Every data-parallel rank gets the same number of micro-batches; a rank with fewer sequences than
+    micro-batches runs its surplus ones on a placeholder row whose response mask is all zero, which
+    adds nothing to any loss or gradient.
+    """
+    plan_ = plan_micro_batches(sequence_lengths(batch), max_token_len, group=group,
+                               min_num_micro_batches=min_micro, num_micro_batches_multiple_of=multiple_of)
+    rows, micros = [], []
+    for indices in plan_.micro_batches:
+        part = batch.take(indices)
+        if not indices:
+            placeholder = batch.take([0])
+            placeholder.set("response_mask", torch.zeros_like(placeholder["response_mask"]))
+            micros.append(build_micro_batch(placeholder, pad_id, response_fields))
+        else:
+            micros.append(build_micro_batch(part, pad_id, response_fields))
+        rows.append(part)
+    return plan_, rows, micros
+
+
+def gather_response_outputs(outputs: list[torch.Tensor], plan_: MicroBatchPlan, micro_rows: list[Batch],
+                            width: int) -> torch.Tensor:
+    """Per-micro-batch (b, R_mb) outputs → one (B, R) tensor in the batch's original row order."""
+    rows = []
+    for out, rows_batch in zip(outputs, micro_rows):
+        if len(rows_batch) == 0:
+            continue
+        padded = torch.zeros((len(rows_batch), width), dtype=torch.float32)
+        padded[:, :out.shape[1]] = out.float() * rows_batch["response_mask"][:, :out.shape[1]]
+        rows.append(padded)
+    stacked = torch.cat(rows)
+    return stacked[torch.from_numpy(plan_.inverse_permutation)]
