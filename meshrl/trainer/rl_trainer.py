@@ -107,7 +107,7 @@ class RLTrainer:
             if plan.greedy_baseline:
                 with timer("gen_greedy"):
                     greedy = self.policy.generate(prompts, mode="greedy")
-                    self.score(greedy, prefix="greedy_score")
+                    metrics.update(self.score(greedy, prefix="greedy_score"))
                     baseline = greedy["token_level_scores"].sum(-1)
                 batch.set("greedy_scores", baseline[batch["uid"]])
             if plan.use_reference:

