@@ -1,0 +1,67 @@
+"""Resume restores everything (weights, optimizer, LR schedule, data position, RNG, engine seeds, KL
+controller): N steps straight == N/2 + resume + N/2, metric for metric. A killed worker fails the run
+fast with a message naming it, and the last checkpoint stays complete and loadable."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from meshrl.trainer.checkpoint import CheckpointManager
+from meshrl.workers.group import WorkerError
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+COMMON = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True",
+          "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive", "trainer.save_freq=2",
+          "trainer.test_freq=2", "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
+# Everything a resumed run must reproduce (timings are the only metrics allowed to differ).
+COMPARED = ("score/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/lr", "actor/ref_kl_k1",
+            "actor/reward_kl_coef", "response_length/mean", "critic/advantages/mean", "val/score", "training/epoch")
+
+
+def test_resume_continues_exactly(train, tmp_path):
+    _, straight = train(*COMMON, "trainer.total_training_steps=4", run_dir=tmp_path / "straight")
+    train(*COMMON, "trainer.total_training_steps=2", run_dir=tmp_path / "resumed")
+    _, resumed = train(*COMMON, "trainer.total_training_steps=4", run_dir=tmp_path / "resumed")
+    assert sorted(resumed) == [0, 1, 2, 3, 4]  # no duplicated or missing step after the resume
+    for step in (3, 4):
+        for key in COMPARED:
+            if key in straight[step]:  # val/* only on test_freq steps
+                assert resumed[step][key] == straight[step][key], (step, key)
+    assert "val/score" in resumed[4]
+    assert straight[3]["actor/grad_norm"] > 0
+
+
+def _kill_worker_when(path, stop):
+    while not stop.is_set():
+        if path.exists():
+            pids = subprocess.run(["pgrep", "-f", "ray::ActorRolloutRefWorker"], capture_output=True,
+                                  text=True).stdout.split()
+            for pid in pids:
+                os.kill(int(pid), signal.SIGKILL)
+            if pids:
+                return
+        time.sleep(0.2)
+
+
+def test_killed_worker_fails_fast_and_keeps_last_checkpoint(train, tmp_path):
+    run_dir = tmp_path / "killed"
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_worker_when, args=(run_dir / "global_step_2" / "COMPLETE", stop))
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match=r"actor_rollout_ref rank 0 died"):
+            train(*COMMON, "trainer.total_training_steps=6", run_dir=run_dir)
+    finally:
+        stop.set()
+        killer.join()
+    assert time.monotonic() - start < 300
+    manager = CheckpointManager(run_dir)
+    latest = manager.resolve("auto")
+    assert latest is not None and latest.name == "global_step_2"
+    assert manager.load_driver_state(latest)["step"] == 2
