@@ -2,6 +2,7 @@
 
     meshrl train RECIPE.yaml [key=value ...]     train (same as python -m meshrl.trainer.main)
     meshrl plot RUN_DIR [--out FILE]             draw a run's metrics.jsonl to a PNG
+    meshrl plan RECIPE.yaml [key=value ...]      per-GPU memory and FLOPs of a recipe; refuses what cannot fit
     meshrl convert hf-to-mcore|mcore-to-hf ...   checkpoint conversion (see --help)
     meshrl preprocess gsm8k|math|math500 ...     write verl-layout parquet from the packaged data
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-COMMANDS = ("train", "plot", "convert", "preprocess")
+COMMANDS = ("train", "plot", "plan", "convert", "preprocess")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from meshrl.trainer.plot import main as plot_main
 
         return plot_main(rest) or 0
+    if command == "plan":
+        from meshrl.trainer.plan import main as plan_main
+
+        return plan_main(rest)
     if command == "convert":
         from meshrl.parallel.convert_cli import main as convert_main
 

@@ -55,12 +55,15 @@ def configure_environment() -> None:
         # Ray: no token auth file in $HOME, no telemetry, and stay on 127.0.0.1 on one node.
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "MPLCONFIGDIR": str(root / "matplotlib"),
     }
+    if not os.environ.get("RAY_ADDRESS"):
+        # Single node: keep Ray on 127.0.0.1. Not on a cluster: children inherit it, and `ray start
+        # --address` then refuses to join.
+        defaults["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     # Ray expects its temp dir to exist.

@@ -45,20 +45,23 @@ MATH_SOURCES = frozenset(
 
 
 def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: Mapping[str, Any] | None = None
+    data_source: str, solution_str: str, ground_truth: str, extra_info: Mapping[str, Any] | None = None,
+    **rule_kwargs: Any,
 ) -> RewardOutput:
     """Built-in rule reward chosen by ``data_source``.
 
     GSM8K and MAWPS return a float; MATH returns ``{"score", "math_verify_fallback"}`` so that fallbacks to
-    string comparison are counted.
+    string comparison are counted. ``rule_kwargs`` (``custom_reward_function.reward_kwargs`` when no
+    custom path is set) go to the GSM8K/MAWPS rule, e.g. ``{method: strict, format_score: 0.1}``
+    (verl's partial credit for a well-formed but wrong answer).
 
     Raises:
         NotImplementedError: unknown ``data_source`` (the message says how to plug in a custom reward).
     """
     if data_source in GSM8K_SOURCES:
-        return gsm8k.compute_score(solution_str, ground_truth)
+        return gsm8k.compute_score(solution_str, ground_truth, **rule_kwargs)
     if data_source in MAWPS_SOURCES:
-        return gsm8k.compute_score(solution_str, ground_truth, method="flexible")
+        return gsm8k.compute_score(solution_str, ground_truth, **{"method": "flexible", **rule_kwargs})
     if data_source in MATH_SOURCES:
         verdict = math_reward.judge(solution_str, ground_truth)
         return {"score": verdict.score, "math_verify_fallback": verdict.math_verify_fallback}

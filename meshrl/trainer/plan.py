@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -118,6 +117,12 @@ LOGIT_BYTES_ENTROPY = 8  # the entropy bonus keeps an fp32 log-softmax and a tem
 LOGIT_BYTES_FORWARD = 6  # bf16 logits + fp32 copy
 OVERHEAD_GIB = {"cuda": 2.0, "cpu": 1.5}  # per process: CUDA context + NCCL + allocator slack / interpreter + libraries
 CPU_DEFAULT_KV_BYTES = GIB  # the rollout config's documented default for CPU engines
+
+
+# Row order of the report's memory table.
+ROWS = ("actor params", "actor grads", "actor optimizer", "actor activations", "actor logits", "ref params",
+        "critic params", "critic grads", "critic optimizer", "critic activations", "forward activations",
+        "forward logits", "vLLM weights", "vLLM activations", "vLLM KV cache", "runtime overhead")
 
 
 class PlanError(ValueError):
@@ -216,7 +221,6 @@ class Plan:
     limit_bytes: float
     problems: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> Phase:
@@ -335,7 +339,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     # token budgets of one micro-batch
     train_tokens = _budget(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, actor.ppo_micro_batch_size_per_gpu,
                            seq_len)
-    lp_dynamic = rollout.log_prob_use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
+    lp_dynamic = actor.use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is None else rollout.log_prob_use_dynamic_bsz
     logprob_tokens = _budget(lp_dynamic, rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
                              rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu, seq_len)
     ref_tokens = _budget(lp_dynamic, ref.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
@@ -343,11 +347,12 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     critic_dynamic = critic_cfg.use_dynamic_bsz if critic_cfg.use_dynamic_bsz is not None else actor.use_dynamic_bsz
     critic_tokens = _budget(critic_dynamic, critic_cfg.ppo_max_token_len_per_gpu,
                             critic_cfg.ppo_micro_batch_size_per_gpu, seq_len)
-    values_tokens = _budget(critic_dynamic, critic_cfg.forward_max_token_len_per_gpu or critic_cfg.ppo_max_token_len_per_gpu,
+    values_tokens = _budget(critic_dynamic,
+                            critic_cfg.forward_max_token_len_per_gpu or critic_cfg.ppo_max_token_len_per_gpu,
                             critic_cfg.forward_micro_batch_size_per_gpu or critic_cfg.ppo_micro_batch_size_per_gpu,
                             seq_len)
 
-    vllm = _vllm(spec, rollout, dtype, device, limit, seq_len, data)
+    vllm = _vllm(spec, rollout, dtype, device, limit, seq_len)
     overhead = OVERHEAD_GIB[device] * GIB * (2 if use_critic else 1)
     vocab_shard = spec.vocab_size // policy.tp
     logit_train = LOGIT_BYTES_TRAIN + (LOGIT_BYTES_ENTROPY if actor.entropy_coeff else 0)
@@ -355,8 +360,9 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         logit_train += 2  # fp32 logits instead of bf16
     logit_forward = LOGIT_BYTES_FORWARD + (2 if device == "cpu" else 0)
 
-    def phases_for(stage: int, c_stage: int) -> list[Phase]:
-        """Phases of a GPU that holds policy stage ``stage`` (and critic stage ``c_stage`` for PPO)."""
+    def phases_for(stage: int, c_stage: int) -> tuple[list[Phase], float]:
+        """Phases of a GPU that holds policy stage ``stage`` (critic stage ``c_stage`` for PPO), and the
+        bytes its offload flags keep in host memory."""
         last = stage == policy.pp - 1
         a = policy.static(stage, dtype)
         resident = {"actor params": a["params"], "actor grads": a["grads"], "actor optimizer": a["optimizer"]}
@@ -367,7 +373,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
             offloaded["ref params"] = ref_offload
         if critic is not None:
             c = critic.static(c_stage, dtype)
-            resident.update({"critic params": c["params"], "critic grads": c["grads"], "critic optimizer": c["optimizer"]})
+            resident.update({"critic params": c["params"], "critic grads": c["grads"],
+                             "critic optimizer": c["optimizer"]})
             offloaded.update({"critic params": critic.param_offload, "critic grads": critic.grad_offload,
                               "critic optimizer": critic.optimizer_offload})
         sleeping_vllm = {} if (rollout.free_cache_engine and device == "cuda") else vllm["components"]
@@ -400,18 +407,13 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                       {"critic activations": critic.activations(c_stage, critic_tokens, dtype)}),
                 phase("critic optimizer", {"critic params", "critic grads", "critic optimizer"}, {}),
             ]
-        return out
+        return out, sum(v for k, v in resident.items() if offloaded[k])
 
     # megatron orders ranks TP fastest and PP slowest: rank r sits on stage r // (world / PP) of each model.
     pairs = sorted({(r // (world // policy.pp), r // (world // critic.pp) if critic else 0) for r in range(world)})
     by_pair = {pair: phases_for(*pair) for pair in pairs}
-    worst = max(pairs, key=lambda pair: max(p.total for p in by_pair[pair]))
-    phases = by_pair[worst]
-    notes = []
-    if use_ref and (ref.megatron.tensor_model_parallel_size, ref.megatron.pipeline_model_parallel_size) != (
-            policy.tp, policy.pp):
-        notes.append("the reference model is built in the policy's process groups: "
-                     "actor_rollout_ref.ref.megatron's parallel sizes are not used")
+    worst = max(pairs, key=lambda pair: max(p.total for p in by_pair[pair][0]))
+    phases, host_offload = by_pair[worst]
 
     # FLOPs of one step (upper bound: full-length sequences)
     prompts = data.train_batch_size
@@ -441,6 +443,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                 "distributed_optimizer": policy.distributed_optimizer, "recompute": policy.recompute,
                 "offload": {"param": policy.param_offload, "grad": policy.grad_offload,
                             "optimizer": policy.optimizer_offload, "ref_param": ref_offload},
+                "host_offload_bytes_per_node": host_offload * trainer.n_gpus_per_node,
                 "train_tokens_per_micro_batch": train_tokens, "log_prob_tokens_per_micro_batch": logprob_tokens,
                 "reference": use_ref,
                 "critic": None if critic is None else {"tp": critic.tp, "pp": critic.pp, "dp": critic.dp,
@@ -451,13 +454,12 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         rollout={k: v for k, v in vllm.items() if k != "components"},
         flops=flops,
         limit_bytes=limit,
-        notes=notes,
     )
     _judge(result, cfg, policy, critic, use_ref, ref_offload, vllm, device)
     return result
 
 
-def _vllm(spec, rollout, dtype: dict, device: str, limit: float, seq_len: int, data) -> dict[str, Any]:
+def _vllm(spec, rollout, dtype: dict, device: str, limit: float, seq_len: int) -> dict[str, Any]:
     """The rollout engine's share of a GPU while it generates, and what its KV cache holds."""
     rtp = rollout.tensor_model_parallel_size
     weights = stage_parameters(spec) * dtype["param"] / rtp
@@ -550,8 +552,11 @@ def _judge(result: Plan, cfg, policy: _Trainer, critic: _Trainer | None, use_ref
                                 "pipeline_model_parallel_size, or set critic.megatron.use_distributed_optimizer / "
                                 "param_offload / optimizer_offload=True")
             if items.get("critic activations"):
-                hint = "" if critic.recompute else "critic.model.enable_gradient_checkpointing=True or "
-                lever(items["critic activations"], f"set {hint}lower critic.ppo_max_token_len_per_gpu")
+                if not critic.recompute:
+                    lever(items["critic activations"] * 0.8,
+                          "set critic.model.enable_gradient_checkpointing=True (activation recompute)")
+                lever(items["critic activations"], f"lower critic.ppo_max_token_len_per_gpu (now "
+                                                   f"{result.layout['critic']['tokens_per_micro_batch']})")
     result.advice.extend(text for text, _ in sorted(levers.items(), key=lambda kv: -kv[1])
                          if text not in result.advice)
 
@@ -583,25 +588,31 @@ def render(result: Plan, recipe: str | None) -> str:
         flags.append("offload: " + ", ".join(offloads))
     lines = [
         f"meshrl plan{': ' + recipe if recipe else ''}",
-        f"  model    {m['path']} ({m['model_type']}, {m['parameters'] / 1e9:.2f} B parameters, {m['num_layers']} layers,"
-        f" hidden {m['hidden_size']}, heads {m['num_attention_heads']}/{m['num_kv_heads']} KV, vocab {m['vocab_size']})",
-        f"  cluster  {lay['nnodes']} node(s) x {lay['gpus_per_node']} = {lay['world']} {'GPUs' if lay['device'] == 'cuda' else 'processes'},"
-        f" limit {_gib(result.limit_bytes)} GiB each",
+        f"  model    {m['path']} ({m['model_type']}, {m['parameters'] / 1e9:.2f} B parameters, "
+        f"{m['num_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']}/"
+        f"{m['num_kv_heads']} KV, vocab {m['vocab_size']})",
+        f"  cluster  {lay['nnodes']} node(s) x {lay['gpus_per_node']} = {lay['world']} "
+        f"{'GPUs' if lay['device'] == 'cuda' else 'processes'}, limit {_gib(result.limit_bytes)} GiB each",
         f"  actor    {'; '.join(flags)}; {lay['train_tokens_per_micro_batch']} tokens per micro-batch"
         f" ({lay['log_prob_tokens_per_micro_batch']} for log-probs)",
     ]
+    if lay["host_offload_bytes_per_node"]:
+        lines.append(f"  host     {_gib(lay['host_offload_bytes_per_node'])} GiB per node for offloaded state")
     if lay["critic"]:
         c = lay["critic"]
-        lines.append(f"  critic   TP {c['tp']} x PP {c['pp']} -> DP {c['dp']}; {c['tokens_per_micro_batch']} tokens per micro-batch")
-    lines.append(f"  rollout  vLLM TP {ro['tp']}; budget {_gib(ro['budget_bytes'])} GiB = weights {_gib(ro['weights_bytes'])}"
-                 f" + activations {_gib(ro['activation_bytes'])} + KV cache {_gib(max(ro['kv_cache_bytes'], 0))}"
-                 f" ({ro['kv_capacity_tokens']:,} tokens = {ro['full_length_sequences']:,} sequences of {ro['max_model_len']})")
+        lines.append(f"  critic   TP {c['tp']} x PP {c['pp']} -> DP {c['dp']}; "
+                     f"{c['tokens_per_micro_batch']} tokens per micro-batch")
+    lines.append(f"  rollout  vLLM TP {ro['tp']}; budget {_gib(ro['budget_bytes'])} GiB = weights "
+                 f"{_gib(ro['weights_bytes'])} + activations {_gib(ro['activation_bytes'])} + KV cache "
+                 f"{_gib(max(ro['kv_cache_bytes'], 0))} ({ro['kv_capacity_tokens']:,} tokens = "
+                 f"{ro['full_length_sequences']:,} sequences of {ro['max_model_len']})")
     st = result.stage
     if st["actor_pp"] > 1 or (st["critic_pp"] or 1) > 1:
         critic_stage = f", critic stage {st['critic']}/{st['critic_pp']}" if st["critic_pp"] else ""
         lines.append(f"  fullest GPU: policy stage {st['actor']}/{st['actor_pp']}{critic_stage} (stages count from 0)")
     names = [p.name for p in result.phases]
-    rows = list(dict.fromkeys(k for p in result.phases for k in p.items))
+    present = {k for p in result.phases for k in p.items}
+    rows = [r for r in ROWS if r in present]
     width = max(len(r) + 2 for r in rows + ["total"])
     col = max(len(n) for n in names) + 2
     lines += ["", f"memory, {unit}:", " " * width + "".join(f"{n:>{col}}" for n in names)]
@@ -621,7 +632,6 @@ def render(result: Plan, recipe: str | None) -> str:
         lines += [f"  - {p}" for p in result.problems]
         lines.append("turn one of these knobs (biggest lever first):")
         lines += [f"  - {a}" for a in result.advice]
-    lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)
 
 

@@ -38,6 +38,13 @@ def optimizer_config(optim, grad_clip: float, distributed: bool):
     )
 
 
+def recompute_overrides(model_cfg) -> dict[str, Any]:
+    """``model.enable_gradient_checkpointing`` → megatron full-layer activation recompute."""
+    if not model_cfg.enable_gradient_checkpointing:
+        return {}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
 def log_prob_budget(cfg, section) -> int:
     """Token budget of forward-only passes: ``<section>.log_prob_max_token_len_per_gpu`` or the actor's."""
     return section.log_prob_max_token_len_per_gpu or cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
@@ -62,7 +69,8 @@ class ActorRolloutRefWorker(RankWorker):
         tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         distributed_opt = actor.megatron.use_distributed_optimizer
-        self.policy = build_model(self.hf_config, use_distributed_optimizer=distributed_opt)
+        self.policy = build_model(self.hf_config, use_distributed_optimizer=distributed_opt,
+                                  **recompute_overrides(arr.model))
         load_hf_weights(self.policy, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
             self.policy, optimizer_config(actor.optim, actor.grad_clip, distributed_opt))
@@ -100,7 +108,8 @@ class ActorRolloutRefWorker(RankWorker):
         from meshrl.rollout.weight_sync import colocated_rollout
 
         sampling = self.sampling[mode]
-        with colocated_rollout(self.engine):
+        offload, onload = self._offload_hooks()
+        with colocated_rollout(self.engine, offload_trainer=offload, onload_trainer=onload):
             completions = self.engine.generate([list(p) for p in prompts["prompt_ids"]], sampling)
         n, width = sampling.n, self.response_length
         out = prompts.repeat_interleave(n) if n > 1 else prompts.take(np.arange(len(prompts)))
@@ -117,6 +126,21 @@ class ActorRolloutRefWorker(RankWorker):
         out.set("rollout_log_probs", log_probs)
         out.set("finish_reason", [c.finish_reason for c in completions])
         return out if self.rank % self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 0 else None
+
+    def _offload_hooks(self):
+        """Trainer state to move to host memory while the engine generates (``*_offload`` keys)."""
+        from meshrl.parallel.offload import offload
+
+        actor = self.cfg.actor_rollout_ref.actor
+        params = actor.megatron.param_offload or actor.fsdp_config.param_offload
+        optimizer_state = actor.megatron.optimizer_offload or actor.fsdp_config.optimizer_offload
+        grads = actor.megatron.grad_offload
+        if not (params or optimizer_state or grads):
+            return None, None
+        held = []
+        return (lambda: held.append(offload(self.policy, self.optimizer, params=params, grads=grads,
+                                            optimizer_state=optimizer_state)),
+                lambda: held.pop().restore())
 
     # ---------------------------------------------------------------------------------- log-probs
     def compute_log_probs(self, shard: Batch, model: str) -> Batch | None:

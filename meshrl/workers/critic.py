@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from meshrl.protocol import Batch
-from meshrl.workers.actor_rollout_ref import optimizer_config
+from meshrl.workers.actor_rollout_ref import optimizer_config, recompute_overrides
 from meshrl.workers.dispatch import DispatchGroup
 from meshrl.workers.objectives import CriticObjective, sum_metrics
 from meshrl.workers.rank import RankWorker
@@ -37,7 +37,8 @@ class CriticWorker(RankWorker):
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.model = build_model(self.hf_config, critic=True, use_distributed_optimizer=megatron.use_distributed_optimizer)
+        self.model = build_model(self.hf_config, critic=True, use_distributed_optimizer=megatron.use_distributed_optimizer,
+                                 **recompute_overrides(critic.model))
         load_hf_weights(self.model, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, optimizer_config(critic.optim, critic.grad_clip, megatron.use_distributed_optimizer))

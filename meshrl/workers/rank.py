@@ -41,8 +41,12 @@ class RankWorker:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        host = "127.0.0.1" if self.world_size == 1 or _single_node() else socket.gethostbyname(socket.gethostname())
-        return host, port
+        if self.world_size == 1 or _single_node():
+            return "127.0.0.1", port
+        import ray
+
+        # Ray's node address is the one other nodes reach (a hostname lookup may give 127.0.1.1).
+        return ray.util.get_node_ip_address(), port
 
     def _init_distributed(self, address: tuple[str, int], megatron_cfg, threads: int) -> RankLayout:
         import torch

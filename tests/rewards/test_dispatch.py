@@ -74,3 +74,13 @@ def test_custom_errors_are_actionable(tmp_path: Path) -> None:
     signature = r"helper must accept \(data_source, solution_str, ground_truth, extra_info=None\)"
     with pytest.raises(TypeError, match=signature):
         load_custom_reward_function(path, "helper")
+
+
+def test_rule_kwargs_reach_the_builtin_rule():
+    from meshrl.rewards.dispatch import RewardSpec
+
+    fn = RewardSpec(reward_kwargs={"method": "strict", "format_score": 0.1}).build()
+    assert fn("mawps", "so #### 41", "43") == 0.1  # well-formed, wrong: partial credit
+    assert fn("mawps", "so #### 43", "43") == 1.0
+    assert fn("mawps", "the answer is 43", "43") == 0.0  # strict: no "####", no credit
+    assert RewardSpec().build()("mawps", "the answer is 43", "43") == 1.0  # default stays flexible

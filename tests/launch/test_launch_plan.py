@@ -1,0 +1,179 @@
+"""``meshrl plan``: parameter counts against megatron-core and published totals, the memory model's
+scaling, refusals that name the knob, and the command's output."""
+
+import json
+
+import pytest
+
+from meshrl.config import load_config
+from meshrl.config.validate import validate_config
+from meshrl.parallel.model_builder import model_spec
+from meshrl.trainer import plan as plan_mod
+from meshrl.trainer.plan import (GIB, KNOWN_MODELS, layer_parameters, load_hf_config, main, plan,
+                                 stage_parameters)
+
+# Parameter totals the Hugging Face hub shows for these checkpoints (safetensors), in billions.
+PUBLISHED_B = {
+    "Qwen/Qwen2.5-0.5B-Instruct": 0.494, "Qwen/Qwen2.5-1.5B-Instruct": 1.54, "Qwen/Qwen2.5-3B-Instruct": 3.09,
+    "Qwen/Qwen2.5-7B-Instruct": 7.62, "Qwen/Qwen2.5-14B-Instruct": 14.8, "Qwen/Qwen2.5-32B-Instruct": 32.8,
+    "Qwen/Qwen2-7B-Instruct": 7.62, "deepseek-ai/deepseek-llm-7b-chat": 6.91,
+}
+
+
+def spec_of(model: str, **changes):
+    config = load_hf_config(model)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return model_spec(config)
+
+
+def test_known_models_are_all_checked():
+    assert set(PUBLISHED_B) == set(KNOWN_MODELS)
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED_B))
+def test_total_matches_published_count(model):
+    total = stage_parameters(spec_of(model))
+    assert total / 1e9 == pytest.approx(PUBLISHED_B[model], rel=0.01)
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED_B))
+def test_count_is_linear_in_layers(model):
+    counts = [stage_parameters(spec_of(model, num_hidden_layers=n)) for n in (1, 2, 3, 8)]
+    per_layer = layer_parameters(spec_of(model))
+    assert counts[1] - counts[0] == counts[2] - counts[1] == per_layer
+    assert counts[3] - counts[0] == 7 * per_layer
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct",
+                                   "deepseek-ai/deepseek-llm-7b-chat"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 2), (2, 2)])
+def test_shards_add_up_to_the_model(model, tp, pp):
+    spec = spec_of(model)
+    per_stage = [stage_parameters(spec, tp=tp, pp=pp, stage=s) for s in range(pp)]
+    replicated_norms = 2 * spec.num_layers * spec.hidden_size + spec.hidden_size  # held by every TP rank
+    tied_copy = spec.vocab_size * spec.hidden_size if spec.tie_word_embeddings and pp > 1 else 0
+    assert tp * sum(per_stage) == stage_parameters(spec) + (tp - 1) * replicated_norms + tied_copy
+
+
+@pytest.mark.slow
+def test_counts_match_megatron_gpt_model():
+    """The real GPTModel (model_builder.build_model, local spec, CPU) of real-shaped configs with few layers."""
+    from meshrl.models.tiny import TinySpec, tiny_config
+    from meshrl.parallel import state
+    from meshrl.parallel.model_builder import build_model, unwrap
+
+    cases = [("qwen2.5-0.5b L1", load_hf_config("Qwen/Qwen2.5-0.5B-Instruct"), 1, False),
+             ("qwen2.5-0.5b L2", load_hf_config("Qwen/Qwen2.5-0.5B-Instruct"), 2, False),
+             ("qwen2.5-0.5b critic", load_hf_config("Qwen/Qwen2.5-0.5B-Instruct"), 1, True),
+             ("llama MHA untied", tiny_config(TinySpec(num_key_value_heads=4, tie_word_embeddings=False)), 3, False),
+             ("qwen2 GQA untied", tiny_config(TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False)),
+              2, True)]
+    state.initialize(state.ParallelConfig())
+    try:
+        for name, config, layers, critic in cases:
+            config.num_hidden_layers = layers
+            chunks = build_model(config, critic=critic, perform_initialization=False)
+            built = sum(p.numel() for chunk in chunks for p in unwrap(chunk).parameters())
+            del chunks
+            assert built == stage_parameters(model_spec(config), critic=critic), name
+    finally:
+        state.destroy()
+
+
+def load(recipe, *overrides):
+    cfg = load_config(list(overrides), recipe=recipe)
+    validate_config(cfg)
+    return cfg
+
+
+def phase(result, name):
+    return next(p for p in result.phases if p.name == name)
+
+
+def test_memory_scales_with_the_knobs():
+    base = plan(load("remax_qwen2.5-7b_seq_balance"))
+    half_budget = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12000"))
+    update, update_half = phase(base, "actor update").items, phase(half_budget, "actor update").items
+    assert update_half["actor logits"] == pytest.approx(update["actor logits"] / 2)
+    no_distopt = plan(load("remax_qwen2.5-7b_seq_balance",
+                           "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False"))
+    dp = base.layout["dp"]
+    assert phase(no_distopt, "actor optimizer").items["actor optimizer"] == pytest.approx(
+        dp * phase(base, "actor optimizer").items["actor optimizer"])
+    tp4 = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"))
+    assert phase(tp4, "actor update").items["actor logits"] == pytest.approx(update["actor logits"] / 2)
+    no_recompute = plan(load("remax_qwen2.5-7b_seq_balance",
+                             "actor_rollout_ref.model.enable_gradient_checkpointing=False"))
+    assert phase(no_recompute, "actor update").items["actor activations"] > 5 * update["actor activations"]
+    # offloading the reference keeps it out of every phase but the one that reads it
+    assert "ref params" in phase(base, "log-prob").items and "ref params" not in phase(base, "rollout").items
+    # ReMax decodes one greedy response per prompt on top of the n samples
+    assert base.flops["generation"] == pytest.approx(base.flops["old_log_probs"] * 5 / 4)
+
+
+def test_pipeline_first_stage_holds_pp_micro_batches():
+    flat = plan(load("grpo_qwen2-7b_math", "actor_rollout_ref.model.enable_gradient_checkpointing=False"))
+    piped = plan(load("grpo_qwen2-7b_math_megatron", "actor_rollout_ref.model.enable_gradient_checkpointing=False"))
+    assert piped.stage["actor"] == 0  # the first stage is the fuller one without recompute
+    # PP 2 halves the layers of a stage but keeps 2 micro-batches in flight: same activations at stage 0
+    assert phase(piped, "actor update").items["actor activations"] == pytest.approx(
+        phase(flat, "actor update").items["actor activations"])
+
+
+def test_refuses_a_layout_that_cannot_fit_and_names_the_knobs(capsys):
+    code = main(["remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                 "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "does NOT fit" in out
+    assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size" in out
+    assert "use_distributed_optimizer=True" in out
+
+
+def test_refuses_a_rollout_budget_without_kv_room():
+    result = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.rollout.gpu_memory_utilization=0.05"))
+    assert not result.fits
+    assert any("KV cache" in p for p in result.problems)
+    assert any("gpu_memory_utilization" in a for a in result.advice)
+
+
+def test_smaller_gpu_is_refused(capsys):
+    assert main(["remax_qwen2.5-7b_seq_balance", "--gpu-memory-gib", "40"]) == 1
+    assert "of 40.0 GiB" in capsys.readouterr().out
+
+
+def test_json_output(capsys):
+    assert main(["remax_qwen2.5-7b_seq_balance", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["model"]["parameters"] == stage_parameters(spec_of("Qwen/Qwen2.5-7B-Instruct"))
+    assert {p["name"] for p in data["phases"]} == {"rollout", "log-prob", "actor update", "actor optimizer"}
+    assert data["peak_bytes"] <= 80 * GIB
+    assert data["flops"]["total"] == pytest.approx(sum(v for k, v in data["flops"].items()
+                                                       if k not in ("total", "per_gpu")))
+
+
+def test_impossible_layout_and_unknown_model_are_config_errors(capsys):
+    assert main(["remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=8"]) == 2
+    assert "tensor_model_parallel_size" in capsys.readouterr().err  # 8 does not divide the 4 KV heads
+    assert main(["remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.model.path=org/not-a-model"]) == 2
+    err = capsys.readouterr().err
+    assert "not a local Hugging Face folder" in err and "Qwen/Qwen2.5-7B-Instruct" in err
+
+
+def test_local_folder_is_read(tmp_path):
+    config = load_hf_config("Qwen/Qwen2.5-1.5B-Instruct")
+    config.save_pretrained(tmp_path)
+    result = plan(load("remax_qwen2.5-7b_seq_balance", f"actor_rollout_ref.model.path={tmp_path}"))
+    assert result.model["parameters"] == stage_parameters(spec_of("Qwen/Qwen2.5-1.5B-Instruct"))
+
+
+def test_ppo_counts_the_colocated_critic():
+    result = plan(load("ppo_qwen2.5-1.5b"))
+    spec = spec_of("Qwen/Qwen2.5-1.5B-Instruct")
+    assert [p.name for p in result.phases][-2:] == ["critic update", "critic optimizer"]
+    assert "critic optimizer" in phase(result, "actor update").items  # not offloaded in this recipe
+    tokens = 1024 * 1 * (512 + 1024)  # prompts x responses per prompt x full length
+    assert result.flops["values"] == pytest.approx(2 * plan_mod.matmul_parameters(spec, critic=True) * tokens)
+    # a scalar head instead of the (tied) vocabulary projection: the critic is smaller in FLOPs
+    assert plan_mod.matmul_parameters(spec, critic=True) < plan_mod.matmul_parameters(spec)
