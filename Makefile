@@ -2,6 +2,8 @@
 .PHONY: setup run test test-unit test-heavy
 
 PY := .venv/bin/python
+# vLLM torch.compiles its sampler on first use (~20 s cold on CPU); eager gives identical outputs.
+export TORCHDYNAMO_DISABLE ?= 1
 # Heavy tests: multi-process (gloo), real vLLM engines and end-to-end runs; budgeted to stay within
 # ~20 minutes on 2 cores together with the unit tests.
 HEAVY := multiproc or vllm or e2e or slow

@@ -42,6 +42,7 @@ def run(cfg) -> dict[str, float]:
     from meshrl.rewards.dispatch import RewardSpec
     from meshrl.rewards.pool import RewardPool
     from meshrl.trainer.checkpoint import CheckpointManager
+    from meshrl.trainer.plot import plot_run
     from meshrl.trainer.rl_trainer import RLTrainer, total_training_steps
     from meshrl.trainer.tracking import Tracker
     from meshrl.workers.actor_rollout_ref import ActorRolloutRefGroup
@@ -76,7 +77,9 @@ def run(cfg) -> dict[str, float]:
             trainer = RLTrainer(cfg, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
                                 val_data=val_data, reward=reward, tracker=tracker,
                                 checkpoints=CheckpointManager(run_dir, cfg.trainer.max_actor_ckpt_to_keep))
-            return trainer.fit()
+            final = trainer.fit()
+        print(f"metrics: {run_dir / 'metrics.jsonl'}; curves: {plot_run(run_dir)}")
+        return final
     finally:
         reward.close()
         for group in (policy, critic):
