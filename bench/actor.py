@@ -1,0 +1,263 @@
+"""Actor update throughput on CPU: meshrl.parallel (megatron-core, TP1) vs plain transformers + torch AdamW.
+
+One update = forward, backward, grad clipping (1.0) and AdamW step of SmolLM2-135M-Instruct (fp32) on
+the same batch (default 8 sequences x 256 tokens, one micro-batch) with a policy-gradient loss on
+per-token log-probs, ``-sum(log_prob * advantage * mask) / n_tokens``.
+
+Each variant lives in its own process (so its peak RSS is its own) and the parent interleaves their
+updates — meshrl, hf, meshrl, hf, ... after one warm-up each — so both see the same background load
+(the machine's cores are shared). Between updates the parent measures the fp32 matmul rate
+(``torch.mm`` 2048^3, best of 3, same thread count); each update's achieved FLOP/s is divided by the
+mean of the rates measured just before and after it. Medians are reported.
+
+Model FLOPs per update (PaLM's convention, attention not halved for causality):
+``tokens * (6 * N + 12 * layers * hidden * seq_len)``, N = all parameters (the tied embedding counts
+once, as the vocabulary projection).
+
+Writes bench/results/actor.json and bench/results/actor.png.
+
+    python -m bench.actor [--batch 8] [--seq 256] [--steps 5] [--threads 2]     (from the repo root)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = ("meshrl", "hf")
+
+
+def matmul_flops(n: int = 2048, repeats: int = 3) -> float:
+    """fp32 ``torch.mm`` FLOP/s of this machine right now (best of ``repeats``, n^3)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def make_batch(batch: int, seq: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    loss_mask = mask.float()
+    loss_mask[:, 0] = 0
+    return {"input_ids": torch.randint(0, 49152, (batch, seq), generator=g), "attention_mask": mask,
+            "advantages": torch.randn(batch, seq, generator=g), "loss_mask": loss_mask,
+            "n_tokens": float(loss_mask.sum())}
+
+
+def pg_loss(log_probs: torch.Tensor, mb: dict) -> torch.Tensor:
+    return -(log_probs * mb["advantages"] * mb["loss_mask"]).sum() / mb["n_tokens"]
+
+
+def meshrl_update(model_dir: Path, mb: dict):
+    """A closure running one meshrl.parallel actor update (TP1, megatron optimizer)."""
+    from transformers import AutoConfig
+
+    from meshrl.parallel import hf_conversion, model_builder, optimizer, state
+    from meshrl.parallel.forward import OutputRequest
+
+    state.initialize(state.ParallelConfig())
+    chunks = model_builder.build_model(AutoConfig.from_pretrained(model_dir))
+    hf_conversion.load_hf_weights(chunks, model_dir)
+    opt, sched = optimizer.build_optimizer(chunks, optimizer.OptimizerConfig(lr=1e-6, clip_grad=1.0))
+
+    def loss_fn(outputs, micro_batch):
+        return pg_loss(outputs["log_probs"], micro_batch), {}
+
+    return lambda: optimizer.train_step(chunks, opt, sched, [mb], loss_fn, OutputRequest())
+
+
+def hf_update(model_dir: Path, mb: dict):
+    """A closure running one plain transformers + torch AdamW update."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        log_probs = torch.zeros_like(mb["advantages"])
+        log_probs[:, 1:] = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(
+            -1, mb["input_ids"][:, 1:, None]).squeeze(-1)
+        pg_loss(log_probs, mb).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return step
+
+
+def serve(variant: str, batch: int, seq: int, threads: int) -> None:
+    """Child: load, say ready, then run one update per ``step`` line on stdin; ``done`` reports peak RSS."""
+    from meshrl.models.embedded import smollm2_hf_dir
+    from meshrl.runtime import configure_environment
+
+    configure_environment()
+    torch.set_num_threads(threads)
+    update = (meshrl_update if variant == "meshrl" else hf_update)(smollm2_hf_dir(), make_batch(batch, seq))
+    print(json.dumps({"ready": variant}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "step":
+            print(json.dumps({"seconds": _timed(update)}), flush=True)
+        else:
+            break
+    print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
+
+
+class Child:
+    def __init__(self, variant: str, args: argparse.Namespace) -> None:
+        command = [sys.executable, "-m", "bench.actor", "--serve", variant, "--batch", str(args.batch),
+                   "--seq", str(args.seq), "--threads", str(args.threads)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore"}
+        self.variant = variant
+        self.process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.read()  # ready
+
+    def read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.variant} process died (exit {self.process.wait()})")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def close(self) -> dict:
+        report = self.ask("done")
+        self.process.wait(timeout=60)
+        return report
+
+
+def model_flops_per_update(batch: int, seq: int) -> tuple[float, int]:
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from meshrl.models.embedded import smollm2_hf_dir
+
+    model_dir = smollm2_hf_dir()
+    config = AutoConfig.from_pretrained(model_dir)
+    with safe_open(model_dir / "model.safetensors", framework="pt") as handle:
+        params = sum(torch.Size(handle.get_slice(k).get_shape()).numel() for k in handle.keys())
+    tokens = batch * seq
+    flops = tokens * (6 * params + 12 * config.num_hidden_layers * config.hidden_size * seq)
+    return float(flops), params
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["variants"])
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    metrics = [("tokens_per_s", "tokens / s (higher is better)"),
+               ("fraction_of_matmul_flops", "fraction of measured fp32 matmul FLOP/s"),
+               ("peak_rss_gib", "peak RSS, GiB (lower is better)")]
+    for axis, (key, title) in zip(axes, metrics):
+        values = [result["variants"][n][key] for n in names]
+        bars = axis.bar(names, values, color=["#3b7dd8", "#9a9a9a"][: len(names)])
+        axis.bar_label(bars, fmt="%.3g")
+        axis.set_title(title, fontsize=10)
+    axes[1].axhline(0.75, color="#c44", linestyle="--", linewidth=1, label="target 0.75")
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"SmolLM2-135M actor update, fp32 CPU, {result['batch']}x{result['seq']} tokens, "
+                 f"{result['threads']} threads (updates interleaved)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.batch, args.seq, args.threads)
+        return
+    torch.set_num_threads(args.threads)
+    flops, params = model_flops_per_update(args.batch, args.seq)
+    load_before = os.getloadavg()
+    children = {variant: Child(variant, args) for variant in VARIANTS}
+    try:
+        for child in children.values():
+            child.ask("step")  # warm-up
+        seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        fractions: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        before = matmul_flops()
+        for _ in range(args.steps):
+            for variant, child in children.items():
+                took = child.ask("step")["seconds"]
+                after = matmul_flops()
+                rate = (before + after) / 2
+                seconds[variant].append(took)
+                rates[variant].append(rate)
+                fractions[variant].append(flops / took / rate)
+                before = after
+        reports = {variant: child.close() for variant, child in children.items()}
+    finally:
+        for child in children.values():
+            if child.process.poll() is None:
+                child.process.kill()
+    variants = {}
+    for variant in VARIANTS:
+        median = statistics.median(seconds[variant])
+        variants[variant] = {
+            "step_seconds": seconds[variant],
+            "median_step_seconds": median,
+            "tokens_per_s": args.batch * args.seq / median,
+            "achieved_flops": flops / median,
+            "matmul_flops_around_each_step": rates[variant],
+            "matmul_flops": statistics.median(rates[variant]),
+            "fraction_of_matmul_flops_per_step": fractions[variant],
+            "fraction_of_matmul_flops": statistics.median(fractions[variant]),
+            "peak_rss_gib": reports[variant]["peak_rss_bytes"] / 2**30,
+        }
+    result = {
+        "model": "SmolLM2-135M-Instruct", "params": params, "dtype": "float32", "batch": args.batch,
+        "seq": args.seq, "threads": args.threads, "steps_timed": args.steps,
+        "model_flops_per_update": flops,
+        "meshrl_layout": "TP1 PP1 DP1, megatron local spec (RMSNorm) + SDPA core attention, torch AdamW",
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "torch": torch.__version__,
+                    # Other processes sharing the cores skew absolute figures; recorded so a reader can tell.
+                    "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]]},
+        "variants": variants,
+        "command": "python -m bench.actor " + " ".join(sys.argv[1:]),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "actor.json").write_text(json.dumps(result, indent=1))
+    plot(result, RESULTS / "actor.png")
+    for name, v in variants.items():
+        print(f"{name:7s} {v['tokens_per_s']:8.1f} tok/s  {v['median_step_seconds']:6.2f} s/update  "
+              f"{v['fraction_of_matmul_flops']:.2f} of {v['matmul_flops'] / 1e9:.0f} GFLOP/s matmul  "
+              f"peak RSS {v['peak_rss_gib']:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Distributed checkpoints (megatron ``dist_checkpointing``, ``torch_dist``): model, optimizer, LR schedule.
+
+Layout under a root folder (which every rank must see, e.g. one machine or a shared filesystem)::
+
+    root/step_00000042/     megatron checkpoint + meshrl.json (step, model spec, layout at save time)
+    root/latest             "step_00000042"
+
+Checkpoints are layout-independent: saved at TP2 they load at TP1, TP1xPP2, TP2xPP2, ... with
+optimizer state (non-distributed or distributed optimizer) and the LR schedule.
+
+Saving is atomic: ranks write into ``root/.step_00000042.tmp``; rank 0 then fsyncs it, renames it to
+``step_00000042`` and only then replaces ``latest`` (write-fsync-rename). A crash at any point leaves
+``latest`` naming the previous complete checkpoint; leftovers are removed by the next save.
+
+Entry scripts must be guarded by ``if __name__ == "__main__":``: the first save starts a helper
+process that re-imports ``__main__``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshrl.parallel import state
+from meshrl.parallel.model_builder import unwrap
+from meshrl.parallel.optimizer import initialize_state
+
+LATEST = "latest"
+_META = "meshrl.json"
+# The DistributedOptimizer's only format in megatron-core 0.16 that reshards across TP/PP; the
+# memory-efficient variant gathers a replica's state on its DP rank 0 over gloo, in host memory (and
+# avoids a CUDA-only path). Other optimizers ignore these keys.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
+                     "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _sharded_state(chunks: list[torch.nn.Module], optimizer, scheduler, extra: Any, is_loading: bool) -> dict:
+    model = {f"chunk{index}": unwrap(chunk).sharded_state_dict() for index, chunk in enumerate(chunks)}
+    sharded: dict[str, Any] = {"model": model}
+    if optimizer is not None:
+        # megatron maps each parameter to its sharded tensor by walking this nested dict's values.
+        sharded["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT)
+    if scheduler is not None:
+        sharded["scheduler"] = scheduler.state_dict()
+    if extra is not None:
+        sharded["extra"] = extra
+    return sharded
+
+
+def _uses_distributed_optimizer(chunks: list[torch.nn.Module]) -> bool:
+    ddp_config = getattr(chunks[0], "ddp_config", None)
+    return bool(ddp_config is not None and ddp_config.use_distributed_optimizer)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (deepest first), then ``root``."""
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        _fsync(path)
+    _fsync(root)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    _fsync(tmp)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, chunks: list[torch.nn.Module], optimizer=None,
+                    scheduler=None, extra: Any = None, keep_last: int | None = None) -> Path:
+    """Save ``chunks`` (and optimizer, scheduler, picklable ``extra``) as ``root/step_{step}``; collective.
+
+    ``keep_last`` deletes older ``step_*`` folders beyond the newest ``keep_last`` after the save.
+    Returns the checkpoint folder.
+    """
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f".{final.name}.tmp"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    if optimizer is not None:
+        # An optimizer that has not stepped yet has no state; zero moments and step 0 behave the same
+        # and give every checkpoint the same format.
+        initialize_state(optimizer)
+    sharded = _sharded_state(chunks, optimizer, scheduler, extra, is_loading=False)
+    dist_checkpointing.save(sharded, str(tmp))
+    dist.barrier()
+    if rank0:
+        gpt = unwrap(chunks[0])
+        meta = {"step": step, "critic": bool(getattr(gpt, "meshrl_critic", False)),
+                "model_spec": gpt.meshrl_spec.to_dict(), "parallel_at_save": vars(state.current()),
+                "has_optimizer": optimizer is not None,
+                "distributed_optimizer": optimizer is not None and _uses_distributed_optimizer(chunks)}
+        (tmp / _META).write_text(json.dumps(meta, indent=1, default=str))
+        fsync_tree(tmp)
+        if final.exists():
+            trash = root / f".{final.name}.old"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash)
+        else:
+            os.replace(tmp, final)
+        _fsync(root)
+        _write_atomically(root / LATEST, final.name)
+        if keep_last is not None:
+            for old in sorted(root.glob("step_*"))[:-keep_last]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The folder ``root/latest`` names, or None when there is no complete checkpoint yet."""
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    folder = Path(root) / pointer.read_text().strip()
+    if not (folder / _META).is_file():
+        raise RuntimeError(f"{pointer} names {folder.name}, which is not a complete meshrl checkpoint")
+    return folder
+
+
+def checkpoint_metadata(folder: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(folder) / _META).read_text())
+
+
+def load_checkpoint(path: str | os.PathLike, chunks: list[torch.nn.Module], optimizer=None,
+                    scheduler=None) -> dict[str, Any]:
+    """Load a checkpoint into ``chunks`` (and optimizer / scheduler when given); collective.
+
+    ``path`` is a checkpoint root (its ``latest`` is used) or a ``step_*`` folder. The model spec saved
+    with the checkpoint must equal the chunks' (else ``ValueError`` naming the fields). Returns
+    ``{"step": int, "extra": ...}``.
+    """
+    from megatron.core import dist_checkpointing
+
+    from meshrl.parallel.model_builder import ModelSpec
+
+    path = Path(path)
+    folder = path if (path / _META).is_file() else latest_checkpoint(path)
+    if folder is None:
+        raise FileNotFoundError(f"no checkpoint in {path}")
+    meta = checkpoint_metadata(folder)
+    gpt = unwrap(chunks[0])
+    saved = ModelSpec(**meta["model_spec"])
+    mismatches = saved.mismatches(gpt.meshrl_spec)
+    if mismatches or meta["critic"] != bool(getattr(gpt, "meshrl_critic", False)):
+        detail = mismatches + ([f"critic: {meta['critic']} vs {gpt.meshrl_critic}"]
+                               if meta["critic"] != gpt.meshrl_critic else [])
+        raise ValueError(f"checkpoint {folder} does not match the model (checkpoint vs model): " + "; ".join(detail))
+    if optimizer is not None and not meta["has_optimizer"]:
+        raise ValueError(f"checkpoint {folder} has no optimizer state")
+    if optimizer is not None and meta["distributed_optimizer"] != _uses_distributed_optimizer(chunks):
+        raise ValueError(f"checkpoint {folder} was saved with use_distributed_optimizer="
+                         f"{meta['distributed_optimizer']}; build the optimizer the same way to load it")
+    if optimizer is not None:
+        initialize_state(optimizer)
+    sharded = _sharded_state(chunks, optimizer, scheduler, extra=None, is_loading=True)
+    loaded = dist_checkpointing.load(sharded, str(folder))
+    for index, chunk in enumerate(chunks):
+        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{index}"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    return {"step": meta["step"], "extra": loaded.get("extra")}

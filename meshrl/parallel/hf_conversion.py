@@ -1,0 +1,432 @@
+"""Hugging Face safetensors <-> megatron model chunks, streamed tensor by tensor.
+
+One table, ``hf_layout(spec, critic)``, lists every HF tensor in a fixed global order with where it
+lives in megatron: the owning pipeline stage and virtual chunk, the megatron parameter, the dimension
+TP splits it on, and which part of a fused megatron parameter it is. Both directions use it:
+
+- ``load_hf_weights(chunks, hf_dir)``: each rank reads, with safetensors' lazy ``safe_open`` /
+  ``get_slice``, only the rows or columns of its own TP shard of the tensors its PP stage owns, and
+  copies them into place. No rank ever materialises the whole model or even a whole sharded tensor.
+- ``iter_hf_weights(chunks, hf_config)``: yields full HF tensors one at a time on every rank of the
+  model-parallel group (used by ``save_hf_checkpoint`` and by the rollout weight sync).
+
+Megatron layouts handled (local and Transformer Engine specs alike):
+
+- ``linear_qkv`` rows are grouped per KV group, ``[q_g (nq/nkv heads); k_g; v_g]`` for g in groups,
+  and TP gives each rank a contiguous run of whole groups; Qwen2's QKV bias follows the same layout.
+- ``linear_fc1`` is ``[gate; up]`` *per TP rank*: each rank holds its slice of gate then its slice of up.
+- ``linear_proj`` (``o_proj``) and ``linear_fc2`` (``down_proj``) are split on dim 1; embeddings and
+  the vocabulary head on dim 0; norms are replicated.
+- The TE spec fuses the pre-attention / pre-MLP norms into ``linear_qkv`` / ``linear_fc1``
+  (``layer_norm_weight``); the local spec has ``input_layernorm`` / ``pre_mlp_layernorm``.
+- Tied embeddings: the HF checkpoint has no ``lm_head``; with PP > 1 megatron keeps a copy of the
+  embedding on the last stage (``output_layer.weight``), which is loaded from ``embed_tokens``.
+- A critic's ``ValueHead`` is HF's ``score`` (``*ForTokenClassification``, ``num_labels=1``); when the
+  checkpoint is a causal LM without ``score.*``, the head starts at zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from meshrl.parallel import model_builder, state
+from meshrl.parallel.checkpoint import fsync_tree
+from meshrl.parallel.model_builder import ModelSpec, unwrap
+
+_TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One HF tensor and its place in megatron.
+
+    ``stage``: "embed" (first stage), "layer" (``layer`` index), "head" (last stage).
+    ``mcore``: parameter name inside the owning chunk, local-spec naming, ``{j}`` = local layer index.
+    ``tp_dim``: HF dimension TP splits (None: replicated). ``part``: which slice of a fused parameter
+    ("q", "k", "v", "gate", "up") or None. ``shape``: full HF shape. ``fields``: the config fields
+    that determine the shape, for error messages.
+    """
+
+    hf_name: str
+    stage: str
+    layer: int | None
+    mcore: str
+    tp_dim: int | None
+    part: str | None
+    shape: tuple[int, ...]
+    fields: str
+
+
+def hf_layout(spec: ModelSpec, critic: bool = False) -> list[Piece]:
+    """Every HF tensor of the model, in the order ``iter_hf_weights`` yields them."""
+    h, d, v, f = spec.hidden_size, spec.head_dim, spec.vocab_size, spec.ffn_hidden_size
+    nq, nkv = spec.num_attention_heads, spec.num_kv_heads
+    pieces = [Piece("model.embed_tokens.weight", "embed", None, "embedding.word_embeddings.weight", 0, None,
+                    (v, h), "vocab_size, hidden_size")]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        layer = "decoder.layers.{j}."
+        qkv = layer + "self_attention.linear_qkv."
+        pieces += [
+            Piece(p + "input_layernorm.weight", "layer", i, layer + "input_layernorm.weight", None, None,
+                  (h,), "hidden_size"),
+            Piece(p + "self_attn.q_proj.weight", "layer", i, qkv + "weight", 0, "q", (nq * d, h),
+                  "num_attention_heads*head_dim, hidden_size"),
+            Piece(p + "self_attn.k_proj.weight", "layer", i, qkv + "weight", 0, "k", (nkv * d, h),
+                  "num_key_value_heads*head_dim, hidden_size"),
+            Piece(p + "self_attn.v_proj.weight", "layer", i, qkv + "weight", 0, "v", (nkv * d, h),
+                  "num_key_value_heads*head_dim, hidden_size"),
+        ]
+        if spec.qkv_bias:
+            pieces += [
+                Piece(p + "self_attn.q_proj.bias", "layer", i, qkv + "bias", 0, "q", (nq * d,),
+                      "num_attention_heads*head_dim"),
+                Piece(p + "self_attn.k_proj.bias", "layer", i, qkv + "bias", 0, "k", (nkv * d,),
+                      "num_key_value_heads*head_dim"),
+                Piece(p + "self_attn.v_proj.bias", "layer", i, qkv + "bias", 0, "v", (nkv * d,),
+                      "num_key_value_heads*head_dim"),
+            ]
+        pieces += [
+            Piece(p + "self_attn.o_proj.weight", "layer", i, layer + "self_attention.linear_proj.weight", 1, None,
+                  (h, nq * d), "hidden_size, num_attention_heads*head_dim"),
+            Piece(p + "post_attention_layernorm.weight", "layer", i, layer + "pre_mlp_layernorm.weight", None,
+                  None, (h,), "hidden_size"),
+            Piece(p + "mlp.gate_proj.weight", "layer", i, layer + "mlp.linear_fc1.weight", 0, "gate", (f, h),
+                  "intermediate_size, hidden_size"),
+            Piece(p + "mlp.up_proj.weight", "layer", i, layer + "mlp.linear_fc1.weight", 0, "up", (f, h),
+                  "intermediate_size, hidden_size"),
+            Piece(p + "mlp.down_proj.weight", "layer", i, layer + "mlp.linear_fc2.weight", 1, None, (h, f),
+                  "hidden_size, intermediate_size"),
+        ]
+    pieces.append(Piece("model.norm.weight", "head", None, "decoder.final_layernorm.weight", None, None, (h,),
+                        "hidden_size"))
+    if critic:
+        pieces += [Piece("score.weight", "head", None, "output_layer.weight", None, None, (1, h), "hidden_size"),
+                   Piece("score.bias", "head", None, "output_layer.bias", None, None, (1,), "num_labels=1")]
+    elif not spec.tie_word_embeddings:
+        pieces.append(Piece("lm_head.weight", "head", None, "output_layer.weight", 0, None, (v, h),
+                            "vocab_size, hidden_size"))
+    return pieces
+
+
+def _owner(piece: Piece, spec: ModelSpec, parallel: state.ParallelConfig) -> tuple[int, int]:
+    """(pipeline rank, virtual stage) holding ``piece``; megatron's standard interleaved assignment."""
+    pp, vpp = parallel.pipeline_parallel, parallel.virtual_pipeline or 1
+    if piece.stage == "embed":
+        return 0, 0
+    if piece.stage == "head":
+        return pp - 1, vpp - 1
+    chunk = piece.layer // (spec.num_layers // (pp * vpp))
+    return chunk % pp, chunk // pp
+
+
+def _local_layer(piece: Piece, spec: ModelSpec, parallel: state.ParallelConfig) -> int:
+    pp, vpp = parallel.pipeline_parallel, parallel.virtual_pipeline or 1
+    return piece.layer % (spec.num_layers // (pp * vpp))
+
+
+def _param_name(piece: Piece, spec: ModelSpec, parallel: state.ParallelConfig, uses_te: bool) -> str:
+    name = piece.mcore
+    if uses_te:
+        for local, te in _TE_NAMES.items():
+            if name.endswith(local):
+                name = name[: -len(local)] + te
+    if piece.layer is not None:
+        name = name.format(j=_local_layer(piece, spec, parallel))
+    return name
+
+
+def _part_view(param: torch.Tensor, piece: Piece, spec: ModelSpec, tp: int) -> torch.Tensor:
+    """View of this rank's ``param`` holding ``piece``; shaped so HF-layout shards ``.view`` onto it."""
+    if piece.part in ("q", "k", "v"):
+        groups, per_group = spec.num_kv_heads // tp, spec.num_attention_heads // spec.num_kv_heads
+        grouped = param.view(groups, per_group + 2, spec.head_dim, *param.shape[1:])
+        start, stop = {"q": (0, per_group), "k": (per_group, per_group + 1),
+                       "v": (per_group + 1, per_group + 2)}[piece.part]
+        return grouped[:, start:stop]
+    if piece.part in ("gate", "up"):
+        half = param.shape[0] // 2
+        return param[:half] if piece.part == "gate" else param[half:]
+    return param
+
+
+def _shard_shape(piece: Piece, tp: int) -> tuple[int, ...]:
+    shape = list(piece.shape)
+    if piece.tp_dim is not None:
+        shape[piece.tp_dim] //= tp
+    return tuple(shape)
+
+
+def _model_facts(chunks: list[torch.nn.Module], hf_config) -> tuple[ModelSpec, bool, bool]:
+    """(spec, critic, uses TE) of ``chunks``; raises if ``hf_config`` describes another model."""
+    gpt = unwrap(chunks[0])
+    spec = model_builder.model_spec(hf_config)
+    mismatches = gpt.meshrl_spec.mismatches(spec)
+    if mismatches:
+        raise ValueError("the HF config does not match the model (model vs config): " + "; ".join(mismatches))
+    return spec, gpt.meshrl_critic, gpt.meshrl_uses_te
+
+
+def _chunk_params(chunks: list[torch.nn.Module]) -> list[dict[str, torch.Tensor]]:
+    return [dict(unwrap(chunk).named_parameters()) for chunk in chunks]
+
+
+class HFCheckpointReader:
+    """Lazy reader of an HF folder's safetensors (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str | os.PathLike) -> None:
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            self.file_of = dict(json.loads(index.read_text())["weight_map"])
+        elif (self.dir / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(self.dir / "model.safetensors", framework="pt") as handle:
+                self.file_of = {name: "model.safetensors" for name in handle.keys()}
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {self.dir}")
+        self._handles: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        file = self.file_of[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.dir / file, framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, index: int = 0, parts: int = 1) -> torch.Tensor:
+        """Tensor ``name``, or its ``index``-th of ``parts`` equal slices along ``dim``, reading only that."""
+        view = self._handle(name).get_slice(name)
+        if dim is None:
+            return view[:]
+        size = view.get_shape()[dim] // parts
+        region = [slice(None)] * len(view.get_shape())
+        region[dim] = slice(index * size, (index + 1) * size)
+        return view[tuple(region)]
+
+
+def check_hf_checkpoint(reader: HFCheckpointReader, spec: ModelSpec, critic: bool = False) -> None:
+    """Raise ``ValueError`` if the checkpoint's tensors disagree with ``spec`` (naming the config fields)."""
+    problems = []
+    for piece in hf_layout(spec, critic):
+        if piece.hf_name not in reader:
+            if critic and piece.hf_name.startswith("score."):
+                continue
+            problems.append(f"{piece.hf_name} is missing")
+        elif reader.shape(piece.hf_name) != piece.shape:
+            problems.append(f"{piece.hf_name} has shape {reader.shape(piece.hf_name)} but the config implies "
+                            f"{piece.shape} ({piece.fields})")
+        if len(problems) >= 5:
+            break
+    if problems:
+        raise ValueError("HF checkpoint does not match its config: " + "; ".join(problems))
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, hf_config=None) -> None:
+    """Copy this rank's shard of the HF checkpoint in ``hf_dir`` into ``chunks`` (streamed, sliced reads).
+
+    ``hf_config`` defaults to the folder's ``config.json``; it must describe the model the chunks were
+    built from. A critic whose checkpoint has no ``score.*`` gets a zero value head. Load before
+    building the optimizer: a mixed-precision optimizer copies the parameters into its fp32 masters.
+    """
+    from megatron.core import parallel_state
+
+    if hf_config is None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(hf_dir)
+    parallel = state.current()
+    spec, critic, uses_te = _model_facts(chunks, hf_config)
+    reader = HFCheckpointReader(hf_dir)
+    check_hf_checkpoint(reader, spec, critic)
+    tp, tp_rank = parallel.tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
+    my_pp = parallel_state.get_pipeline_model_parallel_rank()
+    params = _chunk_params(chunks)
+    targets: list[tuple[Piece, torch.Tensor]] = []
+    for piece in hf_layout(spec, critic):
+        pp_rank, vp = _owner(piece, spec, parallel)
+        if pp_rank == my_pp:
+            targets.append((piece, params[vp][_param_name(piece, spec, parallel, uses_te)]))
+    last_stage = my_pp == parallel.pipeline_parallel - 1
+    if spec.tie_word_embeddings and not critic and parallel.pipeline_parallel > 1 and last_stage:
+        # The last stage's copy of the tied embedding.
+        tied = Piece("model.embed_tokens.weight", "head", None, "output_layer.weight", 0, None,
+                     (spec.vocab_size, spec.hidden_size), "vocab_size, hidden_size")
+        targets.append((tied, params[-1]["output_layer.weight"]))
+    for piece, param in targets:
+        view = _part_view(param.data, piece, spec, tp)
+        if piece.hf_name not in reader:  # a critic's value head from a causal-LM checkpoint
+            view.zero_()
+            continue
+        shard = reader.read(piece.hf_name, piece.tp_dim, tp_rank, tp)
+        view.copy_(shard.view(view.shape))
+
+
+def _gather_tp(local: torch.Tensor, dim: int, full_shape: tuple[int, ...], group) -> torch.Tensor:
+    """Concatenate each TP rank's ``local`` along ``dim`` into one tensor; peak: full + one shard."""
+    tp = dist.get_world_size(group)
+    out = torch.empty(full_shape, dtype=local.dtype, device=local.device)
+    if dim == 0:
+        dist.all_gather(list(out.chunk(tp, dim=0)), local, group=group)
+        return out
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank(group)
+    buffer = torch.empty_like(local)
+    for index, chunk in enumerate(out.chunk(tp, dim=dim)):
+        source = local if index == me else buffer
+        dist.broadcast(source, src=ranks[index], group=group)
+        chunk.copy_(source)
+    return out
+
+
+@torch.no_grad()
+def iter_hf_weights(chunks: list[torch.nn.Module], hf_config,
+                    grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for every HF tensor of the model, one at a time.
+
+    With ``grads=True`` the accumulated gradients (DDP ``main_grad``) are yielded instead of the
+    weights, in the same layout (for checks against a reference implementation).
+
+    Contract:
+    - **Every rank of the model-parallel group (all TP x PP ranks of one replica) must iterate the
+      generator to the end, in lockstep**: each step runs collectives (an all-gather over TP on the
+      owning pipeline stage, then a broadcast from that stage over PP). Data-parallel replicas are
+      independent; each may iterate or not.
+    - Tensors are full (TP-gathered) and in HF layout: fused QKV is split back into ``q_proj`` /
+      ``k_proj`` / ``v_proj``, ``linear_fc1`` into ``gate_proj`` / ``up_proj``. Names follow HF
+      ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (critic: ``*ForTokenClassification`` with ``score``);
+      with tied embeddings there is no ``lm_head.weight``. Order is ``hf_layout``'s (embedding, layer by
+      layer, final norm, head). dtype is the model's; device is the model's.
+    - A yielded tensor is a fresh buffer owned by the consumer; the generator keeps no reference to it,
+      so peak extra memory is about one full tensor (plus one TP shard while gathering).
+    """
+    from megatron.core import parallel_state
+
+    parallel = state.current()
+    spec, critic, uses_te = _model_facts(chunks, hf_config)
+    tp = parallel.tensor_parallel
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    my_pp = parallel_state.get_pipeline_model_parallel_rank()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    params = _chunk_params(chunks)
+    device = next(iter(params[0].values())).device
+    dtype = next(iter(params[0].values())).main_grad.dtype if grads else model_builder.model_config(chunks).params_dtype
+    for piece in hf_layout(spec, critic):
+        owner_pp, vp = _owner(piece, spec, parallel)
+        if owner_pp == my_pp:
+            param = params[vp][_param_name(piece, spec, parallel, uses_te)]
+            source = param.main_grad if grads else param.data
+            local = _part_view(source, piece, spec, tp).reshape(_shard_shape(piece, tp))
+            if piece.tp_dim is not None and tp > 1:
+                tensor = _gather_tp(local.contiguous(), piece.tp_dim, piece.shape, tp_group)
+            else:
+                tensor = local.clone()
+        else:
+            tensor = torch.empty(piece.shape, dtype=dtype, device=device)
+        if parallel.pipeline_parallel > 1:
+            dist.broadcast(tensor, src=pp_ranks[owner_pp], group=pp_group)
+        yield piece.hf_name, tensor
+        del tensor
+
+
+def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | os.PathLike,
+                       tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
+                       max_shard_bytes: int = 2 * 1024**3) -> Path | None:
+    """Write an HF folder (config, safetensors shards + index, tokenizer files) from ``chunks``.
+
+    Collective over the model-parallel group (see ``iter_hf_weights``); its first rank writes. With
+    DP > 1 let one replica call it (the replicas hold identical weights). Shards are flushed as soon
+    as they reach ``max_shard_bytes``, so the writer holds at most one shard. The folder appears
+    atomically (written beside it, fsynced, renamed).
+    Returns the folder on the writing rank, None elsewhere.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    writer = dist.get_rank(_model_parallel_group()) == 0
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, files, weight_map = 0, [], {}
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update({key: name for key in shard})
+        shard, shard_bytes = {}, 0
+
+    for name, tensor in iter_hf_weights(chunks, hf_config):
+        if not writer:
+            continue
+        tensor = tensor.to(device="cpu", dtype=dtype or tensor.dtype)
+        if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
+            flush()
+        shard[name] = tensor
+        shard_bytes += tensor.nbytes
+    if not writer:
+        return None
+    if shard or not files:
+        flush()
+    if len(files) == 1:
+        os.replace(tmp / files[0], tmp / "model.safetensors")
+    else:
+        total = sum((tmp / f).stat().st_size for f in files)
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    hf_config = _config_for_export(hf_config, critic=unwrap(chunks[0]).meshrl_critic,
+                                   dtype=dtype or model_builder.model_config(chunks).params_dtype)
+    hf_config.save_pretrained(tmp)
+    if tokenizer_dir is not None:
+        for file in Path(tokenizer_dir).iterdir():
+            if file.is_file() and (file.name.startswith("tokenizer") or file.name in
+                                   ("special_tokens_map.json", "chat_template.jinja", "generation_config.json",
+                                    "vocab.json", "merges.txt")):
+                shutil.copy2(file, tmp / file.name)
+    fsync_tree(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _config_for_export(hf_config, critic: bool, dtype: torch.dtype):
+    import copy
+
+    config = copy.deepcopy(hf_config)
+    config.dtype = dtype
+    if critic:
+        family = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification"}
+        config.architectures = [family[config.model_type]]
+        config.num_labels = 1
+    return config
+
+
+def _model_parallel_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_model_parallel_group()

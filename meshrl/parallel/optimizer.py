@@ -1,0 +1,216 @@
+"""megatron optimizer (AdamW), gradient clipping and learning-rate schedule for model chunks.
+
+``build_optimizer`` wraps ``get_megatron_optimizer``: TE/apex fused Adam where available, else
+torch's AdamW (the CPU case). Precision follows the model: fp32 params -> ``FP32Optimizer``; bf16 params
+-> fp32 main params and fp32 gradient reduction. ``use_distributed_optimizer`` shards optimizer state
+over data-parallel ranks (the model must have been built with the same flag). Weight decay is
+megatron's standard: none for biases and 1-D parameters (norms).
+
+The schedule is megatron's ``OptimizerParamScheduler``: linear warmup from ``warmup_init_lr`` over
+``warmup_steps``, then ``constant`` / ``cosine`` / ``linear`` decay to ``min_lr`` at ``decay_steps``.
+Update ``k`` (0-based) uses the learning rate of step ``k``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshrl.parallel.forward import LossFn, MicroBatch, OutputRequest
+from meshrl.parallel.model_builder import model_config
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    warmup_init_lr: float = 0.0
+    schedule: str = "constant"
+    decay_steps: int | None = None
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} is not one of {LR_SCHEDULES}")
+        if self.schedule != "constant" and self.decay_steps is None:
+            raise ValueError(f"schedule {self.schedule!r} needs decay_steps")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"decay_steps ({self.decay_steps}) must exceed warmup_steps ({self.warmup_steps})")
+        if not 0.0 <= self.min_lr <= self.lr or self.warmup_init_lr > self.lr:
+            raise ValueError("need 0 <= min_lr <= lr and warmup_init_lr <= lr")
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _with_step_state(init_state_fn):
+    """megatron's Adam state initialiser plus torch AdamW's ``step``.
+
+    Loading a checkpoint first initialises empty optimizer state to know its shapes; megatron's
+    initialiser creates ``exp_avg`` / ``exp_avg_sq`` but not the ``step`` torch's AdamW needs
+    (TE/apex Adam keep the step in the param group). Without it a loaded DistributedOptimizer fails.
+    """
+    def init(opt, config=None):
+        init_state_fn(opt, config)
+        for group in opt.param_groups:
+            for param in group["params"]:
+                state = opt.state[param]
+                if state and "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+
+    return init
+
+
+def _fix_distributed_optimizer_step_loading(inner) -> None:
+    """Make a megatron DistributedOptimizer with torch AdamW loadable (megatron-core 0.16.1 gaps).
+
+    Loading sets one shared ``step`` tensor into every parameter's state, then copies the checkpointed
+    moments with ``_set_main_param_and_optimizer_states``, which copies *every* state key and fails on
+    ``step`` (the checkpoint carries it separately). This instance-level wrapper hides ``step`` during
+    that copy and puts back a private copy per parameter: a shared tensor would be incremented once
+    per parameter at every ``optimizer.step()``, corrupting Adam's bias correction.
+    """
+    original = inner._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group, order = inner.model_param_group_index_map[model_param]
+        param_state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
+        step = param_state.pop("step", None) if "step" not in tensors else None
+        try:
+            original(model_param, tensors)
+        finally:
+            if step is not None:
+                param_state["step"] = step.detach().clone()
+
+    inner._set_main_param_and_optimizer_states = set_states
+
+
+def _fill_missing_step_on_load(torch_optimizer: torch.optim.Optimizer) -> None:
+    """Let torch's Adam load a state whose ``step`` megatron dropped (megatron-core 0.16.1 gap).
+
+    ``FP32Optimizer.sharded_state_dict`` stores the shared step only ``if step:``, so a checkpoint
+    taken before the first update (step 0) has moments but no step, and torch refuses to load it.
+    A missing step means 0.
+    """
+    original = torch_optimizer.load_state_dict
+
+    def load_state_dict(state_dict):
+        for param_state in state_dict["state"].values():
+            if param_state and "step" not in param_state:
+                param_state["step"] = torch.zeros((), dtype=torch.float32)
+        original(state_dict)
+
+    torch_optimizer.load_state_dict = load_state_dict
+
+
+def build_optimizer(chunks: list[torch.nn.Module], config: OptimizerConfig):
+    """(megatron optimizer, ``OptimizerParamScheduler``) for ``chunks``; the LR of step 0 is set."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    model = model_config(chunks)
+    ddp_flag = getattr(chunks[0], "ddp_config", None)
+    if ddp_flag is not None and ddp_flag.use_distributed_optimizer != config.use_distributed_optimizer:
+        raise ValueError("use_distributed_optimizer differs between the model (build_model) and the optimizer")
+    megatron_config = MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=config.lr,
+        min_lr=config.min_lr,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.betas[0],
+        adam_beta2=config.betas[1],
+        adam_eps=config.eps,
+        clip_grad=config.clip_grad,
+        bf16=model.bf16,
+        fp16=model.fp16,
+        params_dtype=model.params_dtype,
+        use_distributed_optimizer=config.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(megatron_config, chunks)
+    for inner in _inner_optimizers(optimizer):
+        if isinstance(getattr(inner, "optimizer", None), torch.optim.AdamW | torch.optim.Adam):
+            if inner.init_state_fn is not None:
+                inner.init_state_fn = _with_step_state(inner.init_state_fn)
+            if hasattr(inner, "_set_main_param_and_optimizer_states"):
+                _fix_distributed_optimizer_step_loading(inner)
+            _fill_missing_step_on_load(inner.optimizer)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=config.warmup_init_lr if config.warmup_steps else config.lr,
+        max_lr=config.lr,
+        min_lr=config.min_lr,
+        lr_warmup_steps=config.warmup_steps,
+        lr_decay_steps=config.decay_steps or config.warmup_steps + 1,
+        lr_decay_style=config.schedule,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+        # Resuming restores the schedule from the checkpoint (see checkpoint.load_checkpoint).
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
+    return optimizer, scheduler
+
+
+def initialize_state(optimizer) -> None:
+    """Create empty Adam state (moments and ``step``) where there is none, e.g. before loading a checkpoint.
+
+    megatron's DistributedOptimizer reads the state's ``step`` while describing what to load, before it
+    initialises anything itself.
+    """
+    for inner in _inner_optimizers(optimizer):
+        if inner.init_state_fn is not None:
+            inner.init_state_fn(inner.optimizer, inner.config)
+
+
+def zero_grad(chunks: list[torch.nn.Module], optimizer) -> None:
+    """Clear the DDP grad buffers and the optimizer's gradients before accumulating a new step."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def current_lr(optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def optimizer_step(optimizer, scheduler) -> dict[str, Any]:
+    """Clip (``clip_grad``) and apply the accumulated gradients, then advance the schedule one step.
+
+    Returns ``lr`` (the one used), ``grad_norm`` (before clipping, over the whole model) and
+    ``update_successful`` (False when a mixed-precision step found inf/nan and was skipped; the
+    schedule then does not advance).
+    """
+    lr = current_lr(optimizer)
+    success, grad_norm, _ = optimizer.step()
+    if success:
+        scheduler.step(1)
+    return {"lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
+            "update_successful": bool(success)}
+
+
+def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batches: list[MicroBatch],
+               loss_fn: LossFn, request: OutputRequest = OutputRequest()) -> dict[str, Any]:
+    """One optimizer update over ``micro_batches``: zero grads, forward/backward, clip, step.
+
+    ``loss_fn`` follows ``meshrl.parallel.schedule``'s contract (already globally normalised).
+    Returns ``loss`` (global), per-micro-batch ``metrics``, ``lr``, ``grad_norm``, ``update_successful``.
+    """
+    from meshrl.parallel.schedule import forward_backward
+
+    zero_grad(chunks, optimizer)
+    result = forward_backward(chunks, micro_batches, loss_fn, request)
+    stats = optimizer_step(optimizer, scheduler)
+    return {"loss": result.loss, "metrics": result.metrics, **stats}

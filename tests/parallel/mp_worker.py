@@ -1,0 +1,544 @@
+"""Multi-process checks of meshrl.parallel, run under torchrun; one launch runs several layouts.
+
+    torchrun --nproc-per-node 2 tests/parallel/mp_worker.py --suite w2 --workdir DIR --out DIR/w2.json
+
+Each phase initialises one layout (TP/PP/VPP/DP), runs every check for it against Hugging Face
+transformers references computed in-process, records raw measurements (max abs differences, counts),
+and tears the megatron groups down; the default process group lives for the whole launch. Rank 0
+writes the merged results (numbers: max over ranks) after every phase, so a later hang keeps earlier
+results. ``tests/parallel/test_parallel_multiproc.py`` launches the suites and asserts thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from meshrl.models.tiny import TinySpec, tiny_model_dir  # noqa: E402
+from meshrl.parallel import checkpoint, hf_conversion, model_builder, offload, optimizer, schedule, state  # noqa: E402
+from meshrl.parallel.forward import OutputRequest  # noqa: E402
+
+LLAMA = TinySpec()
+QWEN2 = TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False)
+LLAMA4 = TinySpec(num_hidden_layers=4)
+TIMEOUT_S = 120.0
+
+SUITES = {
+    "w1": [("tp1", {})],
+    "w2": [("tp2", dict(tensor_parallel=2)), ("pp2", dict(pipeline_parallel=2)),
+           ("vpp2", dict(pipeline_parallel=2, virtual_pipeline=2)), ("dp2", {})],
+    "w4": [("tp2pp2", dict(tensor_parallel=2, pipeline_parallel=2))],
+}
+# Adam's update g / (sqrt(v) + eps) turns fp32 rounding of near-zero gradients into O(lr) differences
+# when eps is tiny; eps=1e-3 keeps the comparison well conditioned. The gradient norm (~7) exceeds
+# clip_grad, so clipping is exercised.
+OPT = optimizer.OptimizerConfig(lr=1e-3, min_lr=1e-4, weight_decay=0.1, eps=1e-3, clip_grad=1.0,
+                                schedule="cosine", decay_steps=10)
+
+
+# ---------------------------------------------------------------- data and references
+
+def make_micro_batches(seed: int = 0) -> list[dict]:
+    """Three micro-batches of different sizes and lengths: right padding, left padding, a hole."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(2, 10), (3, 7), (1, 12)]
+    batches = []
+    for b, s in shapes:
+        ids = torch.randint(0, 49152, (b, s), generator=g)
+        mask = torch.ones(b, s, dtype=torch.long)
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    batches[0]["attention_mask"][1, 6:] = 0  # right padding
+    batches[1]["attention_mask"][0, :2] = 0  # left padding
+    batches[1]["attention_mask"][2, :4] = 0
+    batches[2]["attention_mask"][0, 5:7] = 0  # a hole between prompt and response
+    total = 0.0
+    for mb in batches:
+        mb["loss_mask"] = _loss_mask(mb["attention_mask"])
+        mb["adv"] = torch.randn(mb["input_ids"].shape, generator=g)
+        mb["returns"] = torch.randn(mb["input_ids"].shape, generator=g)
+        total += float(mb["loss_mask"].sum())
+    for mb in batches:
+        mb["n_global"] = total
+    return batches
+
+
+def resplit(batches: list[dict]) -> list[dict]:
+    """The same rows regrouped into three different micro-batches (and, at DP=2, a different DP split),
+    with different padding widths."""
+    rows = []
+    for mb in batches:
+        for i in range(mb["input_ids"].shape[0]):
+            rows.append({k: (v[i] if isinstance(v, torch.Tensor) else v) for k, v in mb.items()})
+    groups = [rows[:3], rows[3:4], rows[4:]]
+    out = []
+    for group in groups:
+        width = max(r["input_ids"].shape[0] for r in group) + 2
+        mb = {"n_global": group[0]["n_global"]}
+        for key in ("input_ids", "attention_mask", "loss_mask", "adv", "returns"):
+            padded = torch.zeros(len(group), width, dtype=group[0][key].dtype)
+            for i, r in enumerate(group):
+                padded[i, : r[key].shape[0]] = r[key]
+            mb[key] = padded
+        out.append(mb)
+    return out
+
+
+def _loss_mask(mask: torch.Tensor) -> torch.Tensor:
+    first = torch.zeros_like(mask, dtype=torch.bool)
+    first.scatter_(1, mask.argmax(dim=1, keepdim=True), True)
+    return (mask.bool() & ~first).float()
+
+
+def policy_loss(outputs: dict, mb: dict):
+    m = mb["loss_mask"]
+    loss = ((outputs["log_probs"] * mb["adv"] + 0.01 * outputs["entropy"]) * m).sum() / mb["n_global"]
+    return loss, {"tokens": m.sum()}
+
+
+def critic_loss(outputs: dict, mb: dict):
+    m = mb["loss_mask"]
+    return (((outputs["values"] - mb["returns"]) ** 2) * m).sum() / mb["n_global"], {}
+
+
+def hf_outputs(model, mb: dict, critic: bool) -> dict:
+    """HF outputs in meshrl's alignment: position t from the previous valid position."""
+    ids, mask = mb["input_ids"], mb["attention_mask"]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    index = torch.arange(ids.shape[1]).expand_as(ids)
+    last_valid = torch.cummax(torch.where(mask.bool(), index, torch.full_like(index, -1)), dim=1).values
+    prev = torch.cat([torch.full_like(last_valid[:, :1], -1), last_valid[:, :-1]], dim=1)
+    has_prev = (prev >= 0) & mask.bool()
+    src = prev.clamp(min=0)
+    if critic:
+        values = out.logits.squeeze(-1).gather(1, src)
+        return {"values": torch.where(has_prev, values, torch.zeros_like(values))}
+    logp = torch.log_softmax(out.logits.float(), dim=-1)
+    rows = logp.gather(1, src.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
+    lp = rows.gather(2, ids.unsqueeze(-1)).squeeze(-1)
+    ent = -(rows.exp() * rows).sum(-1)
+    zero = torch.zeros_like(lp)
+    return {"log_probs": torch.where(has_prev, lp, zero), "entropy": torch.where(has_prev, ent, zero)}
+
+
+def hf_model(path: Path, critic: bool):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    kwargs = {"num_labels": 1} if critic else {}
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kwargs)
+
+
+def hf_reference(path: Path, batches: list[dict], critic: bool):
+    """(per-micro-batch outputs, loss, grads by HF name) of the HF model on ``batches``."""
+    model = hf_model(path, critic)
+    loss_fn = critic_loss if critic else policy_loss
+    outputs, total = [], 0.0
+    for mb in batches:
+        out = hf_outputs(model, mb, critic)
+        loss, _ = loss_fn(out, mb)
+        loss.backward()
+        total += float(loss)
+        outputs.append({k: v.detach() for k, v in out.items()})
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return outputs, total, grads
+
+
+def max_diff(a: dict | list, b: dict | list) -> float:
+    if isinstance(a, list):
+        return max(max_diff(x, y) for x, y in zip(a, b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def hf_tensors(chunks, path: Path, grads: bool = False) -> dict[str, torch.Tensor]:
+    from transformers import AutoConfig
+
+    return {name: t.cpu() for name, t in hf_conversion.iter_hf_weights(chunks, AutoConfig.from_pretrained(path),
+                                                                       grads=grads)}
+
+
+# ---------------------------------------------------------------- checks
+
+class Recorder:
+    def __init__(self) -> None:
+        self.values: dict[str, object] = {}
+
+    def run(self, name: str, fn) -> None:
+        start = time.monotonic()
+        try:
+            result = fn()
+            if isinstance(result, dict):
+                self.values.update({f"{name}.{k}": v for k, v in result.items()})
+            else:
+                self.values[name] = result
+        except Exception:  # recorded, reported by pytest
+            self.values[f"{name}.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
+        print(f"[rank {dist.get_rank()}] {name}: {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+
+
+def build(path: Path, critic: bool = False, **kwargs):
+    from transformers import AutoConfig
+
+    chunks = model_builder.build_model(AutoConfig.from_pretrained(path), critic=critic, **kwargs)
+    hf_conversion.load_hf_weights(chunks, path)
+    return chunks
+
+
+def my_batches(items: list) -> list:
+    """This DP rank's share: with DP=2, rank 0 takes the first two micro-batches, rank 1 the rest."""
+    if state.dp_size() == 1:
+        return items
+    assert state.dp_size() == 2
+    return items[:2] if state.dp_rank() == 0 else items[2:]
+
+
+def check_parity(path: Path, critic: bool) -> dict:
+    batches = make_micro_batches()
+    ref_out, ref_loss, ref_grads = hf_reference(path, batches, critic)
+    mine, mine_ref = my_batches(batches), my_batches(ref_out)
+    chunks = build(path, critic)
+    request = OutputRequest(entropy=not critic)
+    out = schedule.forward_only(chunks, mine, request)
+    result = {}
+    for key in mine_ref[0]:
+        result[key] = max(float((o[key] - r[key]).abs().max()) for o, r in zip(out, mine_ref))
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    passed = schedule.forward_backward(chunks, mine, critic_loss if critic else policy_loss, request)
+    result["loss"] = abs(passed.loss - ref_loss)
+    grads = hf_tensors(chunks, path, grads=True)
+    missing = set(ref_grads) ^ set(grads)
+    result["grad_names_mismatch"] = len(missing)
+    result["grads"] = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)
+    result["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values())
+    return result
+
+
+def check_invariance(path: Path) -> dict:
+    """Loss and grads with two different micro-batch splits (and DP splits) are the same."""
+    batches = make_micro_batches()
+    results = []
+    for split in (batches, resplit(batches)):
+        chunks = build(path)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        passed = schedule.forward_backward(chunks, my_batches(split), policy_loss, OutputRequest(entropy=True))
+        results.append((passed.loss, hf_tensors(chunks, path, grads=True)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    return {"loss": abs(loss_a - loss_b), "grads": max(float((grads_a[k] - grads_b[k]).abs().max()) for k in grads_a)}
+
+
+def check_roundtrip(path: Path, workdir: Path, tag: str, critic: bool = False) -> dict:
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    chunks = build(path, critic)
+    params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+    shares = sum(t.untyped_storage().data_ptr() in params
+                 for _, t in hf_conversion.iter_hf_weights(chunks, AutoConfig.from_pretrained(path)))
+    out = workdir / f"roundtrip-{tag}-dp{state.dp_rank()}"  # each DP replica writes its own copy
+    hf_conversion.save_hf_checkpoint(chunks, AutoConfig.from_pretrained(path), out, tokenizer_dir=path)
+    dist.barrier()
+    mismatches = 0
+    if dist.get_rank() == 0:
+        original = hf_conversion.HFCheckpointReader(path)
+        exported = hf_conversion.HFCheckpointReader(out)
+        names = set(original.file_of)
+        mismatches += len(names ^ set(exported.file_of))
+        for name in names & set(exported.file_of):
+            mismatches += not torch.equal(original.read(name), exported.read(name))
+        mismatches += (path / "tokenizer.json").is_file() != (out / "tokenizer.json").is_file()
+        with safe_open(out / "model.safetensors", framework="pt"):
+            pass
+    return {"mismatches": mismatches, "yielded_views_of_params": shares}
+
+
+def reference_adam(path: Path, batches: list[dict], steps: int) -> dict[str, torch.Tensor]:
+    """HF model + torch AdamW (megatron's wd groups, clip, cosine LR) after ``steps`` updates."""
+    model = hf_model(path, critic=False)
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPT.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=OPT.lr, betas=OPT.betas, eps=OPT.eps)
+    for step in range(steps):
+        lr = OPT.min_lr + 0.5 * (OPT.lr - OPT.min_lr) * (1 + math.cos(math.pi * step / OPT.decay_steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        for mb in batches:
+            loss, _ = policy_loss(hf_outputs(model, mb, False), mb)
+            loss.backward()
+        if OPT.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.clip_grad)
+        opt.step()
+    return {name: p.detach().clone() for name, p in model.state_dict().items() if name != "lm_head.weight"
+            or not model.config.tie_word_embeddings}
+
+
+def check_optimizer(path: Path, distributed_optimizer: bool = False) -> dict:
+    batches = make_micro_batches()
+    chunks = build(path, use_distributed_optimizer=distributed_optimizer)
+    opt, sched = optimizer.build_optimizer(chunks, optimizer.OptimizerConfig(
+        **{**vars(OPT), "use_distributed_optimizer": distributed_optimizer}))
+    stats = [optimizer.train_step(chunks, opt, sched, my_batches(batches), policy_loss, OutputRequest(entropy=True))
+             for _ in range(2)]
+    weights = hf_tensors(chunks, path)
+    reference = reference_adam(path, batches, 2)
+    original = hf_conversion.HFCheckpointReader(path)
+    lr1 = OPT.min_lr + 0.5 * (OPT.lr - OPT.min_lr) * (1 + math.cos(math.pi / OPT.decay_steps))
+    return {"weights": max(float((weights[k] - reference[k]).abs().max()) for k in reference),
+            "moved": max(float((weights[k] - original.read(k)).abs().max()) for k in reference),
+            "lr": abs(stats[1]["lr"] - lr1) + abs(stats[0]["lr"] - OPT.lr),
+            "clipped": float(stats[0]["grad_norm"] > OPT.clip_grad)}
+
+
+def check_checkpoint_save(path: Path, workdir: Path) -> dict:
+    """TP2: two updates, save at step 2 (with a simulated crash of a later save), then update 3."""
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    batches = make_micro_batches()
+    chunks = build(path)
+    opt, sched = optimizer.build_optimizer(chunks, OPT)
+    for _ in range(2):
+        optimizer.train_step(chunks, opt, sched, batches, policy_loss, OutputRequest(entropy=True))
+    root = workdir / "ckpt"
+    checkpoint.save_checkpoint(root, 2, chunks, opt, sched, extra={"data_position": 7})
+
+    real_save = dist_checkpointing.save
+
+    def crashing_save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise RuntimeError("simulated crash after writing shards, before the rename")
+
+    dist_checkpointing.save = crashing_save
+    crashed = 0
+    try:
+        checkpoint.save_checkpoint(root, 3, chunks, opt, sched)
+    except RuntimeError:
+        crashed = 1
+    finally:
+        dist_checkpointing.save = real_save
+    dist.barrier()
+    latest = checkpoint.latest_checkpoint(root)
+    after_crash_ok = int(crashed == 1 and latest is not None and latest.name == "step_00000002"
+                         and (root / ".step_00000003.tmp").exists() and not (root / "step_00000003").exists())
+    # Offload round trip on the trained state (CPU storages, the same cycle as on GPU).
+    snapshot = [t.detach().clone() for t in offload._model_tensors(chunks, True, True)]
+    snapshot += [t.detach().clone() for t in offload._optimizer_tensors(opt)]
+    handle = offload.offload(chunks, opt, include_host_tensors=True)
+    freed = int(all(p.untyped_storage().nbytes() == 0 for c in chunks for p in c.parameters()))
+    handle.restore()
+    restored = list(offload._model_tensors(chunks, True, True)) + list(offload._optimizer_tensors(opt))
+    offload_exact = int(len(restored) == len(snapshot) and all(torch.equal(a, b) for a, b in zip(snapshot, restored)))
+
+    optimizer.train_step(chunks, opt, sched, batches, policy_loss, OutputRequest(entropy=True))
+    weights = hf_tensors(chunks, path)
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(workdir / "ckpt_step3_reference.safetensors"))
+    dist.barrier()
+    return {"atomic": after_crash_ok, "offload_freed": freed, "offload_exact": offload_exact}
+
+
+def check_checkpoint_load(path: Path, workdir: Path) -> dict:
+    """Load the TP2 checkpoint at this layout, run update 3, compare with TP2's update 3."""
+    from safetensors.torch import load_file
+
+    batches = make_micro_batches()
+    chunks = build(path)
+    opt, sched = optimizer.build_optimizer(chunks, OPT)
+    loaded = checkpoint.load_checkpoint(workdir / "ckpt", chunks, opt, sched)
+    stats = optimizer.train_step(chunks, opt, sched, my_batches(batches), policy_loss, OutputRequest(entropy=True))
+    reference = load_file(str(workdir / "ckpt_step3_reference.safetensors"))
+    weights = hf_tensors(chunks, path)
+    lr2 = OPT.min_lr + 0.5 * (OPT.lr - OPT.min_lr) * (1 + math.cos(math.pi * 2 / OPT.decay_steps))
+    return {"weights": max(float((weights[k] - reference[k]).abs().max()) for k in reference),
+            "step": loaded["step"], "extra_ok": int(loaded["extra"] == {"data_position": 7}),
+            "lr": abs(stats["lr"] - lr2)}
+
+
+def check_checkpoint_roundtrip(path: Path, workdir: Path, tag: str, distributed_optimizer: bool) -> dict:
+    """Save after one update, load into a fresh model + optimizer, both take update 2: same weights."""
+    batches = make_micro_batches()
+    config = optimizer.OptimizerConfig(**{**vars(OPT), "use_distributed_optimizer": distributed_optimizer})
+    runs = []
+    for load in (False, True):
+        chunks = build(path, use_distributed_optimizer=distributed_optimizer)
+        opt, sched = optimizer.build_optimizer(chunks, config)
+        if load:
+            checkpoint.load_checkpoint(workdir / f"ckpt-{tag}", chunks, opt, sched)
+        else:
+            optimizer.train_step(chunks, opt, sched, my_batches(batches), policy_loss, OutputRequest(entropy=True))
+            checkpoint.save_checkpoint(workdir / f"ckpt-{tag}", 1, chunks, opt, sched)
+        optimizer.train_step(chunks, opt, sched, my_batches(batches), policy_loss, OutputRequest(entropy=True))
+        runs.append(hf_tensors(chunks, path))
+    return {"weights": max(float((runs[0][k] - runs[1][k]).abs().max()) for k in runs[0])}
+
+
+def check_smollm2() -> dict:
+    """The real SmolLM2-135M (30 layers, 9 heads / 3 KV heads, tied) against HF at TP1.
+
+    The reference is HF's default attention (sdpa); HF's eager attention is recorded too, as the
+    noise floor: HF's two implementations of the same model disagree by about as much.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.models.embedded import smollm2_hf_dir
+
+    path = smollm2_hf_dir()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 49152, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mb = {"input_ids": ids, "attention_mask": mask}
+    sdpa = hf_outputs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), mb, critic=False)
+    eager = hf_outputs(hf_model(path, critic=False), mb, critic=False)
+    out = schedule.forward_only(build(path), [mb], OutputRequest(entropy=True))[0]
+    result = {key: float((out[key] - sdpa[key]).abs().max()) for key in sdpa}
+    result.update({f"hf_eager_vs_sdpa_{key}": float((eager[key] - sdpa[key]).abs().max()) for key in sdpa})
+    return result
+
+
+def check_convert_cli(workdir: Path) -> dict:
+    """hf-to-mcore then mcore-to-hf (bit-exact), and refusals that name the mismatching field."""
+    from transformers import AutoConfig
+
+    from meshrl.parallel import convert_cli
+
+    source = tiny_model_dir(QWEN2)
+    state.destroy()  # the CLI initialises its own layout
+    codes = [convert_cli.main(["hf-to-mcore", "--hf", str(source), "--out", str(workdir / "cli-ckpt")]),
+             convert_cli.main(["mcore-to-hf", "--ckpt", str(workdir / "cli-ckpt"), "--hf-config", str(source),
+                               "--out", str(workdir / "cli-hf")])]
+    original, exported = hf_conversion.HFCheckpointReader(source), hf_conversion.HFCheckpointReader(workdir / "cli-hf")
+    mismatches = len(set(original.file_of) ^ set(exported.file_of)) + sum(
+        not torch.equal(original.read(n), exported.read(n)) for n in original.file_of)
+    wrong = workdir / "cli-wrong-config"
+    config = AutoConfig.from_pretrained(source)
+    config.num_key_value_heads = 4
+    config.save_pretrained(wrong)
+    import contextlib
+    import io
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        refused_export = convert_cli.main(["mcore-to-hf", "--ckpt", str(workdir / "cli-ckpt"), "--hf-config",
+                                           str(wrong), "--out", str(workdir / "cli-never")])
+        (wrong / "model.safetensors").symlink_to(source / "model.safetensors")
+        refused_import = convert_cli.main(["hf-to-mcore", "--hf", str(wrong), "--out", str(workdir / "cli-never")])
+    message = stderr.getvalue()
+    state.initialize(state.ParallelConfig(timeout_s=TIMEOUT_S))
+    return {"exit_codes": max(codes), "mismatches": mismatches,
+            "refused_export": int(refused_export == 2 and "num_key_value_heads" in message.split("\n")[0]),
+            "refused_import": int(refused_import == 2 and "num_key_value_heads*head_dim" in message),
+            "nothing_written": int(not (workdir / "cli-never").exists())}
+
+
+def run_phase(name: str, layout: dict, workdir: Path) -> dict:
+    state.initialize(state.ParallelConfig(timeout_s=TIMEOUT_S, **layout))
+    rec = Recorder()
+    llama, qwen2, llama4 = (tiny_model_dir(s) for s in (LLAMA, QWEN2, LLAMA4))
+    critic_llama, critic_qwen2 = workdir / "critic-llama", workdir / "critic-qwen2"
+    if name == "tp1":
+        rec.run("smollm2", check_smollm2)
+        rec.run("convert_cli", lambda: check_convert_cli(workdir))
+    elif name == "vpp2":
+        rec.run("parity.llama4", lambda: check_parity(llama4, False))
+        rec.run("parity.llama4_critic", lambda: check_parity(workdir / "critic-llama4", True))
+        rec.run("roundtrip.llama4", lambda: check_roundtrip(llama4, workdir, f"{name}-llama4"))
+        rec.run("invariance", lambda: check_invariance(llama4))
+        rec.run("checkpoint_roundtrip", lambda: check_checkpoint_roundtrip(llama4, workdir, name, False))
+    else:
+        rec.run("parity.llama", lambda: check_parity(llama, False))
+        rec.run("parity.qwen2", lambda: check_parity(qwen2, False))
+        rec.run("parity.llama_critic", lambda: check_parity(critic_llama, True))
+        rec.run("parity.qwen2_critic", lambda: check_parity(critic_qwen2, True))
+        rec.run("invariance", lambda: check_invariance(llama))
+        rec.run("roundtrip.llama", lambda: check_roundtrip(llama, workdir, f"{name}-llama"))
+        rec.run("roundtrip.qwen2", lambda: check_roundtrip(qwen2, workdir, f"{name}-qwen2"))
+        rec.run("roundtrip.qwen2_critic", lambda: check_roundtrip(critic_qwen2, workdir, f"{name}-qwen2c", True))
+        if name == "tp2":
+            rec.run("optimizer", lambda: check_optimizer(llama))
+            rec.run("checkpoint_save", lambda: check_checkpoint_save(llama, workdir))
+        else:
+            rec.run("optimizer", lambda: check_optimizer(qwen2 if name == "pp2" else llama))
+            rec.run("checkpoint_load", lambda: check_checkpoint_load(llama, workdir))
+        if name == "dp2":
+            rec.run("optimizer_distributed", lambda: check_optimizer(llama, distributed_optimizer=True))
+            rec.run("checkpoint_roundtrip", lambda: check_checkpoint_roundtrip(llama, workdir, name, True))
+    state.destroy()
+    return rec.values
+
+
+def merge(per_rank: list[dict]) -> dict:
+    merged: dict[str, object] = {}
+    for values in per_rank:
+        for key, value in values.items():
+            if isinstance(value, str):
+                merged[key] = (merged.get(key, "") + "\n" + value).strip()
+            elif isinstance(value, (int, float)):
+                previous = merged.get(key)
+                merged[key] = value if previous is None else max(previous, value)
+    return merged
+
+
+def make_critic_dirs(workdir: Path) -> None:
+    """HF token-classification critics (random ``score`` head) built from the tiny causal LMs."""
+    from transformers import AutoModelForTokenClassification
+
+    for tag, spec in (("llama", LLAMA), ("qwen2", QWEN2), ("llama4", LLAMA4)):
+        target = workdir / f"critic-{tag}"
+        if (target / "model.safetensors").is_file():
+            continue
+        torch.manual_seed(1)
+        model = AutoModelForTokenClassification.from_pretrained(tiny_model_dir(spec), num_labels=1,
+                                                                dtype=torch.float32)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, 0.05)
+            model.score.bias.fill_(0.1)
+        model.save_pretrained(target)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--suite", required=True, choices=sorted(SUITES))
+    parser.add_argument("--workdir", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--phases", default=None, help="comma-separated subset of the suite's phases")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    if dist.get_rank() == 0:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        make_critic_dirs(args.workdir)
+    dist.barrier()
+    wanted = set(args.phases.split(",")) if args.phases else None
+    results: dict[str, dict] = {}
+    for name, layout in SUITES[args.suite]:
+        if wanted and name not in wanted:
+            continue
+        values = run_phase(name, layout, args.workdir)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, values)
+        results[name] = merge(gathered)
+        if dist.get_rank() == 0:
+            tmp = args.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(results, indent=1))
+            os.replace(tmp, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

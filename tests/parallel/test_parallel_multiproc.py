@@ -1,0 +1,204 @@
+"""Multi-process checks of meshrl.parallel on CPU/gloo, against Hugging Face transformers references.
+
+Two torchrun launches run every layout (``mp_worker.py``): world 2 runs TP2, PP2, PP2 x virtual PP2
+and DP2 (each DP replica is TP1), world 4 runs TP2 x PP2. The tests below only read their results.
+The TP2 phase saves the checkpoint that the other layouts load, so the world-4 launch follows the
+world-2 one. Budget on 2 cores: ~75 s + ~50 s.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+# key pattern -> predicate on the recorded value
+EXPECT: dict[str, tuple[str, float]] = {
+    "parity.*.log_probs": ("<=", 1e-5),
+    "parity.*.entropy": ("<=", 1e-5),
+    "parity.*.values": ("<=", 1e-5),
+    "parity.*.loss": ("<=", 1e-6),
+    "parity.*.grads": ("<=", 1e-5),
+    "parity.*.grad_names_mismatch": ("==", 0),
+    "invariance.loss": ("<=", 1e-6),
+    "invariance.grads": ("<=", 1e-6),
+    "roundtrip.*.mismatches": ("==", 0),
+    "roundtrip.*.yielded_views_of_params": ("==", 0),
+    "optimizer*.weights": ("<=", 1e-6),
+    "optimizer*.moved": (">=", 1e-4),
+    "optimizer*.lr": ("<=", 1e-12),
+    "optimizer*.clipped": ("==", 1),
+    "checkpoint_save.*": ("==", 1),
+    "checkpoint_load.weights": ("<=", 1e-6),
+    "checkpoint_load.step": ("==", 2),
+    "checkpoint_load.extra_ok": ("==", 1),
+    "checkpoint_load.lr": ("<=", 1e-12),
+    "checkpoint_roundtrip.weights": ("<=", 1e-7),
+}
+
+GROUPS = {
+    "tp2": ["parity", "invariance", "roundtrip", "optimizer", "checkpoint_save"],
+    "pp2": ["parity", "invariance", "roundtrip", "optimizer", "checkpoint_load"],
+    "vpp2": ["parity", "invariance", "roundtrip", "checkpoint_roundtrip"],
+    "dp2": ["parity", "invariance", "roundtrip", "optimizer", "checkpoint_load", "optimizer_distributed",
+            "checkpoint_roundtrip"],
+    "tp2pp2": ["parity", "invariance", "roundtrip", "optimizer", "checkpoint_load"],
+}
+CASES = [(phase, group) for phase, groups in GROUPS.items() for group in groups]
+
+
+def launch(suite: str, nproc: int, workdir: Path, timeout: int) -> dict:
+    out = workdir / f"{suite}.json"
+    log = workdir / f"{suite}.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--standalone", str(HERE / "mp_worker.py"), "--suite", suite,
+               "--workdir", str(workdir), "--out", str(out)]
+    with open(log, "w") as handle:
+        try:
+            subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            handle.write(f"\n*** launch timed out after {timeout}s ***\n")
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    results["_log"] = log.read_text()[-6000:]
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    workdir = tmp_path_factory.mktemp("parallel-mp")
+    merged = launch("w2", 2, workdir, timeout=480)
+    four = launch("w4", 4, workdir, timeout=360)
+    merged.update({k: v for k, v in four.items() if k != "_log"})
+    merged["_log"] += "\n--- w4 ---\n" + four["_log"]
+    return merged
+
+
+def _check(value, op: str, bound: float) -> bool:
+    return {"<=": value <= bound, ">=": value >= bound, "==": value == bound}[op]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("phase,group", CASES, ids=[f"{p}-{g}" for p, g in CASES])
+def test_layout(results: dict, phase: str, group: str) -> None:
+    values = results.get(phase)
+    assert values is not None, f"phase {phase} produced no results; launch log tail:\n{results['_log']}"
+    mine = {k: v for k, v in values.items() if k.split(".")[0] == group}
+    errors = {k: v for k, v in mine.items() if k.endswith(".error")}
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+    assert mine, f"no {group} results in phase {phase}: {sorted(values)}"
+    failures = []
+    for key, value in mine.items():
+        rules = [rule for pattern, rule in EXPECT.items() if fnmatch.fnmatch(key, pattern)]
+        if not rules and key.endswith(".grad_scale"):
+            continue
+        assert rules, f"no expectation for {key}"
+        op, bound = rules[0]
+        if not _check(value, op, bound):
+            failures.append(f"{key} = {value} (expected {op} {bound})")
+    assert not failures, f"{phase}/{group}: " + "; ".join(failures)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_smollm2_and_convert_cli(tmp_path: Path) -> None:
+    """Real SmolLM2-135M at TP1 against HF; ``meshrl convert`` both ways, bit-exact, and its refusals."""
+    values = launch("w1", 1, tmp_path, timeout=240)
+    assert "tp1" in values, values["_log"]
+    tp1 = values["tp1"]
+    errors = {k: v for k, v in tp1.items() if k.endswith(".error")}
+    assert not errors, "\n".join(errors.values())
+    # After 30 fp32 layers, HF's own eager and sdpa attentions disagree by ~2e-5 (log-probs) on this
+    # model; meshrl against HF's default (sdpa) measured 9.5e-6 / 1.8e-5 (entropy sums 49,152 terms).
+    assert tp1["smollm2.hf_eager_vs_sdpa_log_probs"] <= 5e-5
+    assert tp1["smollm2.log_probs"] <= 2e-5
+    assert tp1["smollm2.entropy"] <= 5e-5
+    assert tp1["convert_cli.exit_codes"] == 0
+    assert tp1["convert_cli.mismatches"] == 0
+    assert tp1["convert_cli.refused_export"] == 1, "mcore-to-hf must refuse, naming num_key_value_heads"
+    assert tp1["convert_cli.refused_import"] == 1, "hf-to-mcore must refuse a folder inconsistent with its config"
+    assert tp1["convert_cli.nothing_written"] == 1
+
+
+def _run_own_session(command: list[str], log: Path, timeout: int) -> int:
+    """Run ``command`` in its own session; afterwards kill whatever it left behind in that session.
+
+    A SIGKILLed process orphans megatron's checkpoint-writer helper (a multiprocessing Manager), which
+    would otherwise linger and keep inherited pipes open.
+    """
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            return process.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_checkpoint_survives_sigkill_mid_save(tmp_path: Path) -> None:
+    """SIGKILL after the shards of step 2 are written, before the rename: step 1 stays the loadable latest."""
+    root = tmp_path / "ckpt"
+    script = str(HERE / "kill_mid_save.py")
+    code = _run_own_session([sys.executable, script, "save", str(root)], tmp_path / "save.log", timeout=150)
+    assert code == -signal.SIGKILL, (tmp_path / "save.log").read_text()[-3000:]
+    assert (root / "latest").read_text() == "step_00000001"
+    assert not (root / "step_00000002").exists()
+    code = _run_own_session([sys.executable, script, "load", str(root)], tmp_path / "load.log", timeout=150)
+    output = (tmp_path / "load.log").read_text()
+    assert code == 0, output[-3000:]
+    report = json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
+    assert report["step"] == 1 and report["max_diff"] == 0.0 and report["leftover_tmp"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_hung_rank_fails_the_others_within_the_timeout(tmp_path: Path) -> None:
+    """Rank 1 stops answering; rank 0's collective on a megatron group raises after ~timeout_s."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    command = [sys.executable, str(HERE / "hung_rank.py"), "8"]
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    handles = [open(log, "w") for log in logs]
+    ranks = [subprocess.Popen(command, cwd=REPO, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=handles[rank], stderr=subprocess.STDOUT, start_new_session=True)
+             for rank in range(2)]
+    try:
+        ranks[0].wait(timeout=90)
+    finally:
+        for process in ranks:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+        for handle in handles:
+            handle.close()
+    output = logs[0].read_text()
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    assert lines, output[-3000:]
+    report = json.loads(lines[-1])
+    assert report["raised"], report
+    assert 4 <= report["seconds"] <= 40, report

@@ -1,0 +1,115 @@
+"""The transformers fallback engine against independent references (tiny model, CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshrl.rollout import EngineConfig, SamplingConfig, create_engine
+from meshrl.rollout.hf_engine import _warp
+
+PROMPTS = [[1, 9690, 198, 2683], [5, 6, 7], list(range(100, 131))]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    engine = create_engine(tiny_llama_dir, EngineConfig(name="hf", hf_batch_size=4, max_model_len=256))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def greedy_by_full_recompute(model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy decoding without KV cache or padding: one full forward per token."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@torch.no_grad()
+def recomputed_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_greedy_matches_unbatched_full_recompute(engine, reference):
+    out = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_response_length=12, ignore_eos=True))
+    for prompt, completion in zip(PROMPTS, out):
+        assert completion.token_ids == greedy_by_full_recompute(reference, prompt, 12)
+        assert completion.finish_reason == "length"
+        assert torch.allclose(torch.tensor(completion.logprobs),
+                              recomputed_logprobs(reference, prompt, completion.token_ids), atol=1e-4)
+
+
+def test_sampled_logprobs_are_the_raw_policy_logprobs(engine, reference):
+    # Temperature and truncation shape the sampling, not the reported log-probs (temperature 1, raw).
+    sampling = SamplingConfig(n=3, temperature=0.7, top_k=40, top_p=0.9, max_response_length=10, ignore_eos=True)
+    out = engine.generate(PROMPTS, sampling)
+    assert len(out) == 9
+    for completion in out:
+        prompt = PROMPTS[completion.prompt_index]
+        expected = recomputed_logprobs(reference, prompt, completion.token_ids)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
+def test_seeds_replicas_and_calls(tiny_llama_dir, engine):
+    sampling = SamplingConfig(n=2, temperature=1.0, max_response_length=8, seed=11)
+    twin = create_engine(tiny_llama_dir, EngineConfig(name="hf", hf_batch_size=4), dp_rank=0)
+    other = create_engine(tiny_llama_dir, EngineConfig(name="hf", hf_batch_size=4), dp_rank=1)
+    engine.load_state_dict({"calls": 0})
+    first = [c.token_ids for c in engine.generate(PROMPTS, sampling)]
+    assert first == [c.token_ids for c in twin.generate(PROMPTS, sampling)]  # same replica, same call
+    assert first != [c.token_ids for c in other.generate(PROMPTS, sampling)]  # another replica
+    assert first != [c.token_ids for c in engine.generate(PROMPTS, sampling)]  # a later call
+    engine.load_state_dict({"calls": 0})  # resume
+    assert first == [c.token_ids for c in engine.generate(PROMPTS, sampling)]
+
+
+def test_stops_at_a_stop_token_and_includes_it(engine):
+    free = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_response_length=10, ignore_eos=True))[0]
+    stop = free.token_ids[4]
+    first = free.token_ids.index(stop)
+    out = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_response_length=10, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first + 1]
+    assert out.logprobs == pytest.approx(free.logprobs[:first + 1], abs=1e-5)
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_response_length=8, ignore_eos=True))
+    top1 = engine.generate(PROMPTS, SamplingConfig(temperature=1.3, top_k=1, max_response_length=8, ignore_eos=True))
+    assert [c.token_ids for c in greedy] == [c.token_ids for c in top1]
+
+
+def test_warp_keeps_the_smallest_top_p_set():
+    scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(_warp(scores, SamplingConfig(top_p=0.8)))
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(_warp(scores, SamplingConfig(top_p=0.81)))
+    assert kept.tolist() == [[True, True, True, False]]
+    kept = torch.isfinite(_warp(scores, SamplingConfig(top_k=1)))
+    assert kept.tolist() == [[True, False, False, False]]
+
+
+def test_weight_sync_changes_generation(tiny_llama_dir, engine, reference):
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        for param in trained.parameters():
+            param.add_(0.03 * torch.randn_like(param))
+    stats = engine.load_weights(trained.named_parameters(), bucket_bytes=1 << 20)
+    assert stats.tensors == len(list(trained.parameters())) and stats.buckets > 1
+    try:
+        out = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_response_length=8, ignore_eos=True))
+        assert [c.token_ids for c in out] == [greedy_by_full_recompute(trained, p, 8) for p in PROMPTS]
+    finally:
+        engine.load_weights(reference.named_parameters())

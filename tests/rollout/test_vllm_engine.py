@@ -1,0 +1,218 @@
+"""The in-process vLLM engine against Hugging Face transformers (fp32, CPU): generation, weight sync.
+
+One engine serves the whole module (start-up costs seconds). Its model is a tiny tied-embedding Llama
+with enough decoder layers beside its embedding, so a bucket-bounded sync is measurably smaller than the
+model. Weight changes come from a real AdamW step on an HF copy, or from seeded perturbations.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from meshrl.rollout import (
+    EngineConfig,
+    EngineStateError,
+    LiveBytesMeter,
+    SamplingConfig,
+    WeightSyncError,
+    create_engine,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
+
+PROMPTS = [[1, 9690, 198, 2683, 359], [5, 6, 7], list(range(300, 340)), [42] * 9]
+GREEDY = SamplingConfig(temperature=0, max_response_length=16, ignore_eos=True)
+SAMPLED = SamplingConfig(n=2, temperature=0.8, top_k=50, top_p=0.95, max_response_length=16, ignore_eos=True,
+                         seed=5)
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from meshrl.models.tiny import TinySpec, tiny_model_dir
+
+    return tiny_model_dir(TinySpec(num_hidden_layers=12))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    previous = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # skip compiling vLLM's sampler (identical outputs)
+    engine = create_engine(model_dir, EngineConfig(kv_cache_memory_bytes=256 * MIB, max_model_len=256,
+                                                   max_num_seqs=32))
+    yield engine
+    engine.shutdown()
+    if previous is None:
+        os.environ.pop("TORCHDYNAMO_DISABLE")
+    else:
+        os.environ["TORCHDYNAMO_DISABLE"] = previous
+
+
+@pytest.fixture(scope="module")
+def hf_engine(model_dir):
+    engine = create_engine(model_dir, EngineConfig(name="hf", max_model_len=256))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def policy(model_dir, engine):
+    """A trainable HF copy of the engine's model; the engine is reset to the checkpoint afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    yield model
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+
+
+def perturb(model, seed: int, scale: float = 0.02) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+
+
+def adamw_step(model) -> None:
+    """One real optimizer step on a next-token loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[1] + PROMPTS[3]])
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def assert_engine_serves(engine, model) -> None:
+    """Greedy tokens equal HF greedy; sampled tokens' log-probs equal HF's recomputation (<= 1e-4)."""
+    model.eval()
+    greedy = engine.generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in greedy] == [hf_greedy(model, p, GREEDY.max_response_length) for p in PROMPTS]
+    sampled = engine.generate(PROMPTS, SAMPLED)
+    for completion in sampled + greedy:
+        expected = hf_logprobs(model, PROMPTS[completion.prompt_index], completion.token_ids)
+        assert (torch.tensor(completion.logprobs) - expected).abs().max() <= 1e-4
+
+
+def fresh_copies(model):
+    """The model's tensors as new buffers, the way iter_hf_weights yields them."""
+    for name, param in model.named_parameters():
+        yield name, param.detach().clone()
+
+
+def test_engine_matches_hf_before_any_sync(engine, policy):
+    assert_engine_serves(engine, policy)
+
+
+def test_sync_after_an_optimizer_step_matches_hf_and_the_fallback(engine, hf_engine, policy):
+    before = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    adamw_step(policy)
+    stats = engine.load_weights(policy.named_parameters(), bucket_bytes=MIB)
+    assert stats.tensors == len(engine.expected_weights()) and stats.buckets > 3
+    assert_engine_serves(engine, policy)
+    after = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    assert after != before  # the step changed the policy, and the engine follows it
+    hf_engine.load_weights(policy.named_parameters())
+    assert [c.token_ids for c in hf_engine.generate(PROMPTS, GREEDY)] == after
+
+
+def test_repeated_syncs_with_different_bucket_sizes(engine, policy):
+    for round_, bucket in enumerate([64 << 10, 4 * MIB, 1 << 40]):
+        perturb(policy, seed=round_)
+        engine.load_weights(fresh_copies(policy), bucket_bytes=bucket)
+        assert_engine_serves(engine, policy)
+
+
+def sync_layer_peak(sizes: list[int], bucket: int) -> int:
+    """Most bytes the sync layer itself holds: a full bucket plus the tensor that overflowed it."""
+    peak, filled = 0, 0
+    for size in sizes:
+        if filled and filled + size > bucket:
+            peak, filled = max(peak, filled + size), 0
+        filled += size
+    return max(peak, filled)
+
+
+def test_sync_memory_is_bounded_by_the_bucket(engine, policy):
+    sizes = [shape.numel() * 4 for shape in engine.expected_weights().values()]
+    names = list(engine.expected_weights())
+    layer = max(sum(s for n, s in zip(names, sizes) if n.startswith(f"model.layers.{i}.")) for i in range(12))
+    small = sync_layer_peak(sizes, MIB) + layer  # + one layer vLLM buffers until all its tensors arrived
+    assert small < 0.8 * sum(sizes)  # so the bound below is not trivially met
+    peaks = {}
+    for bucket in (MIB, 1 << 40):
+        meter = LiveBytesMeter()
+        engine.load_weights(meter.wrap(fresh_copies(policy)), bucket_bytes=bucket)
+        assert meter.live == 0  # the engine kept no reference to a sent tensor
+        peaks[bucket] = meter.peak
+    assert peaks[MIB] <= small
+    assert peaks[1 << 40] == sum(sizes)
+    assert_engine_serves(engine, policy)
+
+
+def test_a_failing_sync_raises_and_the_engine_keeps_working(engine, policy):
+    before = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    perturb(policy, seed=7)
+    stream = list(fresh_copies(policy))
+    bad_first = [(stream[0][0], stream[0][1][:, :-1])] + stream[1:]
+    with pytest.raises(WeightSyncError, match="model.embed_tokens.weight"):
+        engine.load_weights(bad_first, bucket_bytes=MIB)
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == before  # untouched
+
+    index = [n for n, _ in stream].index("model.layers.5.mlp.down_proj.weight")
+    name, tensor = stream[index]
+    bad_later = stream[:index] + [(name, tensor[:, :-1])] + stream[index + 1:]
+    with pytest.raises(WeightSyncError, match=name.replace(".", r"\.")):
+        engine.load_weights(bad_later, bucket_bytes=MIB)
+    with pytest.raises(EngineStateError, match="full weight sync"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.load_weights(stream, bucket_bytes=MIB)
+    assert_engine_serves(engine, policy)
+
+
+def test_seeds_decide_the_samples(engine):
+    state = engine.state_dict()
+    first = [c.token_ids for c in engine.generate(PROMPTS, SAMPLED)]
+    later = [c.token_ids for c in engine.generate(PROMPTS, SAMPLED)]
+    engine.load_state_dict(state)
+    again = [c.token_ids for c in engine.generate(PROMPTS, SAMPLED)]
+    engine.load_state_dict(state)
+    other = [c.token_ids for c in engine.generate(PROMPTS, SamplingConfig(**{**SAMPLED.__dict__, "seed": 6}))]
+    assert again == first and later != first and other != first
+    assert first[0] != first[1]  # two samples of one prompt differ
+
+
+def test_stop_tokens_end_responses(engine):
+    free = engine.generate(PROMPTS[:1], GREEDY)[0]
+    stop = free.token_ids[5]
+    out = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_response_length=16, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
+
+
+def test_generation_leaves_process_state_alone(engine):
+    torch.manual_seed(123)
+    random.seed(123)
+    expected_torch, expected_py = torch.rand(3), random.random()
+    torch.manual_seed(123)
+    random.seed(123)
+    torch._C.set_num_threads(1)
+    engine.generate(PROMPTS, SAMPLED)
+    assert torch.equal(torch.rand(3), expected_torch) and random.random() == expected_py
+    assert torch.set_num_threads is torch._C.set_num_threads and torch.get_num_threads() == 1
