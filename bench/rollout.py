@@ -173,9 +173,11 @@ def plot(result: dict, path: Path) -> None:
     twin = right.twinx()
     twin.plot(x, [r["seconds"] for r in sync], "o-", color="tab:green", label="sync time")
     twin.set_ylabel("sync seconds")
-    right.set_title("weight sync into the running vLLM engine (in process)")
+    twin.set_ylim(0, 1.3 * max(r["seconds"] for r in sync))
+    right.set_title(f"weight sync into the running vLLM engine (in process)\n"
+                    f"{sync[0]['tensors']} tensors, {sync[0]['bytes'] / 1e6:.0f} MB")
     handles = right.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    right.legend(handles=handles, fontsize=8, loc="center left")
+    right.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -9,6 +9,7 @@ chat template and vocabulary are real.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -37,9 +38,11 @@ class TinySpec:
     seed: int = 0
 
     def name(self) -> str:
+        """Cache folder name: readable shape plus a hash of every field, so distinct specs never collide."""
         tie = "tied" if self.tie_word_embeddings else "untied"
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
         return (f"tiny-{self.arch}-h{self.hidden_size}-l{self.num_hidden_layers}-"
-                f"a{self.num_attention_heads}kv{self.num_key_value_heads}-d{self.head_dim}-{tie}-s{self.seed}")
+                f"a{self.num_attention_heads}kv{self.num_key_value_heads}-d{self.head_dim}-{tie}-{digest}")
 
 
 def tiny_config(spec: TinySpec):

@@ -72,3 +72,12 @@ def test_tiny_qwen2_refuses_inconsistent_head_dim():
 
     with pytest.raises(ValueError, match="head_dim"):
         tiny_config(TinySpec(arch="qwen2", hidden_size=128, head_dim=64, num_attention_heads=4))
+
+
+def test_tiny_cache_names_differ_for_any_field():
+    from meshrl.models.tiny import TinySpec
+
+    base = TinySpec()
+    assert base.name() == TinySpec().name()
+    assert base.name() != TinySpec(intermediate_size=512).name()
+    assert base.name() != TinySpec(rope_theta=1e6).name()
