@@ -8,9 +8,10 @@ Layout under a root folder (which every rank must see, e.g. one machine or a sha
 Checkpoints are layout-independent: saved at TP2 they load at TP1, TP1xPP2, TP2xPP2, ... with
 optimizer state (non-distributed or distributed optimizer) and the LR schedule.
 
-Saving is atomic: ranks write into ``root/.step_00000042.tmp``; rank 0 then fsyncs it, renames it to
-``step_00000042`` and only then replaces ``latest`` (write-fsync-rename). A crash at any point leaves
-``latest`` naming the previous complete checkpoint; leftovers are removed by the next save.
+Saving is atomic (``meshrl.atomic_io``): ranks write into ``root/.step_00000042.tmp``; rank 0 then
+publishes it as ``step_00000042`` (fsync, rename) and only then replaces ``latest`` the same way. A
+crash at any point leaves ``latest`` naming the previous complete checkpoint; leftovers are removed by
+the next save.
 
 Entry scripts must be guarded by ``if __name__ == "__main__":``: the first save starts a helper
 process that re-imports ``__main__``.
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshrl.atomic_io import publish_dir, write_text_atomically
 from meshrl.parallel import state
 from meshrl.parallel.model_builder import unwrap
 from meshrl.parallel.optimizer import initialize_state
@@ -62,29 +64,6 @@ def _uses_distributed_optimizer(chunks: list[torch.nn.Module]) -> bool:
     return bool(ddp_config is not None and ddp_config.use_distributed_optimizer)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and folder under ``root`` (deepest first), then ``root``."""
-    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        _fsync(path)
-    _fsync(root)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    _fsync(tmp)
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
-
 def save_checkpoint(root: str | os.PathLike, step: int, chunks: list[torch.nn.Module], optimizer=None,
                     scheduler=None, extra: Any = None, keep_last: int | None = None) -> Path:
     """Save ``chunks`` (and optimizer, scheduler, picklable ``extra``) as ``root/step_{step}``; collective.
@@ -118,16 +97,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks: list[torch.nn.Mo
                 "has_optimizer": optimizer is not None,
                 "distributed_optimizer": optimizer is not None and _uses_distributed_optimizer(chunks)}
         (tmp / _META).write_text(json.dumps(meta, indent=1, default=str))
-        fsync_tree(tmp)
-        if final.exists():
-            trash = root / f".{final.name}.old"
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash)
-        else:
-            os.replace(tmp, final)
-        _fsync(root)
-        _write_atomically(root / LATEST, final.name)
+        # The aside name matches the clean-up glob above, so an interrupted replace is removed too.
+        publish_dir(tmp, final, aside=root / f".{final.name}.replaced.tmp")
+        write_text_atomically(root / LATEST, final.name, tmp=root / f".{LATEST}.tmp")
         if keep_last is not None:
             for old in sorted(root.glob("step_*"))[:-keep_last]:
                 if old != final:

@@ -37,8 +37,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from meshrl.atomic_io import publish_dir
 from meshrl.parallel import model_builder, state
-from meshrl.parallel.checkpoint import fsync_tree
 from meshrl.parallel.model_builder import ModelSpec, unwrap
 
 _TE_NAMES = {
@@ -358,7 +358,7 @@ def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | 
     Collective over the model-parallel group (see ``iter_hf_weights``); its first rank writes. With
     DP > 1 let one replica call it (the replicas hold identical weights). Shards are flushed as soon
     as they reach ``max_shard_bytes``, so the writer holds at most one shard. The folder appears
-    atomically (written beside it, fsynced, renamed).
+    atomically (written beside it, then ``meshrl.atomic_io.publish_dir``); an existing one is replaced.
     Returns the folder on the writing rank, None elsewhere.
     """
     from safetensors.torch import save_file
@@ -407,10 +407,7 @@ def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | 
                                    ("special_tokens_map.json", "chat_template.jinja", "generation_config.json",
                                     "vocab.json", "merges.txt")):
                 shutil.copy2(file, tmp / file.name)
-    fsync_tree(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    publish_dir(tmp, out, aside=out.with_name(f"{out.name}.tmp-{os.getpid()}-replaced"))
     return out
 
 

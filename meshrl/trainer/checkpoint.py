@@ -9,8 +9,9 @@ Layout under ``trainer.default_local_dir`` (verl's names, so verl users find wha
         trainer_state.json               a human-readable view of it (scalars; tensors summarised)
         COMPLETE                         written last: the folder holds a whole checkpoint
 
-A save builds everything in ``global_step_N.tmp-<pid>``, fsyncs it, and renames it into place, so a
-``global_step_N`` folder appears whole or not at all; the ``latest`` pointer moves only afterwards.
+A save builds everything in ``global_step_N.tmp-<pid>``, fsyncs it, and renames it into place
+(``meshrl.atomic_io``), so a ``global_step_N`` folder appears whole or not at all; the ``latest``
+pointer moves only afterwards, replaced the same way.
 A crash at any point leaves the previous checkpoint and pointer as they were; the half-written
 ``*.tmp-<pid>`` folder is removed by the next manager start.
 
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshrl.atomic_io import publish_dir, write_text_atomically
 from meshrl.config.schema import RESUME_MODES
 
 logger = logging.getLogger(__name__)
@@ -108,8 +110,8 @@ class CheckpointManager:
         """Write checkpoint ``global_step_<step>`` atomically and return its path.
 
         ``write_parts(tmp_dir)`` writes the workers' parts (``actor/``, ``critic/``, ...) into the
-        temporary folder; then the driver state, fsync of every file and folder, the ``COMPLETE`` marker,
-        the rename into place, the ``latest`` pointer (itself replaced atomically) and rotation follow.
+        temporary folder; then the driver state, the ``COMPLETE`` marker, fsync of every file and folder
+        and the rename into place, the ``latest`` pointer (itself replaced atomically) and rotation follow.
         An exception before the rename removes the temporary folder and leaves the previous checkpoint
         and pointer untouched. Saving a step that already has a folder replaces it.
 
@@ -126,39 +128,20 @@ class CheckpointManager:
         try:
             write_parts(tmp)
             _save_state_file(driver_state, tmp / DRIVER_STATE_PT)
-            _write_text(tmp / DRIVER_STATE_JSON, json.dumps(_json_view(driver_state), indent=2) + "\n")
-            _fsync_tree(tmp)
+            (tmp / DRIVER_STATE_JSON).write_text(json.dumps(_json_view(driver_state), indent=2) + "\n")
             marker = {"step": step, "completed_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-            _write_text(tmp / COMPLETE_MARKER, json.dumps(marker) + "\n")
-            _fsync_dir(tmp)
-            self._move_into_place(tmp, final)
+            (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+            # An old folder of the same step (a run resumed from an earlier step, or an incomplete copy)
+            # moves aside under a temporary name that the next start removes.
+            publish_dir(tmp, final, aside=self.root / f"{final.name}.tmp-{os.getpid()}-replaced")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._write_latest(step)
+        # The default temporary name (<name>.tmp-<pid>) is one _remove_stale_temporaries knows.
+        write_text_atomically(self.root / LATEST_FILE, f"{step}\n")
         self._rotate(keep=final)
         logger.info("saved checkpoint %s", final)
         return final
-
-    def _move_into_place(self, tmp: Path, final: Path) -> None:
-        # os.replace cannot overwrite a non-empty folder: an old folder of the same step (a run resumed
-        # from an earlier step, or an incomplete copy) moves aside under a temporary name first, so a
-        # crash between the two renames leaves only a temporary folder for the next start to remove.
-        aside = None
-        if final.exists():
-            aside = self.root / f"{final.name}.tmp-{os.getpid()}-replaced"
-            os.replace(final, aside)
-        os.replace(tmp, final)
-        _fsync_dir(self.root)
-        if aside is not None:
-            shutil.rmtree(aside)
-
-    def _write_latest(self, step: int) -> None:
-        pointer = self.root / LATEST_FILE
-        tmp = pointer.with_name(f"{LATEST_FILE}.tmp-{os.getpid()}")
-        _write_text(tmp, f"{step}\n")
-        os.replace(tmp, pointer)
-        _fsync_dir(self.root)
 
     def _rotate(self, keep: Path) -> None:
         if self.keep_last is None:
@@ -310,33 +293,6 @@ def _json_view(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     return f"<{type(value).__name__}>"
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file and folder under ``root`` (the workers' files included), deepest first."""
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
 
 
 def _process_alive(pid: int) -> bool:
