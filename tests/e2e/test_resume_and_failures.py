@@ -2,12 +2,11 @@
 controller): N steps straight == N/2 + resume + N/2, metric for metric. A killed worker fails the run
 fast with a message naming it, and the last checkpoint stays complete and loadable."""
 
-import os
 import signal
-import subprocess
 import threading
 import time
 
+import psutil
 import pytest
 
 from meshrl.trainer.checkpoint import CheckpointManager
@@ -36,14 +35,25 @@ def test_resume_continues_exactly(train, tmp_path):
     assert straight[3]["actor/grad_norm"] > 0
 
 
+def _own_policy_workers() -> list[psutil.Process]:
+    """This test's policy workers: descendants of this process (its Ray cluster), never another run's."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(child.cmdline()).startswith("ray::ActorRolloutRefWorker"):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 def _kill_worker_when(path, stop):
     while not stop.is_set():
         if path.exists():
-            pids = subprocess.run(["pgrep", "-f", "ray::ActorRolloutRefWorker"], capture_output=True,
-                                  text=True).stdout.split()
-            for pid in pids:
-                os.kill(int(pid), signal.SIGKILL)
-            if pids:
+            workers = _own_policy_workers()
+            for worker in workers:
+                worker.send_signal(signal.SIGKILL)
+            if workers:
                 return
         time.sleep(0.2)
 
