@@ -2,7 +2,7 @@
 
 ``meshrl train RECIPE.yaml key=value ...`` (``meshrl.cli``) lands in ``run`` too. ``run`` builds every
 part from the config — model, data, reward, Ray worker groups, tracker, checkpoints — hands them to
-``RLTrainer.fit`` and shuts the workers down whatever happens.
+``RLTrainer.fit`` and shuts the workers down whatever happens (and Ray, unless the caller had started it).
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ def run(cfg) -> dict[str, float]:
     OmegaConf.update(cfg, "critic.optim.total_training_steps", total_steps)
 
     run_dir = Path(cfg.trainer.default_local_dir)
+    # A caller that already runs Ray (a notebook, a test running several trainings) keeps its session:
+    # only a session this call started is shut down at the end.
+    owns_ray = not ray.is_initialized()
     start_ray(cfg)
     policy = critic = None
     reward = RewardPool(RewardSpec(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
@@ -85,7 +88,8 @@ def run(cfg) -> dict[str, float]:
         for group in (policy, critic):
             if group is not None:
                 group.shutdown()
-        ray.shutdown()
+        if owns_ray:
+            ray.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

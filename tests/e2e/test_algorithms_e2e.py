@@ -5,9 +5,8 @@ reference's exactly and the KL is exactly 0; the engine's sampled-token log-prob
 trainer's recomputation. After one update the policy has moved (KL > 0, non-zero gradient).
 """
 
-import math
-
 import pytest
+from e2e_checks import non_finite
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -28,10 +27,6 @@ CASES = {
 }
 
 
-def finite(metrics):
-    return {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_steps(train, name):
     _, steps = train(*ONE_MINI_BATCH, *CASES[name])
@@ -49,7 +44,7 @@ def test_two_steps(train, name):
     assert second["actor/ref_log_prob_max_abs_diff"] > 0
     assert second["rollout/log_prob_max_abs_diff"] < 1e-3
     for step in (first, second):
-        assert not finite(step), finite(step)
+        assert not non_finite(step), non_finite(step)
         assert step["dynamic_batch/num_oversized"] == 0
     assert "val/score" in second and "val/score" in steps[0]
     if name == "ppo":

@@ -7,26 +7,9 @@ from omegaconf import OmegaConf
 
 from meshrl.config import ConfigError, load_config
 from meshrl.config.validate import validate_against_model, validate_config
+from seed_commands import SEED_COMMANDS
 
-# The five example commands of the ReMax guide (shared/seeds/001), verbatim after the module name.
-SEED_COMMANDS = [
-    """algorithm.adv_estimator=remax data.train_files=$HOME/data/gsm8k/train.parquet
-    data.val_files=$HOME/data/gsm8k/test.parquet data.train_batch_size=1024
-    actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct actor_rollout_ref.actor.use_dynamic_bsz=True
-    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000 actor_rollout_ref.rollout.n=4 trainer.total_epochs=10""",
-    """algorithm.adv_estimator=remax algorithm.use_kl_in_reward=False data.train_files=$HOME/data/gsm8k/train.parquet
-    actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct actor_rollout_ref.actor.use_dynamic_bsz=True
-    actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.rollout.n=4 trainer.total_epochs=10""",
-    """algorithm.adv_estimator=remax data.train_batch_size=512 actor_rollout_ref.model.path=Qwen/Qwen2.5-14B-Instruct
-    actor_rollout_ref.actor.optim.lr=5e-7 actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16000
-    actor_rollout_ref.rollout.tensor_model_parallel_size=4 actor_rollout_ref.rollout.n=4 trainer.n_gpus_per_node=8""",
-    """algorithm.adv_estimator=remax data.max_prompt_length=1024 data.max_response_length=2048
-    data.train_batch_size=512 actor_rollout_ref.actor.use_dynamic_bsz=True
-    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12000 actor_rollout_ref.rollout.n=4 trainer.total_epochs=15""",
-    """algorithm.adv_estimator=remax data.train_batch_size=2048 actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20000
-    actor_rollout_ref.rollout.tensor_model_parallel_size=2 trainer.n_gpus_per_node=8 trainer.nnodes=4
-    trainer.total_epochs=10""",
-]
+# The seed's five ReMax example commands live in tests/seed_commands.py (the e2e test runs them too).
 
 # The seed's YAML blocks, merged (dotted keys inside YAML are how the seed writes them).
 SEED_YAML = """
