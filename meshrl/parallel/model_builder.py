@@ -278,23 +278,13 @@ def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_
     return finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
-def build_model(hf_config, *, critic: bool = False, dtype: torch.dtype | None = None,
-                use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
-                **config_overrides: Any) -> list[torch.nn.Module]:
-    """This rank's model chunks (one per virtual pipeline stage), wrapped in megatron DDP.
-
-    Parameters hold megatron's random initialisation until weights are loaded with
-    ``hf_conversion.load_hf_weights`` or ``checkpoint.load_checkpoint``. ``use_distributed_optimizer``
-    must match the optimizer built later; ``config_overrides`` go to ``TransformerConfig`` (e.g.
-    ``recompute_granularity="full"``). Needs ``state.initialize`` first.
-    """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: dict[str, Any]):
+    """This rank's bare ``GPTModel`` chunks (one per virtual pipeline stage) on the device, and their config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core import parallel_state
 
     parallel = state.current()
     spec = model_spec(hf_config)
-    dtype = dtype or default_dtype()
     config = transformer_config(spec, parallel, dtype, **config_overrides)
     use_te = transformer_engine_available()
     layer_spec = _layer_spec(use_te)
@@ -328,6 +318,23 @@ def build_model(hf_config, *, critic: bool = False, dtype: torch.dtype | None = 
     if torch.cuda.is_available():
         for model in chunks:
             model.cuda(torch.cuda.current_device())
+    return chunks, config
+
+
+def build_model(hf_config, *, critic: bool = False, dtype: torch.dtype | None = None,
+                use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
+                **config_overrides: Any) -> list[torch.nn.Module]:
+    """This rank's trainable model chunks (one per virtual pipeline stage), wrapped in megatron DDP.
+
+    Parameters hold megatron's random initialisation until weights are loaded with
+    ``hf_conversion.load_hf_weights`` or ``checkpoint.load_checkpoint``. ``use_distributed_optimizer``
+    must match the optimizer built later; ``config_overrides`` go to ``TransformerConfig`` (e.g.
+    ``recompute_granularity="full"``). Needs ``state.initialize`` first.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    dtype = dtype or default_dtype()
+    chunks, config = _gpt_chunks(hf_config, critic, dtype, config_overrides)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=dtype != torch.float32,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -345,6 +352,27 @@ def build_model(hf_config, *, critic: bool = False, dtype: torch.dtype | None = 
         config.grad_sync_func = ([chunk.start_grad_sync for chunk in wrapped] if len(wrapped) > 1
                                  else wrapped[0].start_grad_sync)
     return wrapped
+
+
+def build_forward_only_model(hf_config, *, dtype: torch.dtype | None = None,
+                             **config_overrides: Any) -> list[torch.nn.Module]:
+    """This rank's chunks of a model that is never trained, only run by ``schedule.forward_only``.
+
+    The same ``GPTModel`` chunks as ``build_model`` in the same layout (same weight loaders, same
+    outputs bit for bit), in eval mode, but not wrapped in megatron DDP: no gradient buffer, which
+    would hold 4 bytes per parameter. They must not be given to ``schedule.forward_backward`` or to an
+    optimizer. Needs ``state.initialize`` first.
+
+    Parameters keep ``requires_grad=True``: ``forward_only`` runs under ``torch.no_grad`` so no
+    gradient is ever stored, and freezing them would change the outputs. ATen's ``matmul`` folds a
+    ``[s, b, h]`` input into one GEMM whenever the weight requires grad, but for a frozen weight only
+    when the input's strides allow a view, else it runs a batched GEMM with another summation order:
+    at TP=2 a frozen copy's log-probs differed from the trainable model's by 1e-6 (entropies by 4e-6).
+    """
+    chunks, _ = _gpt_chunks(hf_config, False, dtype or default_dtype(), config_overrides)
+    for chunk in chunks:
+        chunk.eval()
+    return chunks
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -32,9 +32,11 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
 - Logits of a micro-batch, last stage, vocabulary split over TP: bf16 logits, the fp32 copy the
   vocab-parallel cross entropy keeps, and its fp32 gradient (10 B per element; +8 B when the entropy
   bonus is on); forward-only passes keep 6 B.
-- Reference model (when ``use_kl_in_reward`` or ``use_kl_loss``): bf16 parameters in the policy's
-  layout (meshrl builds it in the policy's process groups). PPO's critic (``adv_estimator=gae``) is
-  colocated: its own parameters, gradients, optimizer and activations, in ``critic.megatron``'s layout.
+- Reference model (when ``use_kl_in_reward`` or ``use_kl_loss``): bf16 parameters only, in the policy's
+  layout (``model_builder.build_forward_only_model`` in the policy's process groups: no DDP gradient
+  buffer); ``ref.megatron.param_offload`` keeps them on the host outside the log-prob phase. PPO's
+  critic (``adv_estimator=gae``) is colocated: its own parameters, gradients, optimizer and activations,
+  in ``critic.megatron``'s layout.
 - vLLM (colocated, ``gpu_memory_utilization`` of the whole GPU while generating): bf16 weights split
   over the rollout TP, a profiled activation peak (``max_num_batched_tokens`` through one layer and
   ``max_num_seqs`` fp32 logit rows), and the KV cache in what is left. It sleeps while training

@@ -1,5 +1,7 @@
 """The policy worker: one process per device holding the policy's Megatron shard and optimizer, the
-reference model's shard (only when a KL term is used), and a colocated rollout engine.
+reference model's shard (only when a KL term is used; forward-only: no gradient buffer, and with
+``ref.megatron.param_offload`` in host memory except while its log-probs are computed), and a
+colocated rollout engine.
 
 Per step the driver calls, in order: ``generate`` (engine), ``compute_log_probs`` (reference and
 policy, forward-only, token-budget micro-batches), ``update`` (``ppo_epochs`` × mini-batches, one
@@ -9,6 +11,7 @@ layer). ``ActorRolloutRefGroup`` is the driver-side handle that dispatches those
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,8 @@ class ActorRolloutRefWorker(RankWorker):
         from transformers import AutoConfig, AutoTokenizer
 
         from meshrl.parallel.hf_conversion import load_hf_weights
-        from meshrl.parallel.model_builder import build_model
+        from meshrl.parallel.model_builder import build_forward_only_model, build_model
+        from meshrl.parallel.offload import offload
         from meshrl.parallel.optimizer import build_optimizer
         from meshrl.rollout.base import EngineConfig, SamplingConfig, create_engine
 
@@ -74,10 +78,13 @@ class ActorRolloutRefWorker(RankWorker):
         load_hf_weights(self.policy, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
             self.policy, optimizer_config(actor.optim, actor.grad_clip, distributed_opt))
-        self.ref = None
+        self.ref = self.ref_offloaded = None
         if cfg.algorithm.use_kl_in_reward or actor.use_kl_loss:
-            self.ref = build_model(self.hf_config)
+            # Forward passes only: no DDP gradient buffer (as large as the fp32 weights) for it.
+            self.ref = build_forward_only_model(self.hf_config)
             load_hf_weights(self.ref, self.model_dir, self.hf_config)
+            if arr.ref.megatron.param_offload or arr.ref.fsdp_config.param_offload:
+                self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False)
         self.objective = ActorObjective.from_config(actor)
         rollout = arr.rollout
         self.response_length = rollout.response_length or cfg.data.max_response_length
@@ -160,10 +167,26 @@ class ActorRolloutRefWorker(RankWorker):
                                "enable algorithm.use_kl_in_reward or actor.use_kl_loss")
         plan, rows, micros = split_micro_batches(shard, budget, state.dp_group(), self.pad_id,
                                                  min_micro=self._min_micro())
-        outputs = forward_only(chunks, micros, OutputRequest(log_probs=True))
+        with self._reference_on_device() if model == "ref" else contextlib.nullcontext():
+            outputs = forward_only(chunks, micros, OutputRequest(log_probs=True))
         parts = [response_part(o["log_probs"], m) for o, m in zip(outputs, micros)]
         result = Batch(tensors={field: gather_response_outputs(parts, plan, rows, self.response_length)})
         return result if self.layout.collect else None
+
+    @contextlib.contextmanager
+    def _reference_on_device(self):
+        """An offloaded reference (``ref.*.param_offload``) is on the device inside the block only: its
+        one forward pass per step is all that reads it (what ``meshrl plan`` counts)."""
+        if self.ref_offloaded is None:
+            yield
+            return
+        from meshrl.parallel.offload import offload
+
+        self.ref_offloaded.restore()
+        try:
+            yield
+        finally:
+            self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False)
 
     def _min_micro(self) -> int:
         """The pipeline schedules need at least one micro-batch per stage to fill the pipeline."""

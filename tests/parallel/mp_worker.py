@@ -226,6 +226,41 @@ def check_parity(path: Path, critic: bool) -> dict:
     return result
 
 
+def check_forward_only_model(path: Path) -> dict:
+    """``build_forward_only_model`` (RL's reference): the trainable build's outputs bit for bit, also after a
+    host offload round trip; no DDP wrapper, grad buffer or gradient; the parameter bytes ``meshrl plan``
+    counts for it."""
+    from megatron.core import parallel_state
+    from transformers import AutoConfig
+
+    from meshrl.trainer.plan import stage_parameters
+
+    batches, request = my_batches(make_micro_batches()), OutputRequest(entropy=True)
+    trainable = build(path)
+    model = model_builder.build_forward_only_model(AutoConfig.from_pretrained(path))
+    hf_conversion.load_hf_weights(model, path)
+    params = [p for chunk in model for p in chunk.parameters()]
+    result = {
+        "training": sum(chunk.training for chunk in model),
+        # megatron DDP keeps its buffers in an instance attribute named like nn.Module.buffers().
+        "wrapped_or_grad_buffers": sum(chunk is not model_builder.unwrap(chunk) or "buffers" in vars(chunk)
+                                       for chunk in model) + sum(hasattr(p, "main_grad") for p in params),
+        "trainable_grad_buffer_bytes": sum(buffer.grad_data.nbytes for chunk in trainable
+                                           for buffer in vars(chunk)["buffers"]),
+    }
+    expected = schedule.forward_only(trainable, batches, request)
+    result["outputs"] = max_diff(expected, schedule.forward_only(model, batches, request))
+    offload.offload(model, params=True, grads=False, optimizer_state=False, include_host_tensors=True).restore()
+    result["outputs_after_offload"] = max_diff(expected, schedule.forward_only(model, batches, request))
+    result["grads"] = sum(p.grad is not None for p in params)
+    spec, parallel = model_builder.model_spec(AutoConfig.from_pretrained(path)), state.current()
+    planned = stage_parameters(spec, tp=parallel.tensor_parallel, pp=parallel.pipeline_parallel,
+                               stage=parallel_state.get_pipeline_model_parallel_rank())
+    result["plan_bytes_diff"] = abs(planned * model_builder.model_config(model).params_dtype.itemsize
+                                    - sum(p.nbytes for p in params))
+    return result
+
+
 def check_invariance(path: Path) -> dict:
     """Loss and grads with two different micro-batch splits (and DP splits) are the same."""
     batches = make_micro_batches()
@@ -460,12 +495,14 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
         rec.run("roundtrip.llama4", lambda: check_roundtrip(llama4, workdir, f"{name}-llama4"))
         rec.run("invariance", lambda: check_invariance(llama4))
         rec.run("checkpoint_roundtrip", lambda: check_checkpoint_roundtrip(llama4, workdir, name, False))
+        rec.run("forward_only_model", lambda: check_forward_only_model(llama4))
     else:
         rec.run("parity.llama", lambda: check_parity(llama, False))
         rec.run("parity.qwen2", lambda: check_parity(qwen2, False))
         rec.run("parity.llama_critic", lambda: check_parity(critic_llama, True))
         rec.run("parity.qwen2_critic", lambda: check_parity(critic_qwen2, True))
         rec.run("invariance", lambda: check_invariance(llama))
+        rec.run("forward_only_model", lambda: check_forward_only_model(qwen2 if name == "pp2" else llama))
         rec.run("roundtrip.llama", lambda: check_roundtrip(llama, workdir, f"{name}-llama"))
         rec.run("roundtrip.qwen2", lambda: check_roundtrip(qwen2, workdir, f"{name}-qwen2"))
         rec.run("roundtrip.qwen2_critic", lambda: check_roundtrip(critic_qwen2, workdir, f"{name}-qwen2c", True))
