@@ -30,7 +30,7 @@ def _resolve(entry: str) -> Path:
         return preprocess(dataset, cache_dir() / "data" / dataset, log=lambda _: None)[split]
     path = Path(entry).expanduser()
     if not path.is_file():
-        guess = next((d for d in ("gsm8k", "math500", "math", "mawps") if d in entry), "gsm8k")
+        guess = next((d for d in ("gsm8k", "math500", "math", "mawps", "arith") if d in entry), "gsm8k")
         raise FileNotFoundError(
             f"data file {path} does not exist. Write it with `python -m meshrl.data.preprocess {guess} "
             f"--local_dir {path.parent}`, or use '{PREFIX}{guess}/{path.stem}'.")

