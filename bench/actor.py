@@ -31,27 +31,14 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from bench.machine import matmul_flops, model_shape, timed, transformer_flops
+
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("meshrl", "hf")
-
-
-def matmul_flops(n: int = 2048, repeats: int = 3) -> float:
-    """fp32 ``torch.mm`` FLOP/s of this machine right now (best of ``repeats``, n^3)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    return 2 * n**3 / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def make_batch(batch: int, seq: int) -> dict[str, torch.Tensor]:
@@ -118,7 +105,7 @@ def serve(variant: str, batch: int, seq: int, threads: int) -> None:
     print(json.dumps({"ready": variant}), flush=True)
     for line in sys.stdin:
         if line.strip() == "step":
-            print(json.dumps({"seconds": _timed(update)}), flush=True)
+            print(json.dumps({"seconds": timed(update)}), flush=True)
         else:
             break
     print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
@@ -152,18 +139,10 @@ class Child:
 
 
 def model_flops_per_update(batch: int, seq: int) -> tuple[float, int]:
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
     from meshrl.models.embedded import smollm2_hf_dir
 
-    model_dir = smollm2_hf_dir()
-    config = AutoConfig.from_pretrained(model_dir)
-    with safe_open(model_dir / "model.safetensors", framework="pt") as handle:
-        params = sum(torch.Size(handle.get_slice(k).get_shape()).numel() for k in handle.keys())
-    tokens = batch * seq
-    flops = tokens * (6 * params + 12 * config.num_hidden_layers * config.hidden_size * seq)
-    return float(flops), params
+    shape = model_shape(smollm2_hf_dir())
+    return transformer_flops([seq] * batch, shape, backward=True), shape.params
 
 
 def plot(result: dict, path: Path) -> None:

@@ -1,0 +1,222 @@
+"""This machine's limits, and how close a meshrl GRPO step gets to them.
+
+Measured now (``bench.machine``, ``--threads`` threads): dense matmul FLOP/s in fp32 and bf16 and the
+memory read bandwidth (``sum`` over a 512 MiB tensor). Where the meshrl run's own result file also
+holds measurements (vs_trl records them before and after its run), the best of all is used: other
+processes can only lower a measurement.
+
+meshrl's per-step figures come from, in order of preference:
+- ``--from FILE``: a ``bench/vs_trl.py`` result (default ``bench/results/vs_trl_fp32.json``; its meshrl side);
+- ``--metrics FILE --rows N``: a trainer's ``metrics.jsonl`` (N = prompts x n per step);
+- ``--run``: a small meshrl job run now with ``--steps/--prompts/--n/--response-length`` (vs_trl's meshrl side).
+
+Per step, with N the parameter count, T the step's training tokens (prompt + response of every row),
+S their mean sequence length, W = N x bytes per parameter of the rollout engine's dtype, D the decode
+steps (the longest response: vLLM decodes every row of the step together), F the matmul FLOP/s of
+the actor's dtype and B the read bandwidth:
+
+    training FLOPs   = transformer_flops(T tokens at length S, forward + backward)  ~ 6·N·T + attention
+    decode bytes     = W · D                      (each decode step reads every weight once)
+    floor_s          = training FLOPs / F + decode bytes / B          (issue 9's definition; target: step <= 1.25 x floor)
+    update fraction  = training FLOPs / update_actor_s / F
+    decode fraction  = decode bytes / gen_s / B   (and the decode's FLOP fraction, 2·N per generated token / gen_s / F)
+
+``roofline_floor_s`` is stricter and closer to what the hardware allows: the decode phase costs
+at least the larger of its compute (2·N and attention per generated token) and its memory traffic
+(weights per decode step plus the KV cache read per generated token), and prefill adds 2·N per unique
+prompt token (prefix caching shares a prompt between its n samples). Neither floor counts meshrl's
+log-prob recompute (``old_log_prob``), weight sync or reward scoring: an RL step with one optimizer
+step does not need them, so they appear in the breakdown as time above the floor. Attention FLOPs
+use the mean sequence length of the step (the metrics carry means; the attention term is ~6% of the
+total here, so the error is small).
+
+Writes ``bench/results/limits.json`` (``--out`` to write elsewhere).
+
+    python -m bench.limits                                   (after python -m bench.vs_trl --dtype fp32)
+    python -m bench.limits --from bench/results/vs_trl_bf16.json --out bench/results/limits_bf16.json
+    python -m bench.limits --run --steps 1 --prompts 2 --n 2 --response-length 16 --out /tmp/limits.json   (smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+from bench.machine import (ModelShape, best_rate, kv_bytes_per_token, measure_rates, model_shape,
+                           transformer_flops)
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+TARGET_STEP_OVER_FLOOR = 1.25  # issue 9: a meshrl step within 1.25x of the floor
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def step_limits(step: dict, shape: ModelShape, *, rows: int, n: int, flops_per_s: float, read_bytes_per_s: float,
+                weight_dtype_bytes: int) -> dict:
+    """Floors and achieved fractions of one meshrl step (a ``bench.vs_trl.step_record`` with meshrl's
+    ``phases``); the module docstring defines every figure."""
+    phases = step["phases"]
+    tokens = step["prompt_tokens"] + step["response_tokens"]
+    seq = tokens / rows
+    train_flops = transformer_flops([seq] * rows, shape, backward=True)
+    weight_bytes = shape.params * weight_dtype_bytes
+    decode_steps = step.get("response_length_max") or step["response_tokens"] / rows
+    decode_bytes = weight_bytes * decode_steps
+    prompt_mean = step["prompt_tokens"] / rows
+    response_mean = step["response_tokens"] / rows
+    # Each generated token attends to its prompt and the response so far: on average prompt + response/2.
+    context = prompt_mean + response_mean / 2
+    decode_flops = step["response_tokens"] * (2 * shape.params + 4 * shape.layers * shape.hidden * context)
+    kv_bytes = step["response_tokens"] * context * kv_bytes_per_token(shape, weight_dtype_bytes)
+    prefill_flops = transformer_flops([prompt_mean] * max(rows // n, 1), shape, backward=False)
+
+    train_floor = train_flops / flops_per_s
+    decode_floor = decode_bytes / read_bytes_per_s
+    floor = train_floor + decode_floor
+    roofline_decode = max(decode_flops / flops_per_s, (decode_bytes + kv_bytes) / read_bytes_per_s)
+    roofline = train_floor + roofline_decode + prefill_flops / flops_per_s
+    update_s, gen_s, wall = phases.get("update_actor", 0.0), step["gen_s"], step["wall_s"]
+    return {
+        "step": step["step"], "wall_s": wall, "training_tokens": tokens, "mean_seq_len": seq,
+        "training_flops": train_flops, "decode_steps": decode_steps, "decode_weight_bytes": decode_bytes,
+        "decode_flops": decode_flops, "decode_kv_bytes": kv_bytes, "prefill_flops": prefill_flops,
+        "floor_s": floor, "floor_train_s": train_floor, "floor_decode_s": decode_floor,
+        "roofline_floor_s": roofline, "roofline_decode_s": roofline_decode,
+        "step_over_floor": wall / floor, "step_over_roofline_floor": wall / roofline,
+        "update_actor_s": update_s,
+        "update_fraction_of_matmul_flops": train_flops / update_s / flops_per_s if update_s > 0 else None,
+        "gen_s": gen_s,
+        "decode_fraction_of_bandwidth": decode_bytes / gen_s / read_bytes_per_s if gen_s > 0 else None,
+        "decode_fraction_of_matmul_flops": decode_flops / gen_s / flops_per_s if gen_s > 0 else None,
+        # Where the step's time goes relative to the floor's two terms.
+        "above_floor_s": {"generation": gen_s - decode_floor, "update_actor": update_s - train_floor,
+                          "old_log_prob": phases.get("old_log_prob", 0.0), "sync": phases.get("sync", 0.0),
+                          "other": wall - gen_s - update_s - phases.get("old_log_prob", 0.0) - phases.get("sync", 0.0)},
+    }
+
+
+def summarize_limits(per_step: list[dict], warmup: int = 1) -> dict:
+    """Medians over the steps after ``warmup`` (all steps when there are not more than ``warmup``)."""
+    used = per_step[warmup:] if len(per_step) > warmup else per_step
+    out = {"steps_used": [s["step"] for s in used]}
+    for key in ("wall_s", "floor_s", "roofline_floor_s", "step_over_floor", "step_over_roofline_floor",
+                "update_fraction_of_matmul_flops", "decode_fraction_of_bandwidth", "decode_fraction_of_matmul_flops"):
+        values = [s[key] for s in used if s[key] is not None]
+        out[key] = statistics.median(values) if values else None
+    out["target_step_over_floor"] = TARGET_STEP_OVER_FLOOR
+    out["meets_target"] = out["step_over_floor"] is not None and out["step_over_floor"] <= TARGET_STEP_OVER_FLOOR
+    return out
+
+
+def meshrl_source(args) -> dict:
+    """meshrl's steps, their settings and any rates recorded with them, from the chosen input."""
+    from bench import vs_trl
+
+    if args.run:
+        s = vs_trl.Settings(steps=args.steps, prompts=args.prompts, n=args.n, response_length=args.response_length,
+                            threads=args.threads)
+        from meshrl.models.embedded import smollm2_hf_dir
+        from meshrl.runtime import cache_dir
+
+        work = cache_dir() / "bench" / "limits"
+        work.mkdir(parents=True, exist_ok=True)
+        prompts = vs_trl.write_prompts(s, smollm2_hf_dir(), work / "prompts.jsonl")
+        budget = s.micro_batch * (prompts["prompt_tokens_max"] + s.response_length)
+        side = vs_trl.run_meshrl(s, work, Path(prompts["file"]), budget)
+        if side["status"] != "ok":
+            raise SystemExit(f"limits: the meshrl run failed: {side['error']}")
+        return {"input": f"--run ({side['log']})", "steps": side["steps"], "rows": s.rows, "n": s.n,
+                "rollout_dtype": "float32", "actor_dtype": "float32", "recorded_rates": []}
+    if args.metrics:
+        from meshrl.trainer.tracking import read_metrics
+
+        if not args.rows or not args.n:
+            raise SystemExit("limits: --metrics needs --rows (prompts x n per step) and --n")
+        steps = [vs_trl.meshrl_step(r, args.rows) for r in read_metrics(args.metrics) if "timing/step_s" in r]
+        return {"input": str(args.metrics), "steps": steps, "rows": args.rows, "n": args.n,
+                "rollout_dtype": args.rollout_dtype, "actor_dtype": "float32", "recorded_rates": []}
+    path = Path(args.source)
+    if not path.is_file():
+        raise SystemExit(f"limits: {path} does not exist; run `python -m bench.vs_trl --dtype fp32` first, "
+                         "or pass --metrics FILE --rows N --n N, or --run")
+    result = json.loads(path.read_text())
+    side = result["sides"]["meshrl"]
+    if side.get("status") != "ok":
+        raise SystemExit(f"limits: the meshrl side of {path} did not run: {side.get('error')}")
+    settings = result["settings"]
+    rollout = "bfloat16" if result["dtype"] == "bf16" else "float32"
+    return {"input": str(path), "steps": side["steps"], "rows": settings["rows_per_step"], "n": settings["n"],
+            "rollout_dtype": rollout, "actor_dtype": "float32",
+            "recorded_rates": [result["machine"].get("rates_before"), result["machine"].get("rates_after")]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--from", dest="source", default=str(RESULTS / "vs_trl_fp32.json"))
+    p.add_argument("--metrics", type=Path, help="a meshrl metrics.jsonl instead of a vs_trl result")
+    p.add_argument("--rows", type=int, help="with --metrics: rows (prompts x n) per step")
+    p.add_argument("--n", type=int, default=4, help="with --metrics/--run: completions per prompt")
+    p.add_argument("--rollout-dtype", choices=tuple(DTYPE_BYTES), default="float32", help="with --metrics")
+    p.add_argument("--run", action="store_true", help="run a small meshrl job now instead")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--response-length", type=int, default=128)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--out", type=Path, default=RESULTS / "limits.json")
+    args = p.parse_args(argv)
+
+    source = meshrl_source(args)
+    from meshrl.models.embedded import smollm2_hf_dir
+
+    shape = model_shape(smollm2_hf_dir())
+    print(f"limits: measuring matmul FLOP/s and memory bandwidth ({args.threads} threads)", flush=True)
+    measured = measure_rates(args.threads)
+    recorded = [r for r in source["recorded_rates"] if r]
+    flops_key = "matmul_flops_bf16" if source["actor_dtype"] == "bfloat16" else "matmul_flops_fp32"
+    rates = {
+        "matmul_flops_fp32": best_rate(measured["matmul_flops_fp32"], *(r.get("matmul_flops_fp32") for r in recorded)),
+        "matmul_flops_bf16": best_rate(measured["matmul_flops_bf16"], *(r.get("matmul_flops_bf16") for r in recorded)),
+        "read_bytes_per_s": best_rate(measured["read_bytes_per_s"], *(r.get("read_bytes_per_s") for r in recorded)),
+        "copy_bytes_per_s": best_rate(measured["copy_bytes_per_s"], *(r.get("copy_bytes_per_s") for r in recorded)),
+    }
+    per_step = [step_limits(step, shape, rows=source["rows"], n=source["n"], flops_per_s=rates[flops_key],
+                            read_bytes_per_s=rates["read_bytes_per_s"],
+                            weight_dtype_bytes=DTYPE_BYTES[source["rollout_dtype"]])
+                for step in source["steps"]]
+    summary = summarize_limits(per_step)
+    result = {
+        "benchmark": "limits", "input": source["input"],
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "threads": args.threads, "measured_now": measured, "recorded_with_run": recorded,
+                    "rates_used": rates, "rates_rule": "best of every measurement (others' load only lowers one)"},
+        "model_shape": shape.as_dict(), "actor_dtype": source["actor_dtype"], "rollout_dtype": source["rollout_dtype"],
+        "flops_per_s_used": rates[flops_key], "rows_per_step": source["rows"], "n": source["n"],
+        "steps": per_step, "summary": summary,
+        "command": "python -m bench.limits " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    g = 1e9
+    print(f"machine: matmul fp32 {rates['matmul_flops_fp32'] / g:.0f} GFLOP/s, bf16 {rates['matmul_flops_bf16'] / g:.0f} "
+          f"GFLOP/s, read {rates['read_bytes_per_s'] / g:.1f} GB/s (load average {measured['load_average']})")
+    for st in per_step:
+        print(f"step {st['step']}: {st['wall_s']:.1f} s vs floor {st['floor_s']:.1f} s ({st['step_over_floor']:.2f}x; "
+              f"roofline {st['roofline_floor_s']:.1f} s, {st['step_over_roofline_floor']:.2f}x)  update "
+              f"{_pct(st['update_fraction_of_matmul_flops'])} of FLOP/s  decode {_pct(st['decode_fraction_of_bandwidth'])} "
+              f"of bandwidth, {_pct(st['decode_fraction_of_matmul_flops'])} of FLOP/s")
+    print(f"median step/floor {summary['step_over_floor']:.2f}x (target <= {TARGET_STEP_OVER_FLOOR}: "
+          f"{'met' if summary['meets_target'] else 'NOT met'}); wrote {args.out}")
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
