@@ -146,6 +146,10 @@ class ActorConfig:
     ppo_epochs: int = 1
     shuffle: bool = False
     use_torch_compile: bool = False
+    # meshrl's key (verl has none for it): when the update is exactly on-policy (one epoch, one
+    # mini-batch, no KL in the reward) skip the old-log-prob forward pass and use logπ_θ.detach() in
+    # its place (ratio 1, same gradient); False always recomputes (see rl_trainer.on_policy_update).
+    skip_on_policy_old_log_prob: bool = True
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

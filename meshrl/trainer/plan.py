@@ -54,7 +54,8 @@ attention FLOPs (quadratic in length; small next to 6·N per token at these leng
 FLOPs per step (upper bound: every sequence at max prompt + max response length): generation 2·N per
 token of every sampled sequence (ReMax also decodes one greedy response per prompt), the policy update
 6·N per token per PPO epoch (8·N with recompute), 2·N per token for each forward-only pass (old
-log-probs, reference, critic values), and the critic's own update. N counts the matmul parameters:
+log-probs, which an on-policy update skips: ``rl_trainer.on_policy_update``; reference; critic values),
+and the critic's own update. N counts the matmul parameters:
 the layers plus the output projection, not the embedding lookup.
 
 With ``trainer.device=cpu`` the same model is evaluated in fp32 per training process (AdamW keeps
@@ -292,6 +293,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     from meshrl.config.validate import validate_against_model, world_size
     from meshrl.parallel.model_builder import check_layout, model_spec
     from meshrl.parallel.state import ParallelConfig
+    from meshrl.trainer.rl_trainer import on_policy_update
 
     arr, actor, rollout, ref, critic_cfg = (cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor,
                                             cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic)
@@ -425,7 +427,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     n_policy = matmul_parameters(spec)
     flops = {
         "generation": 2.0 * n_policy * generated * seq_len,
-        "old_log_probs": 2.0 * n_policy * tokens,
+        "old_log_probs": 0.0 if on_policy_update(cfg) else 2.0 * n_policy * tokens,
         "reference": 2.0 * n_policy * tokens if use_ref else 0.0,
         "actor_update": (8.0 if policy.recompute else 6.0) * n_policy * tokens * actor.ppo_epochs,
     }

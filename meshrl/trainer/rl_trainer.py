@@ -5,7 +5,7 @@
         responses     ← policy.generate(prompts × n)             (+ one greedy response per prompt: ReMax)
         scores        ← reward(responses)                        (rule-based, process pool)
         ref_log_probs ← reference(responses)                     (only when a KL term is used)
-        old_log_probs ← policy(responses)
+        old_log_probs ← policy(responses)                        (unless on-policy: then the update's own forward)
         values        ← critic(responses)                        (PPO)
         rewards       ← scores − β·KL                            (algorithm.use_kl_in_reward)
         advantages    ← estimator(rewards, ...)                  (algorithm.adv_estimator)
@@ -46,6 +46,7 @@ class StepPlan:
     use_reference: bool
     use_critic: bool
     greedy_baseline: bool
+    on_policy: bool  # no old-log-prob pass: the update's forward gives logπ_θ = logπ_old (on_policy_update)
     total_steps: int
 
 
@@ -71,6 +72,7 @@ class RLTrainer:
             use_reference=bool(algo.use_kl_in_reward or actor.use_kl_loss),
             use_critic=critic is not None,
             greedy_baseline=algo.adv_estimator in GREEDY_BASELINE_ESTIMATORS,
+            on_policy=on_policy_update(cfg),
             total_steps=total_training_steps(cfg, len(train_data)),
         )
         self.step = 0
@@ -113,8 +115,9 @@ class RLTrainer:
             if plan.use_reference:
                 with timer("ref"):
                     batch = self.policy.compute_log_probs(batch, model="ref")
-            with timer("old_log_prob"):
-                batch = self.policy.compute_log_probs(batch, model="actor")
+            if not plan.on_policy:
+                with timer("old_log_prob"):
+                    batch = self.policy.compute_log_probs(batch, model="actor")
             if plan.use_critic:
                 with timer("values"):
                     batch = self.critic.compute_values(batch)
@@ -127,7 +130,10 @@ class RLTrainer:
                     metrics.update(self.critic.update(updates))
             if self.step > cfg.trainer.critic_warmup:
                 with timer("update_actor"):
-                    metrics.update(self.policy.update(updates))
+                    actor_metrics, log_probs = self.policy.update(updates, on_policy=plan.on_policy)
+                metrics.update(actor_metrics)
+                if log_probs is not None:  # on-policy: logπ_θ before the step, what the recompute gives
+                    batch = batch.union(log_probs)
                 with timer("sync"):
                     metrics.update(self.policy.sync_weights())
         metrics.update(batch_metrics(batch, plan))
@@ -163,7 +169,10 @@ class RLTrainer:
         max_len = self.cfg.data.max_response_length
         updates = []
         for _ in range(actor.ppo_epochs):
-            order = rng.permutation(len(batch)) if actor.shuffle else np.arange(len(batch))
+            # One mini-batch is the whole batch: reordering its rows would change nothing but rounding,
+            # and on-policy updates hand back log-probs in the batch's row order.
+            shuffle = actor.shuffle and size < len(batch)
+            order = rng.permutation(len(batch)) if shuffle else np.arange(len(batch))
             for start in range(0, len(batch), size):
                 mini = batch.take(order[start:start + size])
                 updates.append((mini, GlobalNorm.from_mask(mini["response_mask"], max_len=max_len)))
@@ -234,19 +243,39 @@ def total_training_steps(cfg: DictConfig, num_prompts: int) -> int:
     return cfg.trainer.total_epochs * (num_prompts // cfg.data.train_batch_size)
 
 
+def on_policy_update(cfg: DictConfig) -> bool:
+    """Whether the actor update is exactly on-policy, so the old-log-prob forward pass is skipped.
+
+    On-policy ⇔ ``ppo_epochs = 1`` and one mini-batch holds every response
+    (``ppo_mini_batch_size·n = train_batch_size·n``): the RL step's one optimizer step differentiates the
+    very policy that the old log-probs would be recomputed from, so logπ_old = logπ_θ.detach() exactly
+    (ratio ρ = 1; every policy loss then has the gradient it has with the recompute, up to rounding).
+    Not when KL is in the reward (``algorithm.use_kl_in_reward`` reads the old log-probs before the
+    advantages, hence before the update), nor with ``actor.skip_on_policy_old_log_prob=False``.
+
+    The skipped log-probs still exist: the update returns those of its forward pass (the policy before
+    the step) as ``old_log_probs``, so the diagnostics that read them are computed as with the recompute;
+    a step without an actor update (``trainer.critic_warmup``) has none and logs none.
+    """
+    actor = cfg.actor_rollout_ref.actor
+    return bool(actor.skip_on_policy_old_log_prob and actor.ppo_epochs == 1
+                and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+                and not cfg.algorithm.use_kl_in_reward)
+
+
 def batch_metrics(batch: Batch, plan: StepPlan) -> dict[str, float]:
-    """Response-length and log-prob diagnostics of a trained batch."""
+    """Response-length and log-prob diagnostics of a trained batch (those of ``old_log_probs`` when it has them)."""
     mask = batch["response_mask"].bool()
     lengths = mask.sum(-1).float()
     width = mask.shape[-1]
     out = {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
            "response_length/clip_ratio": float((lengths >= width).float().mean()),
            "prompt_length/mean": float(np.mean([len(p) for p in batch["prompt_ids"]]))}
-    if plan.use_reference:
+    if plan.use_reference and "old_log_probs" in batch:
         diff = (batch["old_log_probs"] - batch["ref_log_probs"])[mask]
         out["actor/ref_kl_k1"] = float(diff.mean())
         out["actor/ref_log_prob_max_abs_diff"] = float(diff.abs().max())
-    if "rollout_log_probs" in batch:
+    if "rollout_log_probs" in batch and "old_log_probs" in batch:
         out["rollout/log_prob_max_abs_diff"] = float((batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
     if plan.use_critic:
         out["critic/values/mean"] = float(batch["values"][mask].mean())

@@ -25,6 +25,9 @@ from meshrl.workers.objectives import ActorObjective, sum_metrics
 from meshrl.workers.rank import RankWorker
 from meshrl.workers.sequences import gather_response_outputs, response_part, split_micro_batches
 
+# Key of a micro-batch's position in its list, for outputs that loss functions hand back.
+MICRO_INDEX = "micro_index"
+
 
 def optimizer_config(optim, grad_clip: float, distributed: bool):
     """``actor.optim`` (verl keys) → ``meshrl.parallel.optimizer.OptimizerConfig``."""
@@ -194,8 +197,16 @@ class ActorRolloutRefWorker(RankWorker):
         return megatron.pipeline_model_parallel_size
 
     # ---------------------------------------------------------------------------------- update
-    def update(self, updates: list[tuple[Batch, Any]]) -> dict[str, float]:
-        """One optimizer step per (mini-batch shard, its global normaliser); metrics averaged over steps."""
+    def update(self, updates: list[tuple[Batch, Any]], on_policy: bool = False
+               ) -> tuple[dict[str, float], Batch | None]:
+        """One optimizer step per (mini-batch shard, its global normaliser); metrics averaged over steps.
+
+        ``on_policy`` (one update whose policy is the one that sampled the batch, see
+        ``rl_trainer.on_policy_update``): the shards carry no ``old_log_probs``; the loss takes
+        logπ_θ.detach() in their place (ratio exactly 1, the gradient of the recompute), and the
+        collecting ranks also return those log-probs as this shard's ``old_log_probs`` (row order).
+        Returns (metrics, that batch or None).
+        """
         import torch.distributed as dist
 
         from meshrl.parallel import state
@@ -203,16 +214,25 @@ class ActorRolloutRefWorker(RankWorker):
         from meshrl.parallel.optimizer import train_step
 
         actor = self.cfg.actor_rollout_ref.actor
-        fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if actor.use_kl_loss else ())
+        if on_policy and len(updates) != 1:
+            raise ValueError(f"an on-policy update is one optimizer step, got {len(updates)} mini-batches")
+        fields = ("advantages",) + (() if on_policy else ("old_log_probs",)) \
+            + (("ref_log_probs",) if actor.use_kl_loss else ())
         request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy)
-        per_step = []
+        per_step, seen = [], {}
         for shard, norm in updates:
-            plan, _, micros = split_micro_batches(shard, actor.ppo_max_token_len_per_gpu, state.dp_group(),
-                                                  self.pad_id, response_fields=fields, min_micro=self._min_micro())
+            plan, rows, micros = split_micro_batches(shard, actor.ppo_max_token_len_per_gpu, state.dp_group(),
+                                                     self.pad_id, response_fields=fields, min_micro=self._min_micro())
+            for index, micro in enumerate(micros):
+                micro[MICRO_INDEX] = index
 
             def loss_fn(outputs, micro, norm=norm):
+                log_probs = response_part(outputs["log_probs"], micro)
+                if on_policy:
+                    seen[micro[MICRO_INDEX]] = log_probs.detach()
+                    micro = {**micro, "old_log_probs": log_probs.detach()}
                 entropy = response_part(outputs["entropy"], micro) if request.entropy else None
-                loss, metrics = self.objective(response_part(outputs["log_probs"], micro), entropy, micro, norm)
+                loss, metrics = self.objective(log_probs, entropy, micro, norm)
                 if not torch.isfinite(loss):
                     # Raised before backward: the optimizer never sees the NaN and the weights stay intact.
                     raise FloatingPointError(f"actor loss is {loss.item()} on rank {self.rank} "
@@ -230,7 +250,12 @@ class ActorRolloutRefWorker(RankWorker):
                             "actor/grad_norm": result["grad_norm"] if result["grad_norm"] is not None else float("nan")})
             metrics.update(plan.metrics())
             per_step.append(metrics)
-        return {key: float(np.mean([m[key] for m in per_step])) for key in per_step[0]}
+        mean = {key: float(np.mean([m[key] for m in per_step])) for key in per_step[0]}
+        if not (on_policy and self.layout.collect):
+            return mean, None
+        # The last pipeline stage (where collecting ranks sit) ran loss_fn on every micro-batch.
+        parts = [seen[index] for index in range(len(micros))]
+        return mean, Batch(tensors={"old_log_probs": gather_response_outputs(parts, plan, rows, self.response_length)})
 
     # ---------------------------------------------------------------------------------- weights
     def sync_weights(self) -> dict[str, float]:
@@ -275,16 +300,28 @@ class ActorRolloutRefGroup(DispatchGroup):
         needed = batch.select(["prompt_ids", "responses", "response_mask"])
         return batch.union(self.dispatch("compute_log_probs", needed, model=model))
 
-    def update(self, updates: list[tuple[Batch, Any]]) -> dict[str, float]:
-        fields = ["prompt_ids", "responses", "response_mask", "old_log_probs", "advantages"]
+    def update(self, updates: list[tuple[Batch, Any]], on_policy: bool = False
+               ) -> tuple[dict[str, float], Batch | None]:
+        """Metrics of the actor update, and for an ``on_policy`` one (a single mini-batch, which is the
+        whole batch in row order) the ``old_log_probs`` its forward pass saw, in row order."""
+        fields = ["prompt_ids", "responses", "response_mask", "advantages"]
+        if not on_policy:
+            fields.append("old_log_probs")
         if self.cfg.actor_rollout_ref.actor.use_kl_loss:
             fields.append("ref_log_probs")
         per_dp: list[list[tuple[Batch, Any]]] = [[] for _ in range(self.dp_size)]
+        splits = []
         for mini, norm in updates:
             mini = mini.select(fields)
-            for dp_rank, rows in enumerate(self.split(mini, self.dp_size, balance=True)):
+            splits.append(self.split(mini, self.dp_size, balance=True))
+            for dp_rank, rows in enumerate(splits[-1]):
                 per_dp[dp_rank].append((mini.take(rows), norm))
-        return self.group.call_per_rank("update", self.per_dp_rank(per_dp))[0]
+        results = self.group.call_per_rank("update", self.per_dp_rank(per_dp), on_policy=on_policy)
+        metrics = results[0][0]
+        if not on_policy:
+            return metrics, None
+        return metrics, self.in_row_order(splits[0], [log_probs for _, log_probs in results], coord="dp_rank",
+                                          collect="collect")
 
     def sync_weights(self) -> dict[str, float]:
         return self.group.call("sync_weights")[0]

@@ -71,10 +71,16 @@ class DispatchGroup:
         refs = [ray.put(batch.take(p)) for p in parts]
         coord, collect = ("replica", "replica_leader") if by == "replica" else ("dp_rank", "collect")
         results = self.group.call_per_rank(method, [(refs[lay[coord]],) for lay in self.layouts], **kwargs)
+        return self.in_row_order(parts, results, coord=coord, collect=collect)
+
+    def in_row_order(self, parts: list[np.ndarray], results: list[Any], *, coord: str, collect: str) -> Batch:
+        """The collecting ranks' results for the shards ``parts`` (row indices of a batch of B rows, one
+        shard per ``coord`` value) as one batch in the original row order; a result of k·|shard| rows
+        (generation: n rows per prompt) keeps each input row's k rows together."""
         collected = sorted((lay[coord], out) for lay, out in zip(self.layouts, results) if lay[collect])
         merged = Batch.concat([out for _, out in collected])
         order = np.concatenate(parts)
-        rows_per_input = len(merged) // len(batch)  # generation returns n rows per prompt
+        rows_per_input = len(merged) // len(order)
         expanded = (order[:, None] * rows_per_input + np.arange(rows_per_input)).reshape(-1)
         return merged.reorder(np.argsort(expanded))
 

@@ -51,3 +51,23 @@ def test_two_steps(train, name):
         assert first["critic/grad_norm"] > 0 and "critic/vf_loss" in second
     if name == "remax":
         assert "greedy_score/mean" in first
+
+
+def test_on_policy_step_skips_the_old_log_prob_pass(train, tmp_path):
+    """One optimizer step per RL step: the step without the old-log-prob pass has the loss, gradient norm
+    and diagnostics of the step with it (same weights, same samples; fp32 rounding apart)."""
+    common = [*ONE_MINI_BATCH, *CASES["grpo"], "trainer.total_training_steps=1", "trainer.val_before_train=False",
+              "trainer.test_freq=-1"]
+    _, skipped = train(*common, run_dir=tmp_path / "skipped")
+    _, recomputed = train(*common, "actor_rollout_ref.actor.skip_on_policy_old_log_prob=False",
+                          run_dir=tmp_path / "recomputed")
+    skip, full = skipped[1], recomputed[1]
+    assert "timing/old_log_prob_s" not in skip and full["timing/old_log_prob_s"] > 0
+    assert skip["score/mean"] == full["score/mean"] and skip["response_length/mean"] == full["response_length/mean"]
+    compared = sorted(k for k in full if k.startswith("actor/") and k != "actor/lr")
+    assert {"actor/pg_loss", "actor/loss", "actor/grad_norm", "actor/kl_loss"} <= set(compared) <= set(skip)
+    for key in compared:
+        assert skip[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
+    # the update's forward pass is the policy before the step: the step-1 invariants hold on it too
+    assert skip["actor/ref_log_prob_max_abs_diff"] == 0.0
+    assert skip["rollout/log_prob_max_abs_diff"] == pytest.approx(full["rollout/log_prob_max_abs_diff"], abs=1e-6)

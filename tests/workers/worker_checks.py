@@ -1,0 +1,126 @@
+"""In-process checks of the policy worker, without Ray: one ``ActorRolloutRefWorker`` at world size 1
+(gloo) with the transformers rollout engine on the tiny Llama, called directly on a hand-made batch.
+
+Run as a script, in a fresh process (it starts torch.distributed and megatron's global state); it
+writes one JSON of measurements that ``test_worker_inprocess.py`` asserts on:
+
+    python tests/workers/worker_checks.py --out results.json
+
+Updates are compared on the same weights: each one's gradients are read from the DDP grad buffers
+(``main_grad``, which the optimizer step leaves in place; the gradient clip is set out of reach) and
+the weights are put back before the next one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+WIDTH = 12  # response length R
+
+
+def make_worker(overrides: list[str]):
+    from omegaconf import OmegaConf
+
+    from meshrl.config import load_config
+    from meshrl.models.resolve import resolve_model_path
+    from meshrl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    cfg = load_config(["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.use_kl_loss=True",
+                       "actor_rollout_ref.actor.grad_clip=1e9", "actor_rollout_ref.actor.optim.lr=1e-3",
+                       f"data.max_response_length={WIDTH}", *overrides], recipe="cpu_tiny_grpo")
+    model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg, resolve=True), str(model_dir))
+    worker.setup(worker.address())
+    return worker
+
+
+def make_batch(rows: int = 6, seed: int = 0):
+    """Random prompts and responses of varied lengths, advantages constant per response (GRPO-like)."""
+    from meshrl.protocol import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, 5000, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (rows,), generator=g)]
+    lengths = torch.randint(2, WIDTH + 1, (rows,), generator=g)
+    mask = (torch.arange(WIDTH) < lengths[:, None]).float()
+    return Batch(tensors={"responses": torch.randint(10, 5000, (rows, WIDTH), generator=g), "response_mask": mask,
+                          "advantages": torch.randn(rows, 1, generator=g) * mask},
+                 non_tensors={"prompt_ids": prompts})
+
+
+def weights(worker) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for chunk in worker.policy for name, p in chunk.named_parameters()}
+
+
+def grads(worker) -> dict[str, torch.Tensor]:
+    return {name: p.main_grad.detach().clone() for chunk in worker.policy for name, p in chunk.named_parameters()}
+
+
+def restore(worker, weights: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for chunk in worker.policy:
+            for name, p in chunk.named_parameters():
+                p.copy_(weights[name])
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def max_abs(a: dict[str, torch.Tensor]) -> float:
+    return max(float(v.float().abs().max()) for v in a.values())
+
+
+def update(worker, batch, on_policy: bool = False):
+    """(metrics, returned log-probs, gradients) of one update on ``batch``, weights put back after."""
+    from meshrl.algorithms import GlobalNorm
+
+    before = weights(worker)
+    metrics, log_probs = worker.update([(batch, GlobalNorm.from_mask(batch["response_mask"], max_len=WIDTH))],
+                                       on_policy=on_policy)
+    grad = grads(worker)
+    restore(worker, before)
+    return metrics, log_probs, grad
+
+
+def check_on_policy(worker) -> dict:
+    """The on-policy update (logπ_θ.detach() as logπ_old) against the one fed the recomputed log-probs."""
+    batch = make_batch()
+    old = worker.compute_log_probs(batch, model="actor")
+    ref = worker.compute_log_probs(batch, model="ref")
+    batch = batch.union(ref)
+    full, none, g_full = update(worker, batch.union(old))
+    skip, seen, g_skip = update(worker, batch, on_policy=True)
+    mask = batch["response_mask"].bool()
+    return {
+        "recompute_returns_nothing": none is None,
+        "loss_diff": abs(full["actor/loss"] - skip["actor/loss"]),
+        "pg_loss": skip["actor/pg_loss"],
+        "grad_max_abs": max_abs(g_full),
+        "grad_diff": max_diff(g_full, g_skip),
+        "grad_norm_diff": abs(full["actor/grad_norm"] - skip["actor/grad_norm"]),
+        "returned_vs_recomputed": float((seen["old_log_probs"] - old["old_log_probs"])[mask].abs().max()),
+        "returned_outside_mask": float(seen["old_log_probs"][~mask].abs().max()),
+        "returned_shape_ok": tuple(seen["old_log_probs"].shape) == tuple(batch["response_mask"].shape),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    from meshrl.runtime import configure_environment
+
+    configure_environment()
+    torch.set_num_threads(1)
+    worker = make_worker([])
+    results = {"on_policy": check_on_policy(worker)}
+    worker.shutdown_engine()
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
