@@ -23,6 +23,7 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 ROLLOUT_ENGINES = ("vllm", "hf")
+MEGATRON_DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -93,6 +94,11 @@ class MegatronConfig:
     grad_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 42
+    # Parameters' dtype (verl's key): bfloat16 trains with mixed precision (fp32 main params, gradients
+    # and Adam state in the optimizer), float32 throughout; auto: bfloat16 with CUDA, float32 without.
+    # The reference's auto is the actor's dtype, so that it starts as the policy's exact copy. verl's
+    # float16 is refused (its loss scaling is not wired).
+    dtype: str = "auto"
 
 
 @dataclass

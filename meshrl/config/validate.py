@@ -10,7 +10,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from meshrl.config.loader import ConfigError
-from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_SCHEDULES,
+from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_SCHEDULES, MEGATRON_DTYPES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
 
 
@@ -107,6 +107,7 @@ def validate_config(cfg: DictConfig) -> None:
     p.require(actor.grad_clip > 0, "actor_rollout_ref.actor.grad_clip", f"must be > 0, got {actor.grad_clip}")
     _check_optim(p, actor.optim, "actor_rollout_ref.actor.optim")
     _check_megatron(p, cfg, actor.megatron, "actor_rollout_ref.actor.megatron")
+    p.choice(ref.megatron.dtype, "actor_rollout_ref.ref.megatron.dtype", MEGATRON_DTYPES)
 
     # critic (only PPO's gae trains one)
     if algo.adv_estimator == "gae":
@@ -176,6 +177,9 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
                   "needs pipeline_model_parallel_size > 1")
     p.require(not mg.sequence_parallel or mg.tensor_model_parallel_size > 1, f"{key}.sequence_parallel",
               "needs tensor_model_parallel_size > 1")
+    p.require(mg.dtype in MEGATRON_DTYPES, f"{key}.dtype",
+              f"'{mg.dtype}' is not one of {', '.join(MEGATRON_DTYPES)}"
+              + ("; float16 needs loss scaling, which meshrl does not wire: use bfloat16" if mg.dtype == "float16" else ""))
 
 
 def validate_against_model(cfg: DictConfig, hf_config) -> None:

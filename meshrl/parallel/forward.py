@@ -18,7 +18,7 @@ cumsum(mask) - 1`` and padding masked out.
 
 Full-vocabulary logits are never materialised on one rank: log-probs use megatron's
 ``vocab_parallel_cross_entropy`` and entropy uses ``vocab_parallel_entropy`` below, both reducing over
-the TP group, both differentiable.
+the TP group, both differentiable, both from the logits upcast to fp32 whatever the model's dtype.
 """
 
 from __future__ import annotations
@@ -124,7 +124,10 @@ def compute_outputs(model_output: torch.Tensor, packed: PackedBatch, request: Ou
     """Turn the last stage's ``[b, n, V/TP]`` logits (or ``[b, n, 1]`` values) into aligned outputs."""
     if critic:
         return {"values": unpack(model_output.squeeze(-1).float(), packed)}
-    logits = model_output
+    # The log-softmax in fp32 whatever the parameters' dtype: in bf16 it would sum the vocabulary's
+    # exponentials and round each log-prob to 8 mantissa bits (±0.03 near -10). Entropy and log-probs
+    # share this one copy (a no-op for fp32 models); the bf16 logits' own rounding remains.
+    logits = model_output.float()
     if request.temperature != 1.0:
         logits = logits / request.temperature
     outputs = {}

@@ -9,8 +9,10 @@ Layer spec: Transformer Engine's when TE is importable (GPU), else megatron's lo
 RMSNorm (CPU) whose core attention runs through torch's fused ``scaled_dot_product_attention``. Both
 are served by ``meshrl.parallel.hf_conversion``, which knows their name differences.
 
-Precision: fp32 on CPU, bf16 (fp32 softmax, fp32 grad reduction, fp32 main params in the optimizer)
-on GPU, unless ``dtype`` says otherwise.
+Precision: fp32 on CPU, bf16 on GPU, unless ``dtype`` says otherwise (``param_dtype`` reads verl's
+``megatron.dtype`` names). bf16 parameters train with megatron's mixed precision on CPU as on GPU:
+fp32 softmax, fp32 gradient buffers and reduction (``grad_reduce_in_fp32``), fp32 main params and Adam
+state in the optimizer, and per-token outputs computed from fp32 logits (``meshrl.parallel.forward``).
 
 A critic is the same transformer with its vocabulary head replaced by ``ValueHead`` (hidden -> 1, with
 bias, the layout of HF's ``*ForTokenClassification`` with ``num_labels=1``), never tied.
@@ -136,8 +138,23 @@ def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
         raise ValueError("impossible parallel layout for this model: " + "; ".join(problems))
 
 
+# ``megatron.dtype`` values: verl's bfloat16, and float32 (meshrl's CPU default). verl's float16 is not
+# offered: its dynamic loss scale would have to reach the schedules (``TransformerConfig.grad_scale_func``).
+PARAM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 def default_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def param_dtype(name: str) -> torch.dtype:
+    """The parameters' dtype named by a ``megatron.dtype`` key: one of ``PARAM_DTYPES``, or ``auto``
+    (:func:`default_dtype`: bf16 with CUDA, fp32 without)."""
+    if name == "auto":
+        return default_dtype()
+    if name not in PARAM_DTYPES:
+        raise ValueError(f"megatron dtype {name!r} is not one of auto, {', '.join(PARAM_DTYPES)}")
+    return PARAM_DTYPES[name]
 
 
 def transformer_engine_available() -> bool:
@@ -311,6 +328,11 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
             device = next(model.parameters()).device
             # Replaces the vocabulary projection GPTModel allocated (transiently) on the last stage.
             model.output_layer = ValueHead(spec.hidden_size, dtype, device)
+        # megatron's local spec builds torch norms without a dtype: fp32 weights in a bf16 model, on which
+        # torch's RMSNorm skips its fused kernel. TE's norms and HF's bf16 models hold the model's dtype.
+        for module in model.modules():
+            if isinstance(module, torch.nn.RMSNorm):
+                module.to(dtype)
         model.meshrl_critic = critic
         model.meshrl_spec = spec
         model.meshrl_uses_te = use_te

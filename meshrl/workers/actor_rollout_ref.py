@@ -62,7 +62,7 @@ class ActorRolloutRefWorker(RankWorker):
         from transformers import AutoConfig, AutoTokenizer
 
         from meshrl.parallel.hf_conversion import load_hf_weights
-        from meshrl.parallel.model_builder import build_forward_only_model, build_model
+        from meshrl.parallel.model_builder import build_forward_only_model, build_model, param_dtype
         from meshrl.parallel.offload import offload
         from meshrl.parallel.optimizer import build_optimizer
         from meshrl.rollout.base import EngineConfig, SamplingConfig, create_engine
@@ -76,15 +76,16 @@ class ActorRolloutRefWorker(RankWorker):
         tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         distributed_opt = actor.megatron.use_distributed_optimizer
-        self.policy = build_model(self.hf_config, use_distributed_optimizer=distributed_opt,
-                                  **recompute_overrides(arr.model))
+        self.policy = build_model(self.hf_config, dtype=param_dtype(actor.megatron.dtype),
+                                  use_distributed_optimizer=distributed_opt, **recompute_overrides(arr.model))
         load_hf_weights(self.policy, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
             self.policy, optimizer_config(actor.optim, actor.grad_clip, distributed_opt))
         self.ref = self.ref_offloaded = None
         if cfg.algorithm.use_kl_in_reward or actor.use_kl_loss:
             # Forward passes only: no DDP gradient buffer (as large as the fp32 weights) for it.
-            self.ref = build_forward_only_model(self.hf_config)
+            ref_dtype = arr.ref.megatron.dtype if arr.ref.megatron.dtype != "auto" else actor.megatron.dtype
+            self.ref = build_forward_only_model(self.hf_config, dtype=param_dtype(ref_dtype))
             load_hf_weights(self.ref, self.model_dir, self.hf_config)
             if arr.ref.megatron.param_offload or arr.ref.fsdp_config.param_offload:
                 self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False)

@@ -28,7 +28,7 @@ class CriticWorker(RankWorker):
         from transformers import AutoConfig, AutoTokenizer
 
         from meshrl.parallel.hf_conversion import load_hf_weights
-        from meshrl.parallel.model_builder import build_model
+        from meshrl.parallel.model_builder import build_model, param_dtype
         from meshrl.parallel.optimizer import build_optimizer
 
         megatron = OmegaConf.create(self.cfg_dict).critic.megatron
@@ -37,7 +37,8 @@ class CriticWorker(RankWorker):
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.model = build_model(self.hf_config, critic=True, use_distributed_optimizer=megatron.use_distributed_optimizer,
+        self.model = build_model(self.hf_config, critic=True, dtype=param_dtype(megatron.dtype),
+                                 use_distributed_optimizer=megatron.use_distributed_optimizer,
                                  **recompute_overrides(critic.model))
         load_hf_weights(self.model, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(

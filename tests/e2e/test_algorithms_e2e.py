@@ -71,3 +71,17 @@ def test_on_policy_step_skips_the_old_log_prob_pass(train, tmp_path):
     # the update's forward pass is the policy before the step: the step-1 invariants hold on it too
     assert skip["actor/ref_log_prob_max_abs_diff"] == 0.0
     assert skip["rollout/log_prob_max_abs_diff"] == pytest.approx(full["rollout/log_prob_max_abs_diff"], abs=1e-6)
+
+
+def test_bf16_actor_on_cpu(train):
+    """actor.megatron.dtype=bfloat16 on CPU: the reference follows it (step-1 KL exactly 0), the bf16
+    weights reach the fp32 engine after the update, and training proceeds."""
+    _, steps = train(*ONE_MINI_BATCH, *CASES["grpo"], "actor_rollout_ref.actor.megatron.dtype=bfloat16",
+                     "trainer.val_before_train=False", "trainer.test_freq=-1")
+    first, second = steps[1], steps[2]
+    assert first["actor/ref_log_prob_max_abs_diff"] == 0.0 and first["actor/kl_loss"] == 0.0
+    assert first["actor/grad_norm"] > 0 and second["actor/ref_log_prob_max_abs_diff"] > 0
+    for step in (first, second):
+        assert not non_finite(step), non_finite(step)
+        # the engine computes in fp32 from the bf16-rounded weights; the trainer in bf16
+        assert step["rollout/log_prob_max_abs_diff"] < 0.1

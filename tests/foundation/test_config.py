@@ -3,6 +3,7 @@
 import shlex
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from meshrl.config import ConfigError, load_config
@@ -140,6 +141,9 @@ def test_free_form_sections_accept_new_keys():
     (["trainer.logger=[console,wandbb]"], "trainer.logger"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
     (["actor_rollout_ref.actor.use_dynamic_bsz=False"], "ppo_micro_batch_size_per_gpu"),
+    (["actor_rollout_ref.actor.megatron.dtype=float16"], "use bfloat16"),
+    (["actor_rollout_ref.ref.megatron.dtype=bf16"], "actor_rollout_ref.ref.megatron.dtype"),
+    (["algorithm.adv_estimator=gae", "critic.megatron.dtype=fp32"], "critic.megatron.dtype"),
 ])
 def test_impossible_values_name_the_key(overrides, key):
     cfg = load_config(overrides)
@@ -167,3 +171,12 @@ def test_tp_must_divide_model_heads():
 def test_unknown_recipe_suggests(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(recipe="no_such_recipe_anywhere")
+
+
+def test_megatron_dtype_names_are_the_model_builders():
+    from meshrl.config.schema import MEGATRON_DTYPES
+    from meshrl.parallel.model_builder import PARAM_DTYPES, default_dtype, param_dtype
+
+    assert set(MEGATRON_DTYPES) == {"auto", *PARAM_DTYPES}
+    assert param_dtype("auto") == default_dtype() and param_dtype("bfloat16") == torch.bfloat16
+    validate_config(load_config(["actor_rollout_ref.actor.megatron.dtype=bfloat16"]))

@@ -177,3 +177,20 @@ def test_ppo_counts_the_colocated_critic():
     assert result.flops["values"] == pytest.approx(2 * plan_mod.matmul_parameters(spec, critic=True) * tokens)
     # a scalar head instead of the (tied) vocabulary projection: the critic is smaller in FLOPs
     assert plan_mod.matmul_parameters(spec, critic=True) < plan_mod.matmul_parameters(spec)
+
+
+def test_actor_dtype_sets_the_byte_counts():
+    """megatron.dtype=bfloat16 on CPU is counted as mixed precision (bf16 params, fp32 master copy and
+    moments); float32 on GPU as fp32 throughout; the reference follows the actor."""
+    fp32 = plan(load("cpu_tiny_grpo", "actor_rollout_ref.actor.use_kl_loss=True"))
+    bf16 = plan(load("cpu_tiny_grpo", "actor_rollout_ref.actor.use_kl_loss=True",
+                     "actor_rollout_ref.actor.megatron.dtype=bfloat16"))
+    static = phase(fp32, "actor optimizer").items, phase(bf16, "actor optimizer").items
+    assert static[1]["actor params"] == pytest.approx(static[0]["actor params"] / 2)
+    assert static[1]["actor optimizer"] == pytest.approx(static[0]["actor optimizer"] * 12 / 8)
+    assert static[1]["ref params"] == pytest.approx(static[0]["ref params"] / 2)
+    assert (fp32.layout["actor_dtype"], bf16.layout["actor_dtype"]) == ("float32", "bfloat16")
+    gpu = plan(load("remax_qwen2.5-7b_seq_balance"))
+    gpu_fp32 = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.dtype=float32"))
+    assert phase(gpu_fp32, "actor update").items["actor params"] == pytest.approx(
+        2 * phase(gpu, "actor update").items["actor params"])

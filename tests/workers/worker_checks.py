@@ -108,16 +108,87 @@ def check_on_policy(worker) -> dict:
     }
 
 
+def check_precision(worker) -> dict:
+    """Parameter, gradient and optimizer dtypes; log-probs against an fp32 model with the same
+    checkpoint (through the same code path, in the reference's place); one update."""
+    from meshrl.algorithms import GlobalNorm
+    from meshrl.parallel.hf_conversion import load_hf_weights
+    from meshrl.parallel.model_builder import build_forward_only_model
+    from meshrl.parallel.optimizer import _inner_optimizers
+    from meshrl.protocol import Batch
+
+    batch = make_batch(rows=8, seed=1)
+    mask = batch["response_mask"].bool()
+    actor = worker.compute_log_probs(batch, model="actor")["old_log_probs"]
+    ref = worker.compute_log_probs(batch, model="ref")["ref_log_probs"]
+    # An fp32 model with the checkpoint's weights, run through the same code path in the ref's place.
+    reference, worker.ref = worker.ref, build_forward_only_model(worker.hf_config, dtype=torch.float32)
+    load_hf_weights(worker.ref, worker.model_dir, worker.hf_config)
+    fp32 = worker.compute_log_probs(batch, model="ref")["ref_log_probs"]
+    worker.ref = reference
+    diff = (actor - fp32)[mask].abs()
+    inner, = _inner_optimizers(worker.optimizer)
+    main_params = [p for group in getattr(inner, "fp32_from_float16_groups", []) for p in group]
+    before = weights(worker)
+    metrics, _ = worker.update([(batch.union(Batch(tensors={"old_log_probs": actor, "ref_log_probs": ref})),
+                                 GlobalNorm.from_mask(batch["response_mask"], max_len=WIDTH))])
+    grad = grads(worker)
+    state = [t for s in inner.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {
+        "optimizer": type(inner).__name__,
+        "param_dtypes": sorted({str(p.dtype) for chunk in worker.policy for p in chunk.parameters()}),
+        "ref_param_dtypes": sorted({str(p.dtype) for chunk in worker.ref for p in chunk.parameters()}),
+        "grad_dtypes": sorted({str(g.dtype) for g in grad.values()}),
+        "main_param_dtypes": sorted({str(p.dtype) for p in main_params}),
+        "main_params": len(main_params),
+        "adam_state_dtypes": sorted({str(t.dtype) for t in state}),
+        "log_prob_dtype": str(actor.dtype),
+        "log_prob_vs_fp32_max": float(diff.max()),
+        "log_prob_vs_fp32_mean": float(diff.mean()),
+        "ref_vs_actor": float((actor - ref)[mask].abs().max()),
+        "loss": metrics["actor/loss"],
+        "grad_norm": metrics["actor/grad_norm"],
+        "loss_scale": float(inner.get_loss_scale()),
+        "weights_moved": max_diff(before, weights(worker)),
+    }
+
+
+def check_checkpoint(worker, folder: Path) -> dict:
+    """Save, take another update, load: params and the optimizer's main params are the saved ones."""
+    from meshrl.parallel.optimizer import _inner_optimizers
+
+    inner, = _inner_optimizers(worker.optimizer)
+
+    def main_params() -> list[torch.Tensor]:
+        return [p.detach().clone() for group in getattr(inner, "fp32_from_float16_groups", []) for p in group]
+
+    worker.save_checkpoint(str(folder), 1)
+    saved, saved_main = weights(worker), main_params()
+    batch = make_batch(rows=4, seed=2)
+    batch = batch.union(worker.compute_log_probs(batch, model="ref"))
+    update(worker, batch, on_policy=True)  # moves Adam's state and, below, the weights
+    with torch.no_grad():
+        for chunk in worker.policy:
+            for p in chunk.parameters():
+                p.add_(0.5)
+    worker.load_checkpoint(str(folder))
+    loaded_main = main_params()
+    return {"weights": max_diff(saved, weights(worker)),
+            "main_params": max(float((a - b).abs().max()) for a, b in zip(saved_main, loaded_main)) if saved_main else 0.0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtype", default="float32", help="actor_rollout_ref.actor.megatron.dtype")
     args = parser.parse_args()
     from meshrl.runtime import configure_environment
 
     configure_environment()
     torch.set_num_threads(1)
-    worker = make_worker([])
-    results = {"on_policy": check_on_policy(worker)}
+    worker = make_worker([f"actor_rollout_ref.actor.megatron.dtype={args.dtype}"])
+    results = {"on_policy": check_on_policy(worker), "precision": check_precision(worker),
+               "checkpoint": check_checkpoint(worker, args.out.parent / f"ckpt-{args.dtype}")}
     worker.shutdown_engine()
     args.out.write_text(json.dumps(results, indent=1))
 
