@@ -20,10 +20,10 @@ Precision (``--dtype``):
 - ``bf16``: TRL ``bf16=True`` (``--trl-bf16-mode autocast``, the default: autocast in the loss
   forward/backward over fp32 weights and optimizer; its ``generate`` runs in fp32 because TRL casts only
   on its vLLM / continuous-batching paths) or ``weights`` (the model loaded in bf16: generation,
-  training and AdamW state in bf16). meshrl: the rollout engine in bf16 (``rollout.dtype=bfloat16``,
-  weights cast on every sync); its actor stays fp32 because no config key reaches the actor's dtype on
-  CPU (``meshrl.parallel.model_builder.default_dtype`` is fp32 without CUDA and the policy worker
-  passes no dtype). The JSON's ``precision`` block says exactly what ran in which precision.
+  training and AdamW state in bf16). meshrl: the rollout engine in bf16 (``rollout.dtype=bfloat16``)
+  and the actor in bf16 (``actor.megatron.dtype=bfloat16``: bf16 parameters, megatron's mixed-precision
+  optimizer keeps fp32 main parameters, gradients and Adam state; log-probs from fp32-upcast logits).
+  The JSON's ``precision`` block says exactly what ran in which precision.
 
 Per optimizer step, for each side: wall time, generation time and tokens/s (generated tokens /
 generation time), training time and tokens/s (prompt + response tokens / training time), the peak
@@ -326,13 +326,14 @@ def base_env(threads: int) -> dict[str, str]:
 def meshrl_overrides(s: Settings, data_file: Path, run_dir: Path, micro_batch_tokens: int) -> list[str]:
     """The trainer's key=value overrides on ``cpu_smollm2_grpo`` that make it the benchmark job."""
     arr = "actor_rollout_ref"
+    torch_dtype = "bfloat16" if s.dtype == "bf16" else "float32"
     return [
         f"data.train_files={data_file}", "data.val_files=null", f"data.train_batch_size={s.prompts}",
         f"data.max_prompt_length={s.max_prompt_length}", f"data.max_response_length={s.response_length}",
         "data.shuffle=False", "data.filter_overlong_prompts=True",
         f"{arr}.model.enable_gradient_checkpointing={s.gradient_checkpointing}",
         f"{arr}.rollout.n={s.n}", f"{arr}.rollout.temperature={s.temperature}", f"{arr}.rollout.top_p=1.0",
-        f"{arr}.rollout.top_k=-1", f"{arr}.rollout.dtype={'bfloat16' if s.dtype == 'bf16' else 'float32'}",
+        f"{arr}.rollout.top_k=-1", f"{arr}.rollout.dtype={torch_dtype}", f"{arr}.actor.megatron.dtype={torch_dtype}",
         f"{arr}.rollout.kv_cache_memory_bytes={s.kv_cache_bytes}",
         f"{arr}.actor.ppo_mini_batch_size={s.prompts}", f"{arr}.actor.ppo_epochs=1", f"{arr}.actor.shuffle=False",
         f"{arr}.actor.use_dynamic_bsz=True", f"{arr}.actor.ppo_max_token_len_per_gpu={micro_batch_tokens}",
@@ -624,11 +625,9 @@ def precision_block(s: Settings) -> dict:
             "training": "bf16 autocast (bf16=True)", "weights_and_optimizer": "float32"}
            if s.trl_bf16_mode == "autocast" else
            {"generation": "bfloat16", "training": "bfloat16", "weights_and_optimizer": "bfloat16 (model loaded in bf16)"})
-    return {"meshrl": {"rollout": "bfloat16 (rollout.dtype=bfloat16; fp32 weights cast on each sync)",
-                       "actor": "float32",
-                       "actor_bf16_on_cpu": "not available: no config key sets the actor's dtype; "
-                                            "meshrl.parallel.model_builder.default_dtype() is float32 without CUDA and "
-                                            "the policy worker (meshrl/workers/actor_rollout_ref.py) passes none"},
+    return {"meshrl": {"rollout": "bfloat16 (rollout.dtype=bfloat16)",
+                       "actor": "bfloat16 parameters (actor.megatron.dtype=bfloat16); fp32 main params, "
+                                "gradients and Adam state in megatron's mixed-precision optimizer"},
             "trl": trl}
 
 

@@ -117,6 +117,15 @@ def test_meshrl_overrides_load_as_a_valid_config(tmp_path):
     assert cfg.data.val_files is None and cfg.data.shuffle is False
     assert (cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length) == (4, 128)
     assert actor.optim.weight_decay == 0.01 and actor.loss_agg_mode == "token-mean"
+    assert actor.megatron.dtype == cfg.actor_rollout_ref.rollout.dtype == "float32"
+
+
+def test_bf16_reaches_the_actor_and_the_engine(tmp_path):
+    from meshrl.config import load_config
+
+    s = vs_trl.Settings(prompts=8, n=4, response_length=128, steps=3, dtype="bf16")
+    cfg = load_config(vs_trl.meshrl_overrides(s, tmp_path / "p.jsonl", tmp_path / "run", 2048), recipe="cpu_smollm2_grpo")
+    assert cfg.actor_rollout_ref.actor.megatron.dtype == cfg.actor_rollout_ref.rollout.dtype == "bfloat16"
 
 
 def test_transformer_flops_is_palms_convention():
