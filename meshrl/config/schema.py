@@ -135,6 +135,8 @@ class PolicyLossConfig:
 class ActorConfig:
     strategy: str = "megatron"
     ppo_mini_batch_size: int = 256  # in prompts, multiplied by rollout.n (as verl)
+    # Sequences per micro-batch when use_dynamic_bsz=False (per rank; the global form is divided over
+    # the data-parallel ranks); forward-only passes fall back on it (meshrl.config.micro_batching).
     ppo_micro_batch_size: Optional[int] = None
     ppo_micro_batch_size_per_gpu: Optional[int] = None
     use_dynamic_bsz: bool = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from meshrl.config.loader import ConfigError
+from meshrl.config.micro_batching import data_parallel_size, micro_batching
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_SCHEDULES, MEGATRON_DTYPES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
 
@@ -83,13 +84,17 @@ def validate_config(cfg: DictConfig) -> None:
                   f"{data.train_batch_size}; lower it to at most the batch size")
         p.require(data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
                   f"must divide data.train_batch_size={data.train_batch_size} (got {actor.ppo_mini_batch_size})")
-    if actor.use_dynamic_bsz:
-        p.positive(actor.ppo_max_token_len_per_gpu, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
-    else:
-        p.require(actor.ppo_micro_batch_size_per_gpu is not None and actor.ppo_micro_batch_size_per_gpu > 0,
-                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                  "must be set (> 0) when use_dynamic_bsz=False; or set use_dynamic_bsz=True with "
-                  "ppo_max_token_len_per_gpu")
+    # Micro-batches of every phase this run has: a token budget, or a count when use_dynamic_bsz=False.
+    phases = ["actor_update", "actor_log_prob"]
+    if algo.use_kl_in_reward or actor.use_kl_loss:
+        phases.append("ref_log_prob")
+    if algo.adv_estimator == "gae":
+        phases += ["critic_update", "critic_values"]
+    for phase in phases:
+        try:
+            micro_batching(cfg, phase, data_parallel_size(cfg, critic=phase.startswith("critic")))
+        except ValueError as exc:
+            p.items.append(str(exc))
     for key in ("log_prob_max_token_len_per_gpu",):
         for section, name in ((ref, "ref"), (rollout, "rollout")):
             value = section[key]
@@ -179,7 +184,8 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
               "needs tensor_model_parallel_size > 1")
     p.require(mg.dtype in MEGATRON_DTYPES, f"{key}.dtype",
               f"'{mg.dtype}' is not one of {', '.join(MEGATRON_DTYPES)}"
-              + ("; float16 needs loss scaling, which meshrl does not wire: use bfloat16" if mg.dtype == "float16" else ""))
+              + ("; float16 needs loss scaling, which meshrl does not wire: use bfloat16"
+                 if mg.dtype == "float16" else ""))
 
 
 def validate_against_model(cfg: DictConfig, hf_config) -> None:

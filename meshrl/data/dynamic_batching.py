@@ -1,4 +1,5 @@
-r"""Dynamic batch size: micro-batches formed by a token budget, balanced with Karmarkar–Karp.
+r"""Dynamic batch size: micro-batches formed by a token budget, balanced with Karmarkar–Karp (and, for
+``use_dynamic_bsz=False``, :func:`plan_fixed_micro_batches`: a fixed number of sequences each).
 
 ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu`` (and ``log_prob_max_token_len_per_gpu`` for
 forward-only passes: same function, another budget). For a rank's batch of sequence lengths
@@ -199,11 +200,12 @@ class MicroBatchPlan:
 
     ``permutation`` concatenates the micro-batches: ``batch[permutation]`` is execution order, and
     ``outputs_in_execution_order[inverse_permutation]`` is back in the original order.
+    ``max_token_len`` is the token budget, None for micro-batches formed by count.
     """
 
     micro_batches: list[list[int]]
     lengths: np.ndarray
-    max_token_len: int
+    max_token_len: int | None
     oversized: list[int]
     permutation: np.ndarray = field(init=False)
     inverse_permutation: np.ndarray = field(init=False)
@@ -229,27 +231,44 @@ class MicroBatchPlan:
 
     def describe(self, i: int) -> str:
         """One micro-batch as the trainer logs it, e.g. ``Dynamic Batch: 85 samples (23847 tokens)``."""
-        return f"Dynamic Batch: {len(self.micro_batches[i])} samples ({int(self.tokens_per_micro_batch[i])} tokens)"
+        kind = "Dynamic Batch" if self.max_token_len is not None else "Micro Batch"
+        return f"{kind}: {len(self.micro_batches[i])} samples ({int(self.tokens_per_micro_batch[i])} tokens)"
 
     def metrics(self, prefix: str = "dynamic_batch/") -> dict[str, float]:
-        """Counts, per-micro-batch samples and tokens, budget utilisation (tokens / budget) and the
-        padding ratio a padded layout would have (each micro-batch padded to its longest sequence:
-        ``1 - Σ tokens / Σ samples·max_len``; packing without padding avoids it)."""
+        """Counts, per-micro-batch samples and tokens, budget utilisation (tokens / budget; token-budget
+        plans only) and the padding ratio a padded layout would have (each micro-batch padded to its
+        longest sequence: ``1 - Σ tokens / Σ samples·max_len``; packing without padding avoids it)."""
         tokens = self.tokens_per_micro_batch
         samples = self.samples_per_micro_batch
         longest = np.array([int(self.lengths[p].max()) if p else 0 for p in self.micro_batches], dtype=np.int64)
         padded = int((samples * longest).sum())
-        util = tokens / self.max_token_len
         out = {prefix + "num_micro_batches": float(len(tokens)), prefix + "num_oversized": float(len(self.oversized))}
         stats = {"samples": samples, "tokens": tokens}
         for name, values in stats.items():
             out[f"{prefix}{name}_min"] = float(values.min()) if len(values) else 0.0
             out[f"{prefix}{name}_mean"] = float(values.mean()) if len(values) else 0.0
             out[f"{prefix}{name}_max"] = float(values.max()) if len(values) else 0.0
-        out[prefix + "budget_utilisation_min"] = float(util.min()) if len(util) else 0.0
-        out[prefix + "budget_utilisation_median"] = float(np.median(util)) if len(util) else 0.0
+        if self.max_token_len is not None:
+            util = tokens / self.max_token_len
+            out[prefix + "budget_utilisation_min"] = float(util.min()) if len(util) else 0.0
+            out[prefix + "budget_utilisation_median"] = float(np.median(util)) if len(util) else 0.0
         out[prefix + "padding_ratio"] = float(1.0 - tokens.sum() / padded) if padded else 0.0
         return out
+
+
+def _checked_lengths(lengths: Sequence[int] | np.ndarray, min_num: int, multiple_of: int) -> np.ndarray:
+    lens = np.asarray(lengths, dtype=np.int64)
+    if lens.ndim != 1 or (lens < 0).any():
+        raise ValueError("lengths must be a 1-D sequence of non-negative token counts")
+    if min_num < 1 or multiple_of < 1:
+        raise ValueError("min_num_micro_batches and num_micro_batches_multiple_of must be >= 1")
+    return lens
+
+
+def _agreed_count(local_k: int, min_num: int, multiple_of: int, group: Any) -> int:
+    """max(local_k, min_num) agreed over ``group`` (the largest), rounded up to a multiple of ``multiple_of``."""
+    k = agree_num_micro_batches(max(local_k, min_num), group)
+    return math.ceil(k / multiple_of) * multiple_of
 
 
 def plan_micro_batches(
@@ -274,21 +293,16 @@ def plan_micro_batches(
         group: data-parallel process group to agree the count over; None for a single process.
         estimate, hidden_size: workload estimate balanced across micro-batches (see :func:`workload`).
     """
-    lens = np.asarray(lengths, dtype=np.int64)
-    if lens.ndim != 1 or (lens < 0).any():
-        raise ValueError("lengths must be a 1-D sequence of non-negative token counts")
+    lens = _checked_lengths(lengths, min_num_micro_batches, num_micro_batches_multiple_of)
     if max_token_len <= 0:
         raise ValueError(f"max_token_len must be > 0, got {max_token_len}")
-    if min_num_micro_batches < 1 or num_micro_batches_multiple_of < 1:
-        raise ValueError("min_num_micro_batches and num_micro_batches_multiple_of must be >= 1")
     weights = workload(lens, estimate, hidden_size)
     oversized = np.flatnonzero(lens > max_token_len)
     rest = np.flatnonzero(lens <= max_token_len)
     rest_min = max(0, min_num_micro_batches - len(oversized))
     local_parts = _min_feasible(lens[rest], weights[rest], max_token_len, max(rest_min, 1)) if len(rest) else []
     local_k = len(local_parts) + len(oversized)
-    k = agree_num_micro_batches(max(local_k, min_num_micro_batches), group)
-    k = math.ceil(k / num_micro_batches_multiple_of) * num_micro_batches_multiple_of
+    k = _agreed_count(local_k, min_num_micro_batches, num_micro_batches_multiple_of, group)
     target = k - len(oversized)
     if target > len(local_parts) and len(rest):
         parts = _feasible_partition(lens[rest], weights[rest], max_token_len, target)
@@ -296,6 +310,30 @@ def plan_micro_batches(
     micro = [rest[p].tolist() for p in local_parts] + [[int(i)] for i in oversized]
     micro += [[] for _ in range(k - len(micro))]
     return MicroBatchPlan(order_for_pipeline(micro, weights), lens, max_token_len, oversized.tolist())
+
+
+def plan_fixed_micro_batches(
+    lengths: Sequence[int] | np.ndarray,
+    micro_batch_size: int,
+    *,
+    min_num_micro_batches: int = 1,
+    num_micro_batches_multiple_of: int = 1,
+    group: Any = None,
+) -> MicroBatchPlan:
+    """Micro-batches of at most ``micro_batch_size`` sequences (``use_dynamic_bsz=False``), in row order.
+
+    The count is k = max(⌈n / micro_batch_size⌉, ``min_num_micro_batches``) for the rank's n sequences,
+    agreed over ``group`` (the largest, as :func:`plan_micro_batches` does) and rounded up to a multiple
+    of ``num_micro_batches_multiple_of``; the rows are dealt into k consecutive runs whose sizes differ
+    by at most one (so none exceeds ``micro_batch_size``). Runs beyond a rank's rows are empty.
+    """
+    lens = _checked_lengths(lengths, min_num_micro_batches, num_micro_batches_multiple_of)
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+    k = _agreed_count(math.ceil(len(lens) / micro_batch_size), min_num_micro_batches, num_micro_batches_multiple_of,
+                      group)
+    runs = [run.tolist() for run in np.array_split(np.arange(len(lens)), k)]
+    return MicroBatchPlan(runs, lens, None, [])
 
 
 def refine_by_swaps(weights: np.ndarray, parts: list[list[int]], max_swaps: int | None = None) -> list[list[int]]:

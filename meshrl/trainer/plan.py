@@ -282,16 +282,10 @@ def _flag(*sections, key: str) -> bool:
     return any(bool(section.get(key, False)) for section in sections)
 
 
-def _budget(dynamic: bool, max_tokens: int | None, micro_rows: int | None, seq_len: int) -> int:
-    """Tokens of one micro-batch: the dynamic token budget, or rows × the longest sequence."""
-    if dynamic and max_tokens:
-        return int(max_tokens)
-    return int(micro_rows or 1) * seq_len
-
-
 def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     """Estimate ``cfg`` (a loaded, validated config); raises ``PlanError`` for an impossible layout."""
     from meshrl.config.loader import ConfigError
+    from meshrl.config.micro_batching import micro_batching
     from meshrl.config.validate import validate_against_model, world_size
     from meshrl.parallel.model_builder import check_layout, model_spec
     from meshrl.parallel.state import ParallelConfig
@@ -350,21 +344,15 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         critic = trainer_of(critic_cfg, critic_cfg.model, critic_spec, True)
     ref_offload = _flag(ref.megatron, ref.fsdp_config, key="param_offload")
 
-    # token budgets of one micro-batch
-    train_tokens = _budget(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, actor.ppo_micro_batch_size_per_gpu,
-                           seq_len)
-    lp_dynamic = actor.use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is None else rollout.log_prob_use_dynamic_bsz
-    logprob_tokens = _budget(lp_dynamic, rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
-                             rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu, seq_len)
-    ref_tokens = _budget(lp_dynamic, ref.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
-                         ref.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu, seq_len)
-    critic_dynamic = critic_cfg.use_dynamic_bsz if critic_cfg.use_dynamic_bsz is not None else actor.use_dynamic_bsz
-    critic_tokens = _budget(critic_dynamic, critic_cfg.ppo_max_token_len_per_gpu,
-                            critic_cfg.ppo_micro_batch_size_per_gpu, seq_len)
-    values_tokens = _budget(critic_dynamic,
-                            critic_cfg.forward_max_token_len_per_gpu or critic_cfg.ppo_max_token_len_per_gpu,
-                            critic_cfg.forward_micro_batch_size_per_gpu or critic_cfg.ppo_micro_batch_size_per_gpu,
-                            seq_len)
+    # tokens of one micro-batch: the phase's token budget, or its sequences × the longest sequence
+    def budget(phase: str, trained: _Trainer) -> int:
+        rule = micro_batching(cfg, phase, trained.dp)
+        return rule.max_token_len if rule.dynamic else rule.micro_batch_size * seq_len
+
+    train_tokens, logprob_tokens = budget("actor_update", policy), budget("actor_log_prob", policy)
+    ref_tokens = budget("ref_log_prob", policy) if use_ref else 0
+    critic_tokens = budget("critic_update", critic) if critic is not None else 0
+    values_tokens = budget("critic_values", critic) if critic is not None else 0
 
     vllm = _vllm(spec, rollout, dtype, device, limit, seq_len)
     overhead = OVERHEAD_GIB[device] * GIB * (2 if use_critic else 1)
@@ -452,7 +440,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     result = Plan(
         model={"path": arr.model.path, **spec.to_dict(), "parameters": stage_parameters(spec),
                "matmul_parameters": n_policy},
-        layout={"device": device, "actor_dtype": "bfloat16" if actor_dtype is _GPU else "float32", "nnodes": trainer.nnodes, "gpus_per_node": trainer.n_gpus_per_node, "world": world,
+        layout={"device": device, "actor_dtype": "bfloat16" if actor_dtype is _GPU else "float32",
+                "nnodes": trainer.nnodes, "gpus_per_node": trainer.n_gpus_per_node, "world": world,
                 "tp": policy.tp, "pp": policy.pp, "vpp": policy.vpp, "dp": policy.dp,
                 "distributed_optimizer": policy.distributed_optimizer, "recompute": policy.recompute,
                 "offload": {"param": policy.param_offload, "grad": policy.grad_offload,

@@ -10,7 +10,7 @@
         rewards       ← scores − β·KL                            (algorithm.use_kl_in_reward)
         advantages    ← estimator(rewards, ...)                  (algorithm.adv_estimator)
         critic.update(returns)                                   (PPO)
-        policy.update(advantages)   if step > critic_warmup      (ppo_epochs × mini-batches, token-budget micro-batches)
+        policy.update(advantages)   if step > critic_warmup      (ppo_epochs × mini-batches, each in micro-batches)
         engine ← sync(policy weights)
         validate every test_freq; checkpoint every save_freq
 """

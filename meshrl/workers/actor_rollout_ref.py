@@ -4,9 +4,9 @@ reference model's shard (only when a KL term is used; forward-only: no gradient 
 colocated rollout engine.
 
 Per step the driver calls, in order: ``generate`` (engine), ``compute_log_probs`` (reference and
-policy, forward-only, token-budget micro-batches), ``update`` (``ppo_epochs`` × mini-batches, one
-optimizer step each), ``sync_weights`` (Megatron shard → engine, in place, through the resharding
-layer). ``ActorRolloutRefGroup`` is the driver-side handle that dispatches those calls.
+policy, forward-only), ``update`` (``ppo_epochs`` × mini-batches, one optimizer step each),
+``sync_weights`` (Megatron shard → engine, in place, through the resharding layer).
+``ActorRolloutRefGroup`` is the driver-side handle that dispatches those calls.
 """
 
 from __future__ import annotations
@@ -49,11 +49,6 @@ def recompute_overrides(model_cfg) -> dict[str, Any]:
     if not model_cfg.enable_gradient_checkpointing:
         return {}
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-
-
-def log_prob_budget(cfg, section) -> int:
-    """Token budget of forward-only passes: ``<section>.log_prob_max_token_len_per_gpu`` or the actor's."""
-    return section.log_prob_max_token_len_per_gpu or cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
 
 
 class ActorRolloutRefWorker(RankWorker):
@@ -156,20 +151,22 @@ class ActorRolloutRefWorker(RankWorker):
     # ---------------------------------------------------------------------------------- log-probs
     def compute_log_probs(self, shard: Batch, model: str) -> Batch | None:
         """Per-token log-probs of the responses under the policy (``old_log_probs``) or the reference
-        (``ref_log_probs``); forward-only, token-budget micro-batches of ``log_prob_max_token_len_per_gpu``."""
+        (``ref_log_probs``); forward-only, micro-batches of the ``rollout.log_prob_*`` / ``ref.log_prob_*``
+        keys (``meshrl.config.micro_batching``)."""
+        from meshrl.config.micro_batching import micro_batching
         from meshrl.parallel import state
         from meshrl.parallel.forward import OutputRequest
         from meshrl.parallel.schedule import forward_only
 
-        arr = self.cfg.actor_rollout_ref
-        chunks, budget, field = {
-            "actor": (self.policy, log_prob_budget(self.cfg, arr.rollout), "old_log_probs"),
-            "ref": (self.ref, log_prob_budget(self.cfg, arr.ref), "ref_log_probs"),
+        chunks, phase, field = {
+            "actor": (self.policy, "actor_log_prob", "old_log_probs"),
+            "ref": (self.ref, "ref_log_prob", "ref_log_probs"),
         }[model]
         if chunks is None:
             raise RuntimeError("compute_log_probs(model='ref') without a reference model: "
                                "enable algorithm.use_kl_in_reward or actor.use_kl_loss")
-        plan, rows, micros = split_micro_batches(shard, budget, state.dp_group(), self.pad_id,
+        batching = micro_batching(self.cfg, phase, self.layout.dp_size)
+        plan, rows, micros = split_micro_batches(shard, batching, state.dp_group(), self.pad_id,
                                                  min_micro=self._min_micro())
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext():
             outputs = forward_only(chunks, micros, OutputRequest(log_probs=True))
@@ -210,11 +207,13 @@ class ActorRolloutRefWorker(RankWorker):
         """
         import torch.distributed as dist
 
+        from meshrl.config.micro_batching import micro_batching
         from meshrl.parallel import state
         from meshrl.parallel.forward import OutputRequest
         from meshrl.parallel.optimizer import train_step
 
         actor = self.cfg.actor_rollout_ref.actor
+        batching = micro_batching(self.cfg, "actor_update", self.layout.dp_size)
         if on_policy and len(updates) != 1:
             raise ValueError(f"an on-policy update is one optimizer step, got {len(updates)} mini-batches")
         fields = ("advantages",) + (() if on_policy else ("old_log_probs",)) \
@@ -222,8 +221,8 @@ class ActorRolloutRefWorker(RankWorker):
         request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy)
         per_step, seen = [], {}
         for shard, norm in updates:
-            plan, rows, micros = split_micro_batches(shard, actor.ppo_max_token_len_per_gpu, state.dp_group(),
-                                                     self.pad_id, response_fields=fields, min_micro=self._min_micro())
+            plan, rows, micros = split_micro_batches(shard, batching, state.dp_group(), self.pad_id,
+                                                     response_fields=fields, min_micro=self._min_micro())
             for index, micro in enumerate(micros):
                 micro[MICRO_INDEX] = index
 

@@ -47,16 +47,18 @@ class CriticWorker(RankWorker):
         self.response_length = self.cfg.data.max_response_length
         return {**self.layout_dict(), "num_replicas": self.layout.dp_size}
 
-    def _budgets(self) -> tuple[int, int]:
-        critic = self.cfg.critic
-        return critic.ppo_max_token_len_per_gpu, critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
+    def _batching(self, phase: str):
+        """Micro-batching of ``critic_values`` / ``critic_update`` (``meshrl.config.micro_batching``)."""
+        from meshrl.config.micro_batching import micro_batching
+
+        return micro_batching(self.cfg, phase, self.layout.dp_size)
 
     def compute_values(self, shard: Batch) -> Batch | None:
         from meshrl.parallel import state
         from meshrl.parallel.schedule import forward_only
 
-        plan, rows, micros = split_micro_batches(shard, self._budgets()[1], state.dp_group(), self.pad_id,
-                                                 min_micro=self.cfg.critic.megatron.pipeline_model_parallel_size)
+        plan, rows, micros = split_micro_batches(shard, self._batching("critic_values"), state.dp_group(),
+                                                 self.pad_id, min_micro=self.cfg.critic.megatron.pipeline_model_parallel_size)
         outputs = forward_only(self.model, micros)
         parts = [response_part(o["values"], m) for o, m in zip(outputs, micros)]
         values = gather_response_outputs(parts, plan, rows, self.response_length)
@@ -70,8 +72,8 @@ class CriticWorker(RankWorker):
 
         per_step = []
         for shard, norm in updates:
-            plan, _, micros = split_micro_batches(shard, self._budgets()[0], state.dp_group(), self.pad_id,
-                                                  response_fields=("values", "returns"),
+            plan, _, micros = split_micro_batches(shard, self._batching("critic_update"), state.dp_group(),
+                                                  self.pad_id, response_fields=("values", "returns"),
                                                   min_micro=self.cfg.critic.megatron.pipeline_model_parallel_size)
 
             def loss_fn(outputs, micro, norm=norm):

@@ -9,8 +9,10 @@ prompts left-padded to the micro-batch's longest prompt P and responses trimmed 
 response R_mb, so every response starts at column P. The parallel layer's output ``out[:, t]``
 concerns token t, hence the response part of any output is ``out[:, P:P + R_mb]``.
 
-Micro-batches are formed by token budget (``meshrl.data.dynamic_batching.plan_micro_batches``): the
-same count on every data-parallel rank, Karmarkar–Karp balanced, a strict cap per micro-batch.
+Micro-batches are formed by token budget (``meshrl.data.dynamic_batching.plan_micro_batches``:
+Karmarkar–Karp balanced, a strict cap per micro-batch) or, without dynamic batching, by count
+(``plan_fixed_micro_batches``), as ``meshrl.config.micro_batching`` says for the phase; either way the
+same count on every data-parallel rank.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshrl.data.dynamic_batching import MicroBatchPlan, plan_micro_batches
+from meshrl.config.micro_batching import MicroBatching
+from meshrl.data.dynamic_batching import MicroBatchPlan, plan_fixed_micro_batches, plan_micro_batches
 from meshrl.protocol import Batch
 
 RESPONSE_START = "response_start"
@@ -57,17 +60,20 @@ def response_part(output: torch.Tensor, micro: dict[str, Any]) -> torch.Tensor:
     return output[:, micro[RESPONSE_START]:]
 
 
-def split_micro_batches(batch: Batch, max_token_len: int, group: Any, pad_id: int,
+def split_micro_batches(batch: Batch, batching: MicroBatching, group: Any, pad_id: int,
                         response_fields: tuple[str, ...] = (), min_micro: int = 1,
                         multiple_of: int = 1) -> tuple[MicroBatchPlan, list[Batch], list[dict[str, Any]]]:
-    """Token-budget micro-batches of ``batch``: (plan, rows of each, micro-batch dicts).
+    """Micro-batches of ``batch`` by ``batching``'s token budget or count: (plan, rows of each, micro-batch dicts).
 
     Every data-parallel rank gets the same number of micro-batches; a rank with fewer sequences than
     micro-batches runs its surplus ones on a placeholder row whose response mask is all zero, which
     adds nothing to any loss or gradient.
     """
-    plan_ = plan_micro_batches(sequence_lengths(batch), max_token_len, group=group,
-                               min_num_micro_batches=min_micro, num_micro_batches_multiple_of=multiple_of)
+    counts = dict(group=group, min_num_micro_batches=min_micro, num_micro_batches_multiple_of=multiple_of)
+    if batching.dynamic:
+        plan_ = plan_micro_batches(sequence_lengths(batch), batching.max_token_len, **counts)
+    else:
+        plan_ = plan_fixed_micro_batches(sequence_lengths(batch), batching.micro_batch_size, **counts)
     rows, micros = [], []
     for indices in plan_.micro_batches:
         part = batch.take(indices)

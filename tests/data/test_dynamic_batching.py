@@ -111,6 +111,31 @@ def test_multiple_of_and_min_count() -> None:
     assert db.plan_micro_batches([100] * 5, 1000, min_num_micro_batches=3).num_micro_batches == 3
 
 
+@pytest.mark.parametrize("n, size, expected", [(10, 4, 3), (8, 4, 2), (3, 4, 1), (7, 1, 7)])
+def test_fixed_size_micro_batches_are_consecutive_runs(n, size, expected) -> None:
+    """use_dynamic_bsz=False: ⌈n / size⌉ micro-batches of at most ``size`` rows, in row order."""
+    lengths = np.random.default_rng(n).integers(1, 500, size=n)
+    plan = db.plan_fixed_micro_batches(lengths, size)
+    assert plan.num_micro_batches == expected
+    assert plan.samples_per_micro_batch.max() <= size and np.ptp(plan.samples_per_micro_batch) <= 1
+    assert (plan.permutation == np.arange(n)).all()
+    _check_partition(plan.micro_batches, n)
+    m = plan.metrics()
+    assert m["dynamic_batch/num_micro_batches"] == expected and m["dynamic_batch/num_oversized"] == 0
+    assert not [k for k in m if "budget" in k]  # no token budget to use up
+    assert plan.max_token_len is None and plan.describe(0).startswith("Micro Batch: ")
+
+
+def test_fixed_size_count_is_agreed_and_bounded_below(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert db.plan_fixed_micro_batches([5] * 4, 4, min_num_micro_batches=2).samples_per_micro_batch.tolist() == [2, 2]
+    assert db.plan_fixed_micro_batches([5] * 9, 4, num_micro_batches_multiple_of=2).num_micro_batches == 4
+    monkeypatch.setattr(db, "agree_num_micro_batches", lambda k, group=None: max(k, 3))
+    plan = db.plan_fixed_micro_batches([5, 6], 4, group=object())  # a rank with fewer rows than the others
+    assert plan.samples_per_micro_batch.tolist() == [1, 1, 0]
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        db.plan_fixed_micro_batches([5], 0)
+
+
 def test_split_fallback_keeps_budget() -> None:
     # Forcing more parts than KK would choose must never break the budget, whatever KK does at that k.
     weights = np.array([900.0, 900.0, 900.0, 100.0, 100.0, 100.0])

@@ -85,3 +85,17 @@ def test_bf16_actor_on_cpu(train):
         assert not non_finite(step), non_finite(step)
         # the engine computes in fp32 from the bf16-rounded weights; the trainer in bf16
         assert step["rollout/log_prob_max_abs_diff"] < 0.1
+
+
+def test_fixed_size_micro_batches(train):
+    """use_dynamic_bsz=False: the actor and the critic (PPO) train on micro-batches of
+    ppo_micro_batch_size_per_gpu sequences: 4 responses by 3 → 2 micro-batches, no token budget."""
+    _, steps = train(*ONE_MINI_BATCH, *CASES["ppo"], "actor_rollout_ref.actor.use_dynamic_bsz=False",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "trainer.total_training_steps=1",
+                     "trainer.val_before_train=False", "trainer.test_freq=-1")
+    step = steps[1]
+    assert step["dynamic_batch/num_micro_batches"] == 2 and step["dynamic_batch/samples_max"] == 2
+    assert "dynamic_batch/budget_utilisation_min" not in step
+    assert step["actor/grad_norm"] > 0 and step["critic/grad_norm"] > 0
+    assert step["actor/ref_log_prob_max_abs_diff"] == 0.0
+    assert not non_finite(step), non_finite(step)

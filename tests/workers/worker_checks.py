@@ -153,6 +153,51 @@ def check_precision(worker) -> dict:
     }
 
 
+def check_fixed_micro_batches(worker) -> dict:
+    """use_dynamic_bsz=False: micro-batches of k sequences, against the token-budget split of the same batch."""
+    from omegaconf import OmegaConf
+
+    rows, k, k_log_prob = 10, 4, 3
+    batch = make_batch(rows=rows, seed=3)
+    batch = batch.union(worker.compute_log_probs(batch, model="ref"))
+    budget = worker.compute_log_probs(batch, model="actor")["old_log_probs"]
+    dynamic, _, g_dynamic = update(worker, batch, on_policy=True)
+    for key, value in (("actor.use_dynamic_bsz", False), ("actor.ppo_micro_batch_size_per_gpu", k),
+                       ("rollout.log_prob_micro_batch_size_per_gpu", k_log_prob)):
+        OmegaConf.update(worker.cfg, f"actor_rollout_ref.{key}", value)
+    counted, log_prob_plan = with_plan(lambda: worker.compute_log_probs(batch, model="actor")["old_log_probs"])
+    fixed, _, g_fixed = update(worker, batch, on_policy=True)
+    OmegaConf.update(worker.cfg, "actor_rollout_ref.actor.use_dynamic_bsz", True)
+    return {
+        "rows": rows, "k": k,
+        "micro_batches": fixed["dynamic_batch/num_micro_batches"],
+        "samples_max": fixed["dynamic_batch/samples_max"],
+        "dynamic_micro_batches": dynamic["dynamic_batch/num_micro_batches"],
+        "loss_diff": abs(fixed["actor/loss"] - dynamic["actor/loss"]), "loss": dynamic["actor/loss"],
+        "grad_max_abs": max_abs(g_dynamic), "grad_diff": max_diff(g_dynamic, g_fixed),
+        "log_prob_diff": float((counted - budget).abs().max()),
+        "log_prob_k": k_log_prob, "log_prob_micro_batches": log_prob_plan.num_micro_batches,
+    }
+
+
+def with_plan(call):
+    """(``call()``, the micro-batch plan the worker made inside it)."""
+    from meshrl.workers import actor_rollout_ref
+
+    split, plans = actor_rollout_ref.split_micro_batches, []
+
+    def recording(*args, **kwargs):
+        out = split(*args, **kwargs)
+        plans.append(out[0])
+        return out
+
+    actor_rollout_ref.split_micro_batches = recording
+    try:
+        return call(), plans[0]
+    finally:
+        actor_rollout_ref.split_micro_batches = split
+
+
 def check_checkpoint(worker, folder: Path) -> dict:
     """Save, take another update, load: params and the optimizer's main params are the saved ones."""
     from meshrl.parallel.optimizer import _inner_optimizers
@@ -188,6 +233,7 @@ def main() -> None:
     torch.set_num_threads(1)
     worker = make_worker([f"actor_rollout_ref.actor.megatron.dtype={args.dtype}"])
     results = {"on_policy": check_on_policy(worker), "precision": check_precision(worker),
+               "fixed_micro_batches": check_fixed_micro_batches(worker),
                "checkpoint": check_checkpoint(worker, args.out.parent / f"ckpt-{args.dtype}")}
     worker.shutdown_engine()
     args.out.write_text(json.dumps(results, indent=1))
