@@ -548,10 +548,12 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     ax = axes[1][1]
     r = result.get("ratios") or {}
-    keys = [("step_s", "step time"), ("cpu_s", "CPU s / step"), ("gen_tokens_per_s", "gen tok/s"),
-            ("train_tokens_per_s", "train tok/s"), ("peak_rss_gib", "peak RSS")]
-    values = [r.get(k) or float("nan") for k, _ in keys]
-    bars = ax.bar([label for _, label in keys], values, color="#6a9955")
+    # (ratio key, label, whether a ratio above 1 favours meshrl): bars are green where meshrl is better.
+    keys = [("step_s", "step time", False), ("cpu_s", "CPU s / step", False), ("gen_tokens_per_s", "gen tok/s", True),
+            ("train_tokens_per_s", "train tok/s", True), ("peak_rss_gib", "peak RSS", False)]
+    values = [r.get(k) or float("nan") for k, _, _ in keys]
+    better = [(v > 1) == higher_is_better for v, (_, _, higher_is_better) in zip(values, keys)]
+    bars = ax.bar([label for _, label, _ in keys], values, color=["#6a9955" if b else "#c44" for b in better])
     ax.bar_label(bars, fmt="%.2f")
     ax.axhline(1.0, color="#888", linewidth=1)
     ax.axhline(1 / TARGET_SPEEDUP, color="#c44", linestyle="--", linewidth=1,
