@@ -140,9 +140,9 @@ def agree_num_micro_batches(k: int, group: Any = None) -> int:
     import torch
     import torch.distributed as dist
 
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    value = torch.tensor([k], dtype=torch.int64, device=device)
+    from meshrl.parallel.state import collective_device
+
+    value = torch.tensor([k], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return int(value.item())
 

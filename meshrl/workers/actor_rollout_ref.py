@@ -243,7 +243,8 @@ class ActorRolloutRefWorker(RankWorker):
             result = train_step(self.policy, self.optimizer, self.scheduler, micros, loss_fn, request)
             shares = sum_metrics(result["metrics"])
             # Metric shares of this DP rank's micro-batches add up to the mini-batch value over ranks.
-            values = torch.tensor(list(shares.values()), dtype=torch.float64)
+            values = torch.tensor(list(shares.values()), dtype=torch.float64,
+                                  device=state.collective_device(state.dp_group()))
             dist.all_reduce(values, group=state.dp_group())
             metrics = dict(zip(shares, values.tolist()))
             metrics.update({"actor/loss": result["loss"], "actor/lr": result["lr"],
@@ -254,7 +255,7 @@ class ActorRolloutRefWorker(RankWorker):
         if not (on_policy and self.layout.collect):
             return mean, None
         # The last pipeline stage (where collecting ranks sit) ran loss_fn on every micro-batch.
-        parts = [seen[index] for index in range(len(micros))]
+        parts = [seen[index].cpu() for index in range(len(micros))]
         return mean, Batch(tensors={"old_log_probs": gather_response_outputs(parts, plan, rows, self.response_length)})
 
     # ---------------------------------------------------------------------------------- weights

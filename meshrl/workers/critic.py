@@ -81,7 +81,8 @@ class CriticWorker(RankWorker):
 
             result = train_step(self.model, self.optimizer, self.scheduler, micros, loss_fn)
             shares = sum_metrics(result["metrics"])
-            values = torch.tensor(list(shares.values()), dtype=torch.float64)
+            values = torch.tensor(list(shares.values()), dtype=torch.float64,
+                                  device=state.collective_device(state.dp_group()))
             dist.all_reduce(values, group=state.dp_group())
             metrics = dict(zip(shares, values.tolist()))
             metrics.update({"critic/lr": result["lr"],

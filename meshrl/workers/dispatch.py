@@ -6,6 +6,10 @@ TP/PP ranks of one replica share one object-store copy), and the results of the 
 each replica are concatenated and put back into the batch's original row order.
 Rollout dispatch (``by="replica"``): the same over inference replicas (``rollout.tensor_model_parallel_size``
 consecutive ranks form one).
+
+Ray is imported where it is used, not with this module: the worker classes beside the handles that
+subclass ``DispatchGroup`` then import without Ray, for in-process use on machines that lack it
+(``tests/workers/worker_checks.py``, ``bench/gpu.py``).
 """
 
 from __future__ import annotations
@@ -14,14 +18,12 @@ import os
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.config.validate import world_size
 from meshrl.data.dynamic_batching import balance_batch
 from meshrl.protocol import Batch
-from meshrl.workers.group import WorkerGroup
 from meshrl.workers.sequences import sequence_lengths
 
 
@@ -33,6 +35,8 @@ def groups_per_rank(cfg: DictConfig) -> int:
 def use_cuda(cfg: DictConfig) -> bool:
     if cfg.trainer.device == "cpu":
         return False
+    import ray
+
     available = torch.cuda.is_available() or bool(ray.cluster_resources().get("GPU"))
     if cfg.trainer.device == "cuda" and not available:
         raise RuntimeError("trainer.device=cuda but no GPU is visible; use trainer.device=cpu or auto")
@@ -41,6 +45,10 @@ def use_cuda(cfg: DictConfig) -> bool:
 
 class DispatchGroup:
     def __init__(self, worker_cls: type, cfg: DictConfig, model_dir, *, name: str) -> None:
+        import ray
+
+        from meshrl.workers.group import WorkerGroup
+
         self.cfg = cfg
         world = world_size(cfg)
         cuda = use_cuda(cfg)
@@ -67,6 +75,8 @@ class DispatchGroup:
 
     def dispatch(self, method: str, batch: Batch, *, by: str = "dp", **kwargs: Any) -> Batch:
         """Run ``method(shard, **kwargs)`` on every rank; the collected shards as one batch in row order."""
+        import ray
+
         parts = self.split(batch, self.num_replicas if by == "replica" else self.dp_size, balance=by == "dp")
         refs = [ray.put(batch.take(p)) for p in parts]
         coord, collect = ("replica", "replica_leader") if by == "replica" else ("dp_rank", "collect")
