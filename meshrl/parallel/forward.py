@@ -11,10 +11,18 @@ Positions without a prediction (the first valid token of a row, padding) are 0.
 
 Padding: a micro-batch carries ``input_ids`` and ``attention_mask`` (1 = token). The valid tokens of a
 row form the sequence, in order, wherever the padding is (left, right, or between prompt and
-response): they are moved to the front (positions 0..n-1), the batch is trimmed to its longest row,
-the model runs with a plain causal mask (valid tokens never see padding, which sits after them), and
-outputs are scattered back to the original positions. This equals HF with ``position_ids =
-cumsum(mask) - 1`` and padding masked out.
+response). The model sees them in one of two layouts (:func:`model_inputs`), both equal to HF with
+``position_ids = cumsum(mask) - 1`` and padding masked out:
+
+- rows (:func:`trim_rows`): each row's valid tokens moved to the front (positions 0..n-1), the batch
+  trimmed to its longest row, a plain causal mask (valid tokens never see padding, which sits after
+  them). Computes ``rows x longest row`` positions.
+- packed THD (:func:`pack_thd`, ``use_remove_padding``): every sequence laid end to end in one row
+  (``meshrl.data.packing``: slots padded to a multiple of TP), run with megatron's
+  ``PackedSeqParams(qkv_format="thd")``, so RoPE positions restart in every slot and attention stays
+  inside it. Computes about the real token count.
+
+Either way outputs are scattered back to the micro-batch's ``[batch, seq]`` positions (:func:`unpack`).
 
 Full-vocabulary logits are never materialised on one rank: log-probs use megatron's
 ``vocab_parallel_cross_entropy`` and entropy uses ``vocab_parallel_entropy`` below, both reducing over
@@ -28,6 +36,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from meshrl.data.packing import pad_multiple_for, pack_padded
 
 MicroBatch = dict[str, Any]
 LossFn = Callable[[dict[str, torch.Tensor], MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
@@ -78,18 +88,20 @@ def vocab_parallel_log_probs(vocab_parallel_logits: torch.Tensor, target: torch.
 
 
 @dataclass
-class PackedBatch:
-    """A micro-batch with each row's valid tokens moved to the front and the batch trimmed."""
+class ModelInputs:
+    """A micro-batch in the layout the model runs on, and the map from its positions back to ``[B, S]``."""
 
-    input_ids: torch.Tensor  # [b, n]
-    position_ids: torch.Tensor  # [b, n]
-    valid: torch.Tensor  # [b, n] bool
-    order: torch.Tensor  # [b, n]: original column of each packed column
-    seq_len: int  # original s
+    input_ids: torch.Tensor  # [r, n]
+    position_ids: torch.Tensor  # [r, n]
+    packed_seq_params: Any  # megatron's PackedSeqParams for the THD layout, else None
+    packed_index: torch.Tensor  # (N,) flat position in [r, n] of each valid token
+    source_index: torch.Tensor  # (N,) flat position in [B, S] of that token
+    first: torch.Tensor  # (N,) bool: the first token of its sequence (nothing predicts it)
+    shape: tuple[int, int]  # (B, S)
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
-    """Move valid tokens to the front of each row (stable) and trim to the longest row."""
+def trim_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ModelInputs:
+    """Row layout: valid tokens moved to the front of each row (stable), trimmed to the longest row."""
     mask = attention_mask.bool()
     batch, seq_len = input_ids.shape
     order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
@@ -97,33 +109,67 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
     width = max(int(counts.max()), 1)
     order = order[:, :width]
     positions = torch.arange(width, device=input_ids.device).expand(batch, width)
-    return PackedBatch(input_ids=input_ids.gather(1, order), position_ids=positions.contiguous(),
-                       valid=positions < counts.unsqueeze(1), order=order, seq_len=seq_len)
+    packed_index = (positions < counts.unsqueeze(1)).flatten().nonzero().squeeze(1)
+    rows = torch.arange(batch, device=input_ids.device).unsqueeze(1)
+    return ModelInputs(input_ids=input_ids.gather(1, order), position_ids=positions.contiguous(),
+                       packed_seq_params=None, packed_index=packed_index,
+                       source_index=(rows * seq_len + order).flatten()[packed_index],
+                       first=packed_index % width == 0, shape=(batch, seq_len))
 
 
-def unpack(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-    """Shift packed per-position ``values[b, n]`` (position t predicts t+1) to the token convention."""
-    shifted = torch.zeros_like(values)
-    shifted[:, 1:] = values[:, :-1]
-    shifted = torch.where(packed.valid & (packed.position_ids > 0), shifted, torch.zeros_like(shifted))
-    out = torch.zeros(values.shape[0], packed.seq_len, dtype=values.dtype, device=values.device)
-    return out.scatter(1, packed.order, shifted)
+def pack_thd(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_multiple: int) -> ModelInputs:
+    """THD layout: the valid tokens of every row end to end in one ``[1, T]`` row (slots of a multiple of
+    ``pad_multiple`` tokens) with the ``PackedSeqParams`` that keep RoPE and attention per slot."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    packed = pack_padded(input_ids, attention_mask, pad_multiple=pad_multiple)
+    if packed.num_tokens == 0:
+        raise ValueError("a micro-batch without any valid token cannot be packed (use_remove_padding)")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
+                             cu_seqlens_q_padded=packed.cu_seqlens_padded,
+                             cu_seqlens_kv_padded=packed.cu_seqlens_padded,
+                             max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
+    return ModelInputs(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_seq_params=params,
+                       packed_index=packed.packed_index, source_index=packed.source_index,
+                       first=packed.position_ids[0, packed.packed_index] == 0, shape=packed.padded_shape)
+
+
+def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, remove_padding: bool) -> ModelInputs:
+    """:func:`pack_thd` (slots padded to a multiple of this rank's TP size) or :func:`trim_rows`."""
+    if not remove_padding:
+        return trim_rows(input_ids, attention_mask)
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return pack_thd(input_ids, attention_mask, pad_multiple_for(tp, parallel_state.get_context_parallel_world_size()))
+
+
+def unpack(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+    """Per-position ``values[r, n]`` (position p predicts the token at p+1) -> ``[B, S]`` token convention."""
+    flat = values.reshape(-1)
+    previous = flat[(inputs.packed_index - 1).clamp(min=0)]
+    real = torch.where(inputs.first, torch.zeros_like(previous), previous)
+    batch, seq_len = inputs.shape
+    return flat.new_zeros(batch * seq_len).index_put((inputs.source_index,), real).view(batch, seq_len)
 
 
 @dataclass(frozen=True)
 class OutputRequest:
-    """What the last stage computes from the model output. ``temperature`` divides the logits."""
+    """What the last stage computes from the model output (``temperature`` divides the logits), and the
+    layout every stage runs: ``remove_padding`` packs each micro-batch (:func:`pack_thd`), else
+    :func:`trim_rows`. Outputs are the same ``[B, S]`` tensors either way."""
 
     log_probs: bool = True
     entropy: bool = False
     temperature: float = 1.0
+    remove_padding: bool = False
 
 
-def compute_outputs(model_output: torch.Tensor, packed: PackedBatch, request: OutputRequest,
+def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: OutputRequest,
                     critic: bool) -> dict[str, torch.Tensor]:
-    """Turn the last stage's ``[b, n, V/TP]`` logits (or ``[b, n, 1]`` values) into aligned outputs."""
+    """Turn the last stage's ``[r, n, V/TP]`` logits (or ``[r, n, 1]`` values) into aligned outputs."""
     if critic:
-        return {"values": unpack(model_output.squeeze(-1).float(), packed)}
+        return {"values": unpack(model_output.squeeze(-1).float(), inputs)}
     # The log-softmax in fp32 whatever the parameters' dtype: in bf16 it would sum the vocabulary's
     # exponentials and round each log-prob to 8 mantissa bits (±0.03 near -10). Entropy and log-probs
     # share this one copy (a no-op for fp32 models); the bf16 logits' own rounding remains.
@@ -132,9 +178,10 @@ def compute_outputs(model_output: torch.Tensor, packed: PackedBatch, request: Ou
         logits = logits / request.temperature
     outputs = {}
     if request.entropy:
-        outputs["entropy"] = unpack(vocab_parallel_entropy(logits), packed)
+        outputs["entropy"] = unpack(vocab_parallel_entropy(logits), inputs)
     if request.log_probs:
-        # Position t predicts token t+1; the last column's target is a placeholder, dropped by unpack.
-        target = torch.roll(packed.input_ids, shifts=-1, dims=1)
-        outputs["log_probs"] = unpack(vocab_parallel_log_probs(logits, target), packed)
+        # Position p predicts the token at p+1; targets that cross into another row or slot (or wrap
+        # around) belong to positions unpack drops.
+        target = torch.roll(inputs.input_ids.reshape(-1), shifts=-1).view_as(inputs.input_ids)
+        outputs["log_probs"] = unpack(vocab_parallel_log_probs(logits, target), inputs)
     return outputs

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from meshrl.parallel.forward import LossFn, MicroBatch, OutputRequest, compute_outputs, pack
+from meshrl.parallel.forward import LossFn, MicroBatch, OutputRequest, compute_outputs, model_inputs
 from meshrl.parallel.model_builder import model_config, unwrap
 
 
@@ -60,11 +60,12 @@ def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | N
 
     def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         micro_batch = _to_device(next(data_iterator), device)
-        packed = pack(micro_batch["input_ids"], micro_batch["attention_mask"])
-        output = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None)
+        inputs = model_inputs(micro_batch["input_ids"], micro_batch["attention_mask"], request.remove_padding)
+        output = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=None,
+                       packed_seq_params=inputs.packed_seq_params)
 
         def loss_func(output_tensor: torch.Tensor):
-            outputs = compute_outputs(output_tensor, packed, request, critic)
+            outputs = compute_outputs(output_tensor, inputs, request, critic)
             if loss_fn is None:
                 return (torch.zeros((), device=device), zero_tokens,
                         {key: value.detach() for key, value in outputs.items()})
@@ -98,6 +99,8 @@ def _run(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], request
         raise ValueError("no micro-batches")
     critic = bool(getattr(unwrap(chunks[0]), "meshrl_critic", False))
     config = model_config(chunks)
+    # megatron sizes p2p buffers from these only without variable_seq_lengths, which is on whenever PP > 1
+    # (each micro-batch's shape, padded or packed [T, 1, h], travels with it); they are unused otherwise.
     seq_length = max(int(mb["input_ids"].shape[1]) for mb in micro_batches)
     batch_size = max(int(mb["input_ids"].shape[0]) for mb in micro_batches)
     iterators: Any = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)

@@ -85,6 +85,8 @@ class ActorRolloutRefWorker(RankWorker):
             if arr.ref.megatron.param_offload or arr.ref.fsdp_config.param_offload:
                 self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False)
         self.objective = ActorObjective.from_config(actor)
+        # Policy and reference run packed THD micro-batches (no compute on padding) unless the key says no.
+        self.remove_padding = arr.model.use_remove_padding
         rollout = arr.rollout
         self.response_length = rollout.response_length or cfg.data.max_response_length
         engine_cfg = EngineConfig.from_rollout(
@@ -169,7 +171,7 @@ class ActorRolloutRefWorker(RankWorker):
         plan, rows, micros = split_micro_batches(shard, batching, state.dp_group(), self.pad_id,
                                                  min_micro=self._min_micro())
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext():
-            outputs = forward_only(chunks, micros, OutputRequest(log_probs=True))
+            outputs = forward_only(chunks, micros, OutputRequest(log_probs=True, remove_padding=self.remove_padding))
         parts = [response_part(o["log_probs"], m) for o, m in zip(outputs, micros)]
         result = Batch(tensors={field: gather_response_outputs(parts, plan, rows, self.response_length)})
         return result if self.layout.collect else None
@@ -218,7 +220,8 @@ class ActorRolloutRefWorker(RankWorker):
             raise ValueError(f"an on-policy update is one optimizer step, got {len(updates)} mini-batches")
         fields = ("advantages",) + (() if on_policy else ("old_log_probs",)) \
             + (("ref_log_probs",) if actor.use_kl_loss else ())
-        request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy)
+        request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy,
+                                remove_padding=self.remove_padding)
         per_step, seen = [], {}
         for shard, norm in updates:
             plan, rows, micros = split_micro_batches(shard, batching, state.dp_group(), self.pad_id,

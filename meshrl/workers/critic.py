@@ -27,6 +27,7 @@ class CriticWorker(RankWorker):
         from omegaconf import OmegaConf
         from transformers import AutoConfig, AutoTokenizer
 
+        from meshrl.parallel.forward import OutputRequest
         from meshrl.parallel.hf_conversion import load_hf_weights
         from meshrl.parallel.model_builder import build_model, param_dtype
         from meshrl.parallel.optimizer import build_optimizer
@@ -44,6 +45,8 @@ class CriticWorker(RankWorker):
         self.optimizer, self.scheduler = build_optimizer(
             self.model, optimizer_config(critic.optim, critic.grad_clip, megatron.use_distributed_optimizer))
         self.objective = CriticObjective.from_config(self.cfg)
+        # Packed THD micro-batches (no compute on padding) unless critic.model.use_remove_padding says no.
+        self.request = OutputRequest(remove_padding=critic.model.use_remove_padding)
         self.response_length = self.cfg.data.max_response_length
         return {**self.layout_dict(), "num_replicas": self.layout.dp_size}
 
@@ -59,7 +62,7 @@ class CriticWorker(RankWorker):
 
         plan, rows, micros = split_micro_batches(shard, self._batching("critic_values"), state.dp_group(),
                                                  self.pad_id, min_micro=self.cfg.critic.megatron.pipeline_model_parallel_size)
-        outputs = forward_only(self.model, micros)
+        outputs = forward_only(self.model, micros, self.request)
         parts = [response_part(o["values"], m) for o, m in zip(outputs, micros)]
         values = gather_response_outputs(parts, plan, rows, self.response_length)
         return Batch(tensors={"values": values}) if self.layout.collect else None
@@ -79,7 +82,7 @@ class CriticWorker(RankWorker):
             def loss_fn(outputs, micro, norm=norm):
                 return self.objective(response_part(outputs["values"], micro), micro, norm)
 
-            result = train_step(self.model, self.optimizer, self.scheduler, micros, loss_fn)
+            result = train_step(self.model, self.optimizer, self.scheduler, micros, loss_fn, self.request)
             shares = sum_metrics(result["metrics"])
             values = torch.tensor(list(shares.values()), dtype=torch.float64,
                                   device=state.collective_device(state.dp_group()))

@@ -51,9 +51,10 @@ OPT = optimizer.OptimizerConfig(lr=1e-3, min_lr=1e-4, weight_decay=0.1, eps=1e-3
 # ---------------------------------------------------------------- data and references
 
 def make_micro_batches(seed: int = 0) -> list[dict]:
-    """Three micro-batches of different sizes and lengths: right padding, left padding, a hole."""
+    """Three micro-batches of different sizes and lengths (2 to 14 tokens): right padding, left padding,
+    a hole."""
     g = torch.Generator().manual_seed(seed)
-    shapes = [(2, 10), (3, 7), (1, 12)]
+    shapes = [(2, 10), (3, 7), (2, 16)]
     batches = []
     for b, s in shapes:
         ids = torch.randint(0, 49152, (b, s), generator=g)
@@ -63,6 +64,7 @@ def make_micro_batches(seed: int = 0) -> list[dict]:
     batches[1]["attention_mask"][0, :2] = 0  # left padding
     batches[1]["attention_mask"][2, :4] = 0
     batches[2]["attention_mask"][0, 5:7] = 0  # a hole between prompt and response
+    batches[2]["attention_mask"][1, :14] = 0  # 2 tokens beside 14
     total = 0.0
     for mb in batches:
         mb["loss_mask"] = _loss_mask(mb["attention_mask"])
@@ -205,23 +207,29 @@ def my_batches(items: list) -> list:
 
 
 def check_parity(path: Path, critic: bool) -> dict:
+    """Outputs, loss and grads against HF, in the row layout and packed (THD, ``packed.*`` keys), and the
+    packed outputs against the row layout's (``packed_vs_rows``)."""
     batches = make_micro_batches()
     ref_out, ref_loss, ref_grads = hf_reference(path, batches, critic)
     mine, mine_ref = my_batches(batches), my_batches(ref_out)
     chunks = build(path, critic)
-    request = OutputRequest(entropy=not critic)
-    out = schedule.forward_only(chunks, mine, request)
-    result = {}
-    for key in mine_ref[0]:
-        result[key] = max(float((o[key] - r[key]).abs().max()) for o, r in zip(out, mine_ref))
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    passed = schedule.forward_backward(chunks, mine, critic_loss if critic else policy_loss, request)
-    result["loss"] = abs(passed.loss - ref_loss)
-    grads = hf_tensors(chunks, path, grads=True)
-    missing = set(ref_grads) ^ set(grads)
-    result["grad_names_mismatch"] = len(missing)
-    result["grads"] = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)
+    result, rows_out = {}, None
+    for remove_padding in (False, True):
+        prefix = "packed." if remove_padding else ""
+        request = OutputRequest(entropy=not critic, remove_padding=remove_padding)
+        out = schedule.forward_only(chunks, mine, request)
+        for key in mine_ref[0]:
+            result[prefix + key] = max(float((o[key] - r[key]).abs().max()) for o, r in zip(out, mine_ref))
+        if remove_padding:
+            result["packed_vs_rows"] = max_diff(out, rows_out)
+        rows_out = out
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        passed = schedule.forward_backward(chunks, mine, critic_loss if critic else policy_loss, request)
+        result[prefix + "loss"] = abs(passed.loss - ref_loss)
+        grads = hf_tensors(chunks, path, grads=True)
+        result[prefix + "grad_names_mismatch"] = len(set(ref_grads) ^ set(grads))
+        result[prefix + "grads"] = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)
     result["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values())
     return result
 
@@ -262,17 +270,24 @@ def check_forward_only_model(path: Path) -> dict:
 
 
 def check_invariance(path: Path) -> dict:
-    """Loss and grads with two different micro-batch splits (and DP splits) are the same."""
+    """Loss and grads with two different micro-batch splits (and DP splits) are the same, in the row
+    layout and packed (``packed_*`` keys)."""
     batches = make_micro_batches()
-    results = []
-    for split in (batches, resplit(batches)):
-        chunks = build(path)
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        passed = schedule.forward_backward(chunks, my_batches(split), policy_loss, OutputRequest(entropy=True))
-        results.append((passed.loss, hf_tensors(chunks, path, grads=True)))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    return {"loss": abs(loss_a - loss_b), "grads": max(float((grads_a[k] - grads_b[k]).abs().max()) for k in grads_a)}
+    chunks = build(path)
+    result = {}
+    for remove_padding in (False, True):
+        runs = []
+        for split in (batches, resplit(batches)):
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            passed = schedule.forward_backward(chunks, my_batches(split), policy_loss,
+                                               OutputRequest(entropy=True, remove_padding=remove_padding))
+            runs.append((passed.loss, hf_tensors(chunks, path, grads=True)))
+        (loss_a, grads_a), (loss_b, grads_b) = runs
+        prefix = "packed_" if remove_padding else ""
+        result[prefix + "loss"] = abs(loss_a - loss_b)
+        result[prefix + "grads"] = max(float((grads_a[k] - grads_b[k]).abs().max()) for k in grads_a)
+    return result
 
 
 def check_roundtrip(path: Path, workdir: Path, tag: str, critic: bool = False) -> dict:

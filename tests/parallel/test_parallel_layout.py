@@ -110,23 +110,70 @@ def test_spec_mismatch_names_the_hf_field() -> None:
         convert_cli.compare_specs(base, other)
 
 
-def test_pack_moves_valid_tokens_first_and_unpack_restores_alignment() -> None:
+def test_trim_rows_moves_valid_tokens_first_and_unpack_restores_alignment() -> None:
     ids = torch.tensor([[5, 6, 7, 0, 0], [0, 0, 8, 9, 10], [11, 0, 12, 13, 0]])
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 1, 1, 0]])
-    packed = forward.pack(ids, mask)
-    assert packed.input_ids[:, :3].tolist() == [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
-    assert packed.input_ids.shape == (3, 3) and bool(packed.valid.all())
+    inputs = forward.trim_rows(ids, mask)
+    assert inputs.input_ids.tolist() == [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    assert inputs.packed_seq_params is None
     # A per-position value v[t] computed at packed position t concerns the next token.
-    values = packed.input_ids.float() * 10
-    out = forward.unpack(values, packed)
+    out = forward.unpack(inputs.input_ids.float() * 10, inputs)
     assert out.tolist() == [[0, 50, 60, 0, 0], [0, 0, 0, 80, 90], [0, 0, 110, 120, 0]]
 
 
+def test_pack_thd_lays_sequences_end_to_end_in_slots_and_unpack_restores_alignment() -> None:
+    ids = torch.tensor([[5, 6, 7, 0, 0], [0, 0, 0, 0, 8], [11, 0, 12, 13, 14]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 1], [1, 0, 1, 1, 1]])
+    inputs = forward.pack_thd(ids, mask, pad_multiple=2)
+    assert inputs.input_ids.tolist() == [[5, 6, 7, 0, 8, 0, 11, 12, 13, 14]]
+    assert inputs.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2, 3]]
+    params = inputs.packed_seq_params
+    assert params.qkv_format == "thd" and params.max_seqlen_q == params.max_seqlen_kv == 4
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 3, 4, 8]
+    assert params.cu_seqlens_q_padded.tolist() == params.cu_seqlens_kv_padded.tolist() == [0, 4, 6, 10]
+    out = forward.unpack(inputs.input_ids.float() * 10, inputs)
+    assert out.tolist() == [[0, 50, 60, 0, 0], [0, 0, 0, 0, 0], [0, 0, 110, 120, 130]]
+
+
 def test_unpack_zeroes_padding_even_when_values_are_not_finite() -> None:
-    ids = torch.tensor([[1, 2, 0]])
-    packed = forward.pack(ids, torch.tensor([[1, 1, 0]]))
-    values = torch.tensor([[float("-inf"), 3.0]])
-    assert forward.unpack(values, packed).tolist() == [[0.0, float("-inf"), 0.0]]
+    ids, mask = torch.tensor([[1, 2, 0]]), torch.tensor([[1, 1, 0]])
+    for inputs in (forward.trim_rows(ids, mask), forward.pack_thd(ids, mask, pad_multiple=2)):
+        values = torch.tensor([[float("-inf"), 3.0]])
+        assert forward.unpack(values, inputs).tolist() == [[0.0, float("-inf"), 0.0]]
+
+
+def test_packed_sdpa_attention_is_causal_within_each_slot_only() -> None:
+    """THD input (``[t, heads, d]``, slots of cu_seqlens_q_padded; an empty one too) against explicit causal
+    softmax attention on each sequence alone."""
+    from types import SimpleNamespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = model_builder.transformer_config(model_builder.model_spec(tiny_config(LLAMA)), ParallelConfig(),
+                                              torch.float32)
+    tp = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    attention = model_builder._sdpa_core_attention_class()(
+        config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+        pg_collection=SimpleNamespace(tp=tp))
+    lengths, slots = [5, 1, 0, 8], [6, 2, 0, 8]
+    heads, groups, dim = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(slots), heads, dim, generator=g)
+    k, v = (torch.randn(sum(slots), groups, dim, generator=g) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(slots).cumsum(0).tolist()], dtype=torch.int32)
+    cu_real = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real, cu_seqlens_q_padded=cu,
+                             cu_seqlens_kv_padded=cu, max_seqlen_q=8, max_seqlen_kv=8)
+    out = attention(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (sum(slots), heads * dim)
+    for start, length in zip(cu[:-1].tolist(), lengths):
+        part = slice(start, start + length)
+        keys, values = (t[part].repeat_interleave(heads // groups, dim=1) for t in (k, v))
+        scores = torch.einsum("shd,thd->hst", q[part], keys) / dim**0.5
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        expected = torch.einsum("hst,thd->shd", scores.softmax(-1), values).reshape(length, heads * dim)
+        assert torch.allclose(out[part], expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("m,pp,expected", [(4, 2, 2), (3, 2, 3), (5, 2, 3), (6, 4, 6), (8, 4, 4), (9, 4, 5)])

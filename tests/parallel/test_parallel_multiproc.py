@@ -24,13 +24,18 @@ REPO = HERE.parents[1]
 # key pattern -> predicate on the recorded value
 EXPECT: dict[str, tuple[str, float]] = {
     "parity.*.log_probs": ("<=", 1e-5),
-    "parity.*.entropy": ("<=", 1e-5),
+    # Entropies are ~10 nats, where fp32 spacing is 9.5e-7: the row layout's Qwen2 entropy measured 1.14e-5
+    # (12 ulp) against HF at every layout, packed ones 9.5e-6.
+    "parity.*.entropy": ("<=", 1.5e-5),
     "parity.*.values": ("<=", 1e-5),
     "parity.*.loss": ("<=", 1e-6),
     "parity.*.grads": ("<=", 1e-5),
     "parity.*.grad_names_mismatch": ("==", 0),
+    "parity.*.packed_vs_rows": ("<=", 1e-5),
     "invariance.loss": ("<=", 1e-6),
     "invariance.grads": ("<=", 1e-6),
+    "invariance.packed_loss": ("<=", 1e-6),
+    "invariance.packed_grads": ("<=", 1e-6),
     "roundtrip.*.mismatches": ("==", 0),
     "roundtrip.*.yielded_views_of_params": ("==", 0),
     "optimizer*.weights": ("<=", 1e-6),

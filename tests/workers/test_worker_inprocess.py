@@ -82,3 +82,18 @@ def test_fixed_size_micro_batches_without_dynamic_bsz(results):
         assert r["loss_diff"] <= 1e-3 * abs(r["loss"])
         assert r["grad_diff"] <= 2e-2 * r["grad_max_abs"]
         assert r["log_prob_diff"] <= 0.05
+
+
+def test_remove_padding_packs_micro_batches_with_the_row_layouts_results(results):
+    """use_remove_padding=True (verl's default): every forward packs; log-probs, loss and gradient equal
+    the row layout's (fp32), up to bf16 rounding of other matmul shapes."""
+    r = results["remove_padding"]
+    assert r["configured"] is True and r["packed_forwards"] == r["forwards"] > 0 and r["row_forwards_packed"] == 0
+    if results["dtype"] == "float32":
+        assert r["log_prob_diff"] <= 1e-5
+        assert r["loss_diff"] <= 1e-6 * abs(r["loss"]) + 1e-7
+        assert r["grad_diff"] <= 1e-5 * r["grad_max_abs"]
+    else:
+        assert r["log_prob_diff"] <= 0.05
+        assert r["loss_diff"] <= 1e-3 * abs(r["loss"])
+        assert r["grad_diff"] <= 2e-2 * r["grad_max_abs"]

@@ -180,6 +180,40 @@ def check_fixed_micro_batches(worker) -> dict:
     }
 
 
+def check_remove_padding(worker) -> dict:
+    """``actor_rollout_ref.model.use_remove_padding`` (default True) reaches the forward, which then runs
+    packed THD micro-batches; their log-probs, loss and gradient against the row layout's."""
+    from meshrl.parallel import schedule
+
+    batch = make_batch(rows=8, seed=4)
+    batch = batch.union(worker.compute_log_probs(batch, model="ref"))
+    real, packed = schedule.model_inputs, []
+
+    def spy(*args):
+        inputs = real(*args)
+        packed.append(inputs.packed_seq_params is not None)
+        return inputs
+
+    configured = worker.remove_padding
+    schedule.model_inputs = spy
+    runs = {}
+    try:
+        for remove_padding in (configured, False):
+            worker.remove_padding = remove_padding
+            log_probs = worker.compute_log_probs(batch, model="actor")["old_log_probs"]
+            metrics, _, grad = update(worker, batch, on_policy=True)
+            runs[remove_padding] = (log_probs, metrics["actor/loss"], grad, list(packed))
+            packed.clear()
+    finally:
+        schedule.model_inputs = real
+        worker.remove_padding = configured
+    (lp_p, loss_p, g_p, layout_p), (lp_r, loss_r, g_r, layout_r) = runs[True], runs[False]
+    return {"configured": configured, "packed_forwards": sum(layout_p), "forwards": len(layout_p),
+            "row_forwards_packed": sum(layout_r),
+            "log_prob_diff": float((lp_p - lp_r).abs().max()), "loss_diff": abs(loss_p - loss_r), "loss": loss_r,
+            "grad_diff": max_diff(g_p, g_r), "grad_max_abs": max_abs(g_r)}
+
+
 def with_plan(call):
     """(``call()``, the micro-batch plan the worker made inside it)."""
     from meshrl.workers import actor_rollout_ref
@@ -234,6 +268,7 @@ def main() -> None:
     worker = make_worker([f"actor_rollout_ref.actor.megatron.dtype={args.dtype}"])
     results = {"on_policy": check_on_policy(worker), "precision": check_precision(worker),
                "fixed_micro_batches": check_fixed_micro_batches(worker),
+               "remove_padding": check_remove_padding(worker),
                "checkpoint": check_checkpoint(worker, args.out.parent / f"ckpt-{args.dtype}")}
     worker.shutdown_engine()
     args.out.write_text(json.dumps(results, indent=1))
