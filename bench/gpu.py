@@ -12,7 +12,8 @@ into one JSON:
   (``hf``) rollout engine, bf16, GRPO, ``--prompts`` × ``--n`` responses of exactly ``--response``
   tokens (``ignore_eos``: a random model's EOS would make lengths arbitrary): per-phase wall time
   (generate, old log-probs, update, weight sync) over ``--steps`` steps after one warm-up step, and the
-  update's MFU.
+  update's MFU. Micro-batches are packed THD rows (``use_remove_padding``, the default);
+  ``rl_step_padded`` runs the same with padded rows (``use_remove_padding=False``).
 - ``update_mfu``: the worker's actor update alone on synthetic batches of longer sequences (token-budget
   micro-batches), MFU = model FLOPs / time / FLOP/s.
 - ``offload``: the policy's parameters, gradients and optimizer state to host memory and back: device
@@ -36,6 +37,7 @@ Writes DIR/gpu.json and prints a summary table last.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -47,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-SECTIONS = ("machine", "parity", "rl_step", "update_mfu", "offload", "checkpoint", "profile")
+SECTIONS = ("machine", "parity", "rl_step", "rl_step_padded", "update_mfu", "offload", "checkpoint", "profile")
 DATASHEET_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
 # Qwen2.5-1.5B's published config (shapes only; weights are random here).
 QWEN25_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -215,7 +217,11 @@ def prompts_batch(args, vocab: int, seed: int):
     return Batch(tensors={"uid": torch.arange(args.prompts)}, non_tensors={"prompt_ids": [r.tolist() for r in ids]})
 
 
-def section_rl_step(args) -> dict:
+def section_rl_step_padded(args) -> dict:
+    return section_rl_step(args, ["actor_rollout_ref.model.use_remove_padding=False"])
+
+
+def section_rl_step(args, overrides: list[str] = ()) -> dict:
     """Per-phase time of RL steps through the worker's own calls, in the trainer's order."""
     from omegaconf import OmegaConf
 
@@ -223,7 +229,7 @@ def section_rl_step(args) -> dict:
     from meshrl.algorithms import GlobalNorm
     from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
 
-    worker, model_dir = make_worker(args, [])
+    worker, model_dir = make_worker(args, list(overrides))
     shape = model_shape(model_dir)
     algo = OmegaConf.create(worker.cfg_dict).algorithm
     steps = []
@@ -315,7 +321,7 @@ def section_update_mfu(args) -> dict:
 
 
 def section_offload(args) -> dict:
-    from meshrl.parallel.offload import offload
+    from meshrl.parallel.offload import HostBuffers, offload
 
     from meshrl.algorithms import GlobalNorm
     from meshrl.protocol import Batch
@@ -331,23 +337,24 @@ def section_offload(args) -> dict:
     worker.update([(batch, GlobalNorm.from_mask(mask, max_len=response))], on_policy=True)
     before = {n: p.detach().clone().cpu() for c in worker.policy for n, p in c.named_parameters()}
     grads_before = {n: p.main_grad.detach().clone().cpu() for c in worker.policy for n, p in c.named_parameters()}
-    torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    held = offload(worker.policy, worker.optimizer, params=True, grads=True, optimizer_state=True)
-    torch.cuda.synchronize()
-    offload_s = time.perf_counter() - start
-    during = torch.cuda.memory_allocated()
-    moved = held.nbytes
-    start = time.perf_counter()
-    held.restore()
-    torch.cuda.synchronize()
-    restore_s = time.perf_counter() - start
+    pool = HostBuffers()  # as the worker does: pinned once, reused by every later offload
+    rounds = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        held = offload(worker.policy, worker.optimizer, params=True, grads=True, optimizer_state=True, buffers=pool)
+        torch.cuda.synchronize()
+        offload_s = time.perf_counter() - start
+        during, moved = torch.cuda.memory_allocated(), held.nbytes
+        start = time.perf_counter()
+        held.restore()
+        rounds.append({"offload_s": offload_s, "restore_s": time.perf_counter() - start, "offloaded_gib": moved / 2**30,
+                       "allocated_offloaded_gib": during / 2**30})
     after = {n: p.detach().cpu() for c in worker.policy for n, p in c.named_parameters()}
     grads_after = {n: p.main_grad.detach().cpu() for c in worker.policy for n, p in c.named_parameters()}
-    return {"allocated_before_gib": allocated / 2**30, "allocated_offloaded_gib": during / 2**30,
-            "allocated_restored_gib": torch.cuda.memory_allocated() / 2**30, "offloaded_gib": moved / 2**30,
-            "offload_s": offload_s, "restore_s": restore_s,
+    return {"allocated_before_gib": allocated / 2**30, "rounds": rounds,
+            "allocated_restored_gib": torch.cuda.memory_allocated() / 2**30,
             "params_identical": all(torch.equal(before[n], after[n]) for n in before),
             "grads_identical": all(torch.equal(grads_before[n], grads_after[n]) for n in grads_before)}
 
@@ -499,10 +506,10 @@ def summary(result: dict) -> list[str]:
             lines.append("parity " + "  ".join(f"{k}: logp {v['log_prob_max_abs_diff']:.2e} ent "
                                                f"{v['entropy_max_abs_diff']:.2e}" for k, v in section.items()
                                                if isinstance(v, dict)))
-        elif name == "rl_step":
+        elif name in ("rl_step", "rl_step_padded"):
             ph = section["median_phases_s"]
             mfu = section["update_achieved_flops"]
-            lines.append(f"rl_step {section['median_step_s']:.2f} s: " + "  ".join(f"{k} {v:.2f}" for k, v in ph.items())
+            lines.append(f"{name} {section['median_step_s']:.2f} s: " + "  ".join(f"{k} {v:.2f}" for k, v in ph.items())
                          + f"  | gen {section['generation_tokens_per_s']:.0f} tok/s, update MFU "
                          f"{mfu / peak:.3f} of measured / {mfu / sheet:.3f} of datasheet")
         elif name == "update_mfu":
@@ -515,10 +522,11 @@ def summary(result: dict) -> list[str]:
                              f"{s['achieved_flops_median'] / sheet:.3f} datasheet, "
                              f"peak mem {s['peak_memory_gib']:.1f} GiB")
         elif name == "offload":
-            lines.append(f"offload {section['offloaded_gib']:.1f} GiB in {section['offload_s']:.2f} s, restore "
-                         f"{section['restore_s']:.2f} s; allocated {section['allocated_before_gib']:.1f} -> "
-                         f"{section['allocated_offloaded_gib']:.1f} -> {section['allocated_restored_gib']:.1f} GiB; "
-                         f"identical params {section['params_identical']} grads {section['grads_identical']}")
+            lines.append("offload " + "; ".join(f"{r['offloaded_gib']:.1f} GiB out {r['offload_s']:.2f} s, back "
+                                                 f"{r['restore_s']:.2f} s" for r in section["rounds"])
+                         + f"; allocated {section['allocated_before_gib']:.1f} -> "
+                         f"{section['rounds'][0]['allocated_offloaded_gib']:.1f} -> {section['allocated_restored_gib']:.1f} GiB;"
+                         f" identical params {section['params_identical']} grads {section['grads_identical']}")
         elif name == "profile":
             lines.append("profile " + "  ".join(f"{k} {section[k]['seconds']:.3f} s {section[k]['achieved_flops'] / 1e12:.0f} "
                                                 f"TFLOP/s" for k in ("forward", "forward_backward", "hf_forward")))

@@ -58,7 +58,7 @@ class ActorRolloutRefWorker(RankWorker):
 
         from meshrl.parallel.hf_conversion import load_hf_weights
         from meshrl.parallel.model_builder import build_forward_only_model, build_model, param_dtype
-        from meshrl.parallel.offload import offload
+        from meshrl.parallel.offload import HostBuffers, offload
         from meshrl.parallel.optimizer import build_optimizer
         from meshrl.rollout.base import EngineConfig, SamplingConfig, create_engine
 
@@ -77,13 +77,16 @@ class ActorRolloutRefWorker(RankWorker):
         self.optimizer, self.scheduler = build_optimizer(
             self.policy, optimizer_config(actor.optim, actor.grad_clip, distributed_opt))
         self.ref = self.ref_offloaded = None
+        # Pinned host memory for offloads, allocated once and reused every step (pinning is the slow part).
+        self.host_buffers = HostBuffers()
         if cfg.algorithm.use_kl_in_reward or actor.use_kl_loss:
             # Forward passes only: no DDP gradient buffer (as large as the fp32 weights) for it.
             ref_dtype = arr.ref.megatron.dtype if arr.ref.megatron.dtype != "auto" else actor.megatron.dtype
             self.ref = build_forward_only_model(self.hf_config, dtype=param_dtype(ref_dtype))
             load_hf_weights(self.ref, self.model_dir, self.hf_config)
             if arr.ref.megatron.param_offload or arr.ref.fsdp_config.param_offload:
-                self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False)
+                self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False,
+                                            buffers=self.host_buffers)
         self.objective = ActorObjective.from_config(actor)
         # Policy and reference run packed THD micro-batches (no compute on padding) unless the key says no.
         self.remove_padding = arr.model.use_remove_padding
@@ -147,7 +150,7 @@ class ActorRolloutRefWorker(RankWorker):
             return None, None
         held = []
         return (lambda: held.append(offload(self.policy, self.optimizer, params=params, grads=grads,
-                                            optimizer_state=optimizer_state)),
+                                            optimizer_state=optimizer_state, buffers=self.host_buffers)),
                 lambda: held.pop().restore())
 
     # ---------------------------------------------------------------------------------- log-probs
@@ -189,7 +192,8 @@ class ActorRolloutRefWorker(RankWorker):
         try:
             yield
         finally:
-            self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False)
+            self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False,
+                                         buffers=self.host_buffers)
 
     def _min_micro(self) -> int:
         """The pipeline schedules need at least one micro-batch per stage to fill the pipeline."""
