@@ -102,6 +102,7 @@ def section_machine(args) -> dict:
             "multiprocessors": props.multi_processor_count, "torch": torch.__version__,
             "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "megatron_core": megatron.core.__version__, "transformer_engine": transformer_engine_available(),
+            "torch_varlen_attention": importlib.util.find_spec("torch.nn.attention.varlen") is not None,
             "matmul_bf16_flops": 2 * n**3 / statistics.median(times),
             "copy_bytes_per_s": 2 * src.numel() * 4 / copy_s, "datasheet_bf16_flops": datasheet_peak()}
 
@@ -271,6 +272,7 @@ def section_rl_step(args, overrides: list[str] = ()) -> dict:
     return {
         "config": {"prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "response": args.response,
                    "token_budget": args.token_budget, "engine": "hf (transformers generate, bf16)",
+                   "packed": worker.remove_padding,
                    "actor": "megatron-core TP1, bf16 params, fp32 grads/main params/Adam", "steps_timed": len(timed)},
         "params": shape.params, "steps": steps, "median_phases_s": median,
         "median_step_s": statistics.median(s["step_s"] for s in timed),
@@ -317,7 +319,7 @@ def section_update_mfu(args) -> dict:
                         "tokens_per_s": rows * seq / median, "achieved_flops_median": flops / median,
                         "achieved_flops_best": flops / best,
                         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30})
-    return {"params": shape.params, "shapes": results}
+    return {"params": shape.params, "packed": worker.remove_padding, "shapes": results}
 
 
 def section_offload(args) -> dict:
@@ -536,6 +538,52 @@ def summary(result: dict) -> list[str]:
     return lines
 
 
+def plot(result: dict, path: Path) -> None:
+    """Per-phase time of the RL step (packed and padded rows) and the actor update's MFU, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peak = result.get("machine", {}).get("matmul_bf16_flops")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    runs = [name for name in ("rl_step", "rl_step_padded") if result.get(name, {}).get("ok")]
+    phases = ("generate", "old_log_prob", "update", "sync")
+    colors = ("#3b7dd8", "#9a9a9a", "#d8843b", "#4caf50")
+    for index, name in enumerate(runs):
+        bottom = 0.0
+        for phase, color in zip(phases, colors):
+            value = result[name]["median_phases_s"][phase]
+            left.bar(index, value, bottom=bottom, color=color, label=phase if index == 0 else None)
+            bottom += value
+        left.text(index, bottom, f"{bottom:.1f} s", ha="center", va="bottom", fontsize=9)
+    left.set_xticks(range(len(runs)), [n.replace("rl_step", "RL step").replace("_padded", " (padded rows)") for n in runs])
+    left.set_ylabel("seconds per step (median)")
+    left.set_title("RL step phases, HF engine + Megatron TP1, bf16", fontsize=10)
+    left.legend(fontsize=8)
+    bars, labels = [], []
+    for name in runs:
+        bars.append(result[name]["update_achieved_flops"])
+        labels.append("RL update\n" + ("packed" if result[name]["config"].get("packed") else "padded"))
+    mfu = result.get("update_mfu", {})
+    for shape in mfu.get("shapes", []):
+        if "error" not in shape:
+            bars.append(shape["achieved_flops_median"])
+            labels.append(f"{shape['rows']}x{shape['seq']} {'packed' if mfu.get('packed') else 'padded'}\n"
+                          f"budget {shape['token_budget']}")
+    if peak and bars:
+        drawn = right.bar(labels, [b / peak for b in bars], color="#3b7dd8")
+        right.bar_label(drawn, fmt="%.2f")
+        right.set_ylabel("fraction of measured bf16 matmul FLOP/s")
+    right.set_title("actor update MFU", fontsize=10)
+    right.tick_params(axis="x", labelsize=8)
+    m = result.get("machine", {})
+    fig.suptitle(f"{m.get('device', 'GPU')}: random Qwen2.5-1.5B shape, meshrl worker in-process "
+                 f"(TE {'on' if m.get('transformer_engine') else 'off'})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     """``ROWSxSEQ@BUDGET,...`` → [(rows, seq, budget)]."""
     shapes = []
@@ -583,6 +631,7 @@ def main() -> None:
             print(result[name]["traceback"][-3000:], flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu.json").write_text(json.dumps(result, indent=1, default=str))
+    plot(result, Path(args.out) / "gpu.png")
     print("\n".join(summary(result)))
 
 

@@ -28,6 +28,7 @@ loss function over micro-batches and DP ranks.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -165,6 +166,25 @@ def transformer_engine_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def packed_sequences(requested: bool) -> bool:
+    """Whether micro-batches run as packed THD rows (``use_remove_padding``): as requested, except on CUDA
+    without Transformer Engine, where padded rows run instead and a warning says so.
+
+    Packing needs a variable-length attention kernel. TE has one; on CPU ``SDPACoreAttention`` loops
+    causal SDPA over the slots, which beats padding there (``bench/packing.py``: 1.77x tokens/s). On an
+    H100 without TE the same loop is launch-bound — 128 sequences x 28 layers = 3,584 small SDPA calls, and
+    megatron's THD rotary embedding loops per sequence too — so an actor update of a Qwen2.5-1.5B shape ran
+    3.6x slower packed than padded (5.54 s vs 1.55 s, ``python -m bench.gpu``, sections rl_step and
+    rl_step_padded). Outputs agree either way to rounding; only speed differs.
+    """
+    if requested and torch.cuda.is_available() and not transformer_engine_available():
+        warnings.warn("use_remove_padding=True: running padded micro-batches, because packed sequences on "
+                      "CUDA need Transformer Engine's variable-length attention (without it they ran 3.6x "
+                      "slower); install transformer-engine to pack", stacklevel=2)
+        return False
+    return requested
 
 
 def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: torch.dtype,

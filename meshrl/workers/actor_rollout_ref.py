@@ -57,7 +57,8 @@ class ActorRolloutRefWorker(RankWorker):
         from transformers import AutoConfig, AutoTokenizer
 
         from meshrl.parallel.hf_conversion import load_hf_weights
-        from meshrl.parallel.model_builder import build_forward_only_model, build_model, param_dtype
+        from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
+                                                    param_dtype)
         from meshrl.parallel.offload import HostBuffers, offload
         from meshrl.parallel.optimizer import build_optimizer
         from meshrl.rollout.base import EngineConfig, SamplingConfig, create_engine
@@ -88,8 +89,9 @@ class ActorRolloutRefWorker(RankWorker):
                 self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False,
                                             buffers=self.host_buffers)
         self.objective = ActorObjective.from_config(actor)
-        # Policy and reference run packed THD micro-batches (no compute on padding) unless the key says no.
-        self.remove_padding = arr.model.use_remove_padding
+        # Policy and reference run packed THD micro-batches (no compute on padding) unless the key says no
+        # or the device has no fast variable-length attention (model_builder.packed_sequences).
+        self.remove_padding = packed_sequences(arr.model.use_remove_padding)
         rollout = arr.rollout
         self.response_length = rollout.response_length or cfg.data.max_response_length
         engine_cfg = EngineConfig.from_rollout(

@@ -29,7 +29,7 @@ class CriticWorker(RankWorker):
 
         from meshrl.parallel.forward import OutputRequest
         from meshrl.parallel.hf_conversion import load_hf_weights
-        from meshrl.parallel.model_builder import build_model, param_dtype
+        from meshrl.parallel.model_builder import build_model, packed_sequences, param_dtype
         from meshrl.parallel.optimizer import build_optimizer
 
         megatron = OmegaConf.create(self.cfg_dict).critic.megatron
@@ -45,8 +45,9 @@ class CriticWorker(RankWorker):
         self.optimizer, self.scheduler = build_optimizer(
             self.model, optimizer_config(critic.optim, critic.grad_clip, megatron.use_distributed_optimizer))
         self.objective = CriticObjective.from_config(self.cfg)
-        # Packed THD micro-batches (no compute on padding) unless critic.model.use_remove_padding says no.
-        self.request = OutputRequest(remove_padding=critic.model.use_remove_padding)
+        # Packed THD micro-batches (no compute on padding) unless critic.model.use_remove_padding says no
+        # or the device has no fast variable-length attention (model_builder.packed_sequences).
+        self.request = OutputRequest(remove_padding=packed_sequences(critic.model.use_remove_padding))
         self.response_length = self.cfg.data.max_response_length
         return {**self.layout_dict(), "num_replicas": self.layout.dp_size}
 

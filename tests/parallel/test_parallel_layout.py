@@ -204,3 +204,16 @@ def test_optimizer_config_validation() -> None:
         OptimizerConfig(schedule="cosine", warmup_steps=10, decay_steps=10)
     with pytest.raises(ValueError, match="is not one of"):
         OptimizerConfig(schedule="wsd")
+
+
+def test_packed_sequences_as_requested_except_cuda_without_transformer_engine(monkeypatch):
+    from meshrl.parallel import model_builder
+
+    monkeypatch.setattr(model_builder.torch.cuda, "is_available", lambda: False)
+    assert model_builder.packed_sequences(True) and not model_builder.packed_sequences(False)
+    monkeypatch.setattr(model_builder.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model_builder, "transformer_engine_available", lambda: False)
+    with pytest.warns(UserWarning, match="Transformer Engine"):
+        assert not model_builder.packed_sequences(True)
+    monkeypatch.setattr(model_builder, "transformer_engine_available", lambda: True)
+    assert model_builder.packed_sequences(True)
