@@ -15,6 +15,11 @@ per-bucket reload would process a fused layer from a partial set of its tensors.
 differs between modes: tensors by reference in process, a flat byte buffer across processes, a
 CUDA IPC handle of a flat device buffer across processes on GPU.
 
+vLLM warns "<Layer>: Failed to load weights" at ``finish`` for every layer that received nothing.
+Two receive nothing by design, on every update: the rotary embedding (its cache is a buffer, not a
+checkpoint tensor) and a tied LM head (it is the embedding). Their warnings are dropped; any other
+layer's still shows (and ``weight_sync`` has already checked that every expected tensor was sent).
+
 CPU quirk handled in ``finish``: with tied embeddings the CPU backend packs a private copy of the
 embedding matrix for the LM head when the model loads; a reload updates the embedding but not that
 copy, so the head would keep computing logits with the old weights. The head is re-packed here.
@@ -22,8 +27,10 @@ copy, so the head would keep computing logits with the old weights. The head is 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import pickle
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -85,7 +92,9 @@ class WeightUpdateExtension:
         from vllm.platforms import current_platform
 
         model = self.model_runner.get_model()
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        # From the config: mid-reload, the head's and the embedding's parameters are not yet one object again.
+        tied = bool(getattr(self.model_config.hf_text_config, "tie_word_embeddings", False))
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), _quiet_expected_empty_layers(model, tied):
             finalize_layerwise_reload(model, self.model_config)
             if current_platform.is_cpu():
                 _repack_tied_lm_head(model)
@@ -94,12 +103,40 @@ class WeightUpdateExtension:
                 getattr(self.model_runner, reset)()
 
 
+def _has_tied_lm_head(model: torch.nn.Module) -> bool:
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    return weight is not None and any(param is weight for name, param in model.named_parameters(remove_duplicate=False)
+                                      if not name.startswith("lm_head."))
+
+
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     head: Any = getattr(model, "lm_head", None)
-    weight = getattr(head, "weight", None)
-    if head is None or weight is None or not hasattr(head, "quant_method"):
-        return
-    tied = any(param is weight for name, param in model.named_parameters(remove_duplicate=False)
-               if not name.startswith("lm_head."))
-    if tied:
+    if _has_tied_lm_head(model) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+class _DropExpectedEmptyLayers(logging.Filter):
+    """Drops vLLM's "Failed to load weights" record for the layers named (see the module docstring)."""
+
+    def __init__(self, tied_head_class: str | None) -> None:
+        super().__init__()
+        self.tied_head_class = tied_head_class
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        return not (layer.endswith("RotaryEmbedding") or layer == self.tied_head_class)
+
+
+@contextlib.contextmanager
+def _quiet_expected_empty_layers(model: torch.nn.Module, tied: bool) -> Iterator[None]:
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    head = getattr(model, "lm_head", None)
+    drop = _DropExpectedEmptyLayers(type(head).__name__ if tied and head is not None else None)
+    layerwise.logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        layerwise.logger.removeFilter(drop)
