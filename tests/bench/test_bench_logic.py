@@ -181,3 +181,15 @@ def test_cpu_between_differences_the_cumulative_cpu_of_the_samples_at_each_end()
     samples = [(1.0, 0, 3, 10.0), (2.0, 0, 3, 12.5), (3.0, 0, 3, 20.0)]
     assert cpu_between(samples, 1.5, 3.2) == 10.0
     assert cpu_between(samples, 0.5, 3.0) is None
+
+
+def test_bf16_comparison_refused_where_bf16_matmul_is_emulated(monkeypatch):
+    import bench.machine
+
+    rates = {"bf16": 1.3e9, "fp32": 173e9}
+    monkeypatch.setattr(bench.machine, "matmul_flops",
+                        lambda n=2048, repeats=3, dtype=None: rates["bf16" if "bfloat16" in str(dtype) else "fp32"])
+    with pytest.raises(SystemExit, match="emulated"):
+        vs_trl.refuse_emulated_bf16(threads=1)
+    rates["bf16"] = 425e9
+    vs_trl.refuse_emulated_bf16(threads=1)  # a native bf16 unit passes
