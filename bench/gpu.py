@@ -261,8 +261,9 @@ def section_rl_step(args, overrides: list[str] = ()) -> dict:
         generated = int(batch["response_mask"].sum())
         steps.append({"phases_s": phases, "step_s": sum(phases.values()), "sequences": len(batch),
                       "generated_tokens": generated, "trained_tokens": sum(lengths),
-                      "update_flops": transformer_flops(lengths, shape, backward=True),
-                      "log_prob_flops": transformer_flops(lengths, shape, backward=False),
+                      # the worker runs the vocabulary projection for response tokens only
+                      "update_flops": transformer_flops(lengths, shape, backward=True, output_tokens=generated),
+                      "log_prob_flops": transformer_flops(lengths, shape, backward=False, output_tokens=generated),
                       "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
                       "grad_norm": metrics["actor/grad_norm"], "loss": metrics["actor/loss"],
                       "micro_batches": metrics.get("dynamic_batch/num_micro_batches")})
@@ -313,7 +314,7 @@ def section_update_mfu(args) -> dict:
             results.append({"rows": rows, "seq": seq, "token_budget": budget, "error": repr(error)[:300]})
             torch.cuda.empty_cache()
             continue
-        flops = transformer_flops([seq] * rows, shape, backward=True)
+        flops = transformer_flops([seq] * rows, shape, backward=True, output_tokens=rows * response)
         best, median = min(seconds), statistics.median(seconds)
         results.append({"rows": rows, "seq": seq, "token_budget": budget, "seconds": seconds,
                         "tokens_per_s": rows * seq / median, "achieved_flops_median": flops / median,

@@ -15,7 +15,9 @@ S their mean sequence length, W = N x bytes per parameter of the rollout engine'
 steps (the longest response: vLLM decodes every row of the step together), F the matmul FLOP/s of
 the actor's dtype and B the read bandwidth:
 
-    training FLOPs   = transformer_flops(T tokens at length S, forward + backward)  ~ 6·N·T + attention
+    training FLOPs   = transformer_flops(T tokens at length S, forward + backward)  ~ 6·N·T + attention,
+                       less the vocabulary projection (6·V·h) of the prompt tokens: only response
+                       tokens' log-probs are needed, and meshrl computes only those
     decode bytes     = W · D                      (each decode step reads every weight once)
     floor_s          = training FLOPs / F + decode bytes / B          (issue 9's definition; target: step <= 1.25 x floor)
     update fraction  = training FLOPs / update_actor_s / F
@@ -24,7 +26,8 @@ the actor's dtype and B the read bandwidth:
 ``roofline_floor_s`` is stricter and closer to what the hardware allows: the decode phase costs
 at least the larger of its compute (2·N and attention per generated token) and its memory traffic
 (weights per decode step plus the KV cache read per generated token), and prefill adds 2·N per unique
-prompt token (prefix caching shares a prompt between its n samples). Neither floor counts meshrl's
+prompt token (prefix caching shares a prompt between its n samples; the vocabulary projection only for
+its last token). Neither floor counts meshrl's
 log-prob recompute (``old_log_prob``), weight sync or reward scoring: an RL step with one optimizer
 step does not need them, so they appear in the breakdown as time above the floor. Attention FLOPs
 use the mean sequence length of the step (the metrics carry means; the attention term is ~6% of the
@@ -63,7 +66,8 @@ def step_limits(step: dict, shape: ModelShape, *, rows: int, n: int, flops_per_s
     phases = step["phases"]
     tokens = step["prompt_tokens"] + step["response_tokens"]
     seq = tokens / rows
-    train_flops = transformer_flops([seq] * rows, shape, backward=True)
+    # Only response tokens need their log-probs: the vocabulary projection runs for those alone.
+    train_flops = transformer_flops([seq] * rows, shape, backward=True, output_tokens=step["response_tokens"])
     weight_bytes = shape.params * weight_dtype_bytes
     decode_steps = step.get("response_length_max") or step["response_tokens"] / rows
     decode_bytes = weight_bytes * decode_steps
@@ -73,7 +77,8 @@ def step_limits(step: dict, shape: ModelShape, *, rows: int, n: int, flops_per_s
     context = prompt_mean + response_mean / 2
     decode_flops = step["response_tokens"] * (2 * shape.params + 4 * shape.layers * shape.hidden * context)
     kv_bytes = step["response_tokens"] * context * kv_bytes_per_token(shape, weight_dtype_bytes)
-    prefill_flops = transformer_flops([prompt_mean] * max(rows // n, 1), shape, backward=False)
+    prompts = max(rows // n, 1)  # prefill samples each prompt's last position only
+    prefill_flops = transformer_flops([prompt_mean] * prompts, shape, backward=False, output_tokens=prompts)
 
     train_floor = train_flops / flops_per_s
     decode_floor = decode_bytes / read_bytes_per_s

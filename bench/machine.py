@@ -85,6 +85,7 @@ class ModelShape:
     hidden: int
     kv_heads: int
     head_dim: int
+    vocab: int
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -104,20 +105,25 @@ def model_shape(model_dir: str | os.PathLike) -> ModelShape:
         with safe_open(path, framework="pt") as handle:
             params += sum(torch.Size(handle.get_slice(k).get_shape()).numel() for k in handle.keys())
     return ModelShape(params=params, layers=spec.num_layers, hidden=spec.hidden_size, kv_heads=spec.num_kv_heads,
-                      head_dim=spec.head_dim)
+                      head_dim=spec.head_dim, vocab=spec.vocab_size)
 
 
-def transformer_flops(seq_lens, shape: ModelShape, *, backward: bool) -> float:
+def transformer_flops(seq_lens, shape: ModelShape, *, backward: bool, output_tokens: float | None = None) -> float:
     """Model FLOPs of one pass over sequences of lengths ``seq_lens`` (PaLM's convention).
 
     Forward, per token of a sequence of length S: 2·N for the weights plus 4·layers·hidden·S for
     attention (QKᵀ and AV, not halved for causality); with ``backward`` the pass costs three times the
-    forward (one forward, two for the backward): 6·N + 12·layers·hidden·S per token.
+    forward (one forward, two for the backward): 6·N + 12·layers·hidden·S per token. With
+    ``output_tokens``, only that many tokens run the vocabulary projection (2·vocab·hidden of the 2·N;
+    meshrl computes the response tokens' outputs only): the other tokens' share is left out.
     """
     per_token_weights = 2 * shape.params
     per_token_attention = 4 * shape.layers * shape.hidden
     factor = 3 if backward else 1
-    return float(sum(factor * s * (per_token_weights + per_token_attention * s) for s in seq_lens))
+    total = sum(factor * s * (per_token_weights + per_token_attention * s) for s in seq_lens)
+    if output_tokens is not None:
+        total -= factor * 2 * shape.vocab * shape.hidden * (sum(seq_lens) - output_tokens)
+    return float(total)
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:

@@ -24,6 +24,13 @@ response). The model sees them in one of two layouts (:func:`model_inputs`), bot
 
 Either way outputs are scattered back to the micro-batch's ``[batch, seq]`` positions (:func:`unpack`).
 
+Selected outputs: a micro-batch may carry ``output_mask`` (``[batch, seq]``, 1 = an output is wanted for
+this token). The last stage then runs its output layer (the vocabulary projection, or the critic's
+value head) on the hidden states that predict those tokens only (:func:`output_positions`), and every
+output is 0 at the other tokens. RL needs outputs for response tokens only; skipping the prompts'
+``hidden x vocab`` projection and log-softmax saves about a fifth of a small model's FLOPs per prompt
+token.
+
 Full-vocabulary logits are never materialised on one rank: log-probs use megatron's
 ``vocab_parallel_cross_entropy`` and entropy uses ``vocab_parallel_entropy`` below, both reducing over
 the TP group, both differentiable, both from the logits upcast to fp32 whatever the model's dtype.
@@ -98,6 +105,8 @@ class ModelInputs:
     source_index: torch.Tensor  # (N,) flat position in [B, S] of that token
     first: torch.Tensor  # (N,) bool: the first token of its sequence (nothing predicts it)
     shape: tuple[int, int]  # (B, S)
+    # (K,) flat positions in [r, n] the output layer runs on (see output_positions); None: all of them
+    selected: torch.Tensor | None = None
 
 
 def trim_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ModelInputs:
@@ -134,19 +143,42 @@ def pack_thd(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_multiple
                        first=packed.position_ids[0, packed.packed_index] == 0, shape=packed.padded_shape)
 
 
-def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, remove_padding: bool) -> ModelInputs:
-    """:func:`pack_thd` (slots padded to a multiple of this rank's TP size) or :func:`trim_rows`."""
-    if not remove_padding:
-        return trim_rows(input_ids, attention_mask)
-    from megatron.core import parallel_state
+def output_positions(inputs: ModelInputs, output_mask: torch.Tensor) -> torch.Tensor:
+    """Flat ``[r, n]`` positions whose hidden state predicts a token of ``output_mask`` (``[B, S]``):
+    position p - 1 for each such valid token p that is not the first of its sequence."""
+    wanted = output_mask.reshape(-1)[inputs.source_index].bool() & ~inputs.first
+    return inputs.packed_index[wanted] - 1
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return pack_thd(input_ids, attention_mask, pad_multiple_for(tp, parallel_state.get_context_parallel_world_size()))
+
+def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, remove_padding: bool,
+                 output_mask: torch.Tensor | None = None) -> ModelInputs:
+    """:func:`pack_thd` (slots padded to a multiple of this rank's TP size) or :func:`trim_rows`, with
+    the :func:`output_positions` of ``output_mask`` when one is given."""
+    if not remove_padding:
+        inputs = trim_rows(input_ids, attention_mask)
+    else:
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        inputs = pack_thd(input_ids, attention_mask,
+                          pad_multiple_for(tp, parallel_state.get_context_parallel_world_size()))
+    if output_mask is not None:
+        inputs.selected = output_positions(inputs, output_mask)
+    return inputs
+
+
+def select_hidden(hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """megatron's ``[n, r, h]`` hidden states at flat ``[r, n]`` ``positions`` -> ``[K, 1, h]``."""
+    return hidden_states.transpose(0, 1).reshape(-1, hidden_states.shape[-1])[positions].unsqueeze(1)
 
 
 def unpack(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-    """Per-position ``values[r, n]`` (position p predicts the token at p+1) -> ``[B, S]`` token convention."""
+    """Per-position ``values[r, n]`` (position p predicts the token at p+1) -> ``[B, S]`` token convention.
+    With ``inputs.selected``, ``values`` holds the K selected positions only; the others count as 0."""
     flat = values.reshape(-1)
+    if inputs.selected is not None:
+        rows, width = inputs.input_ids.shape
+        flat = flat.new_zeros(rows * width).index_put((inputs.selected,), flat)
     previous = flat[(inputs.packed_index - 1).clamp(min=0)]
     real = torch.where(inputs.first, torch.zeros_like(previous), previous)
     batch, seq_len = inputs.shape
@@ -167,7 +199,8 @@ class OutputRequest:
 
 def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: OutputRequest,
                     critic: bool) -> dict[str, torch.Tensor]:
-    """Turn the last stage's ``[r, n, V/TP]`` logits (or ``[r, n, 1]`` values) into aligned outputs."""
+    """Turn the last stage's ``[r, n, V/TP]`` logits (or ``[r, n, 1]`` values) into aligned outputs; with
+    ``inputs.selected`` they are ``[1, K, V/TP]`` (or ``[1, K, 1]``), one per selected position."""
     if critic:
         return {"values": unpack(model_output.squeeze(-1).float(), inputs)}
     # The log-softmax in fp32 whatever the parameters' dtype: in bf16 it would sum the vocabulary's
@@ -182,6 +215,7 @@ def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: Ou
     if request.log_probs:
         # Position p predicts the token at p+1; targets that cross into another row or slot (or wrap
         # around) belong to positions unpack drops.
-        target = torch.roll(inputs.input_ids.reshape(-1), shifts=-1).view_as(inputs.input_ids)
+        target = torch.roll(inputs.input_ids.reshape(-1), shifts=-1)
+        target = target.view_as(inputs.input_ids) if inputs.selected is None else target[inputs.selected][None]
         outputs["log_probs"] = unpack(vocab_parallel_log_probs(logits, target), inputs)
     return outputs

@@ -1,7 +1,8 @@
 """Forward-only and training passes over a list of micro-batches through megatron's pipeline schedules.
 
 A micro-batch is a dict with at least ``input_ids`` and ``attention_mask`` (``[b, s]``, any padding
-layout; see ``meshrl.parallel.forward``) plus whatever tensors the loss function reads. Micro-batches
+layout; see ``meshrl.parallel.forward``), optionally ``output_mask`` (outputs wanted for those tokens
+only, the rest are 0), plus whatever tensors the loss function reads. Micro-batches
 may differ in batch size and length. Every rank of a model-parallel group passes the same
 micro-batches; data-parallel ranks pass their own.
 
@@ -21,13 +22,15 @@ scalar tensors; they come back per micro-batch, identical on every rank of the m
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from meshrl.parallel.forward import LossFn, MicroBatch, OutputRequest, compute_outputs, model_inputs
+from meshrl.parallel.forward import (LossFn, MicroBatch, OutputRequest, compute_outputs, model_inputs,
+                                     select_hidden)
 from meshrl.parallel.model_builder import model_config, unwrap
 
 
@@ -60,9 +63,11 @@ def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | N
 
     def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         micro_batch = _to_device(next(data_iterator), device)
-        inputs = model_inputs(micro_batch["input_ids"], micro_batch["attention_mask"], request.remove_padding)
-        output = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=None,
-                       packed_seq_params=inputs.packed_seq_params)
+        inputs = model_inputs(micro_batch["input_ids"], micro_batch["attention_mask"], request.remove_padding,
+                              micro_batch.get("output_mask"))
+        with _output_layer_on(model, inputs.selected):
+            output = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=None,
+                           packed_seq_params=inputs.packed_seq_params)
 
         def loss_func(output_tensor: torch.Tensor):
             outputs = compute_outputs(output_tensor, inputs, request, critic)
@@ -79,6 +84,22 @@ def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | N
         return output, loss_func
 
     return forward_step
+
+
+@contextlib.contextmanager
+def _output_layer_on(model: torch.nn.Module, positions: torch.Tensor | None) -> Iterator[None]:
+    """While the model runs, its output layer (last stage only) sees the hidden states at ``positions``."""
+    head = getattr(unwrap(model), "output_layer", None)
+    if positions is None or head is None:
+        yield
+        return
+    if head.sequence_parallel:  # its input is this rank's sequence shard, not the positions' layout
+        raise ValueError("output_mask needs sequence_parallel=False")
+    handle = head.register_forward_pre_hook(lambda module, args: (select_hidden(args[0], positions), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _interleaving_group_size(num_microbatches: int, pp: int) -> int:

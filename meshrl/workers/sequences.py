@@ -7,7 +7,8 @@ RL layout (a ``Batch``): ragged ``prompt_ids`` (object array of token lists), ``
 Micro-batch layout (``meshrl.parallel.schedule``): ``input_ids`` / ``attention_mask`` (b, P + R_mb) with
 prompts left-padded to the micro-batch's longest prompt P and responses trimmed to its longest
 response R_mb, so every response starts at column P. The parallel layer's output ``out[:, t]``
-concerns token t, hence the response part of any output is ``out[:, P:P + R_mb]``.
+concerns token t, hence the response part of any output is ``out[:, P:P + R_mb]``; its
+``output_mask`` asks for the response tokens' outputs only (prompt tokens' are 0).
 
 Micro-batches are formed by token budget (``meshrl.data.dynamic_batching.plan_micro_batches``:
 Karmarkar–Karp balanced, a strict cap per micro-batch) or, without dynamic batching, by count
@@ -49,7 +50,10 @@ def build_micro_batch(batch: Batch, pad_id: int, response_fields: tuple[str, ...
         attention[i, start - len(p):start] = 1
     input_ids[:, start:] = torch.where(mask[:, :width].bool(), batch["responses"][:, :width], pad_id)
     attention[:, start:] = mask[:, :width].long()
-    micro = {"input_ids": input_ids, "attention_mask": attention, RESPONSE_START: start}
+    # Outputs for the response tokens only: the last stage skips the prompts' output layer.
+    output_mask = torch.zeros_like(attention)
+    output_mask[:, start:] = attention[:, start:]
+    micro = {"input_ids": input_ids, "attention_mask": attention, "output_mask": output_mask, RESPONSE_START: start}
     for name in ("response_mask", *response_fields):
         micro[name] = batch[name][:, :width]
     return micro

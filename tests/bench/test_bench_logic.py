@@ -8,7 +8,7 @@ import pytest
 from bench import limits, vs_trl
 from bench.machine import ModelShape, best_rate, peak_between, transformer_flops
 
-SHAPE = ModelShape(params=1000, layers=2, hidden=8, kv_heads=1, head_dim=4)
+SHAPE = ModelShape(params=1000, layers=2, hidden=8, kv_heads=1, head_dim=4, vocab=50)
 
 
 def meshrl_record(step=1, step_s=10.0, gen_s=4.0, old=1.0, update=3.0, sync=0.5, reward=0.25):
@@ -132,6 +132,10 @@ def test_transformer_flops_is_palms_convention():
     n, layers, hidden, seq = SHAPE.params, SHAPE.layers, SHAPE.hidden, 16
     assert transformer_flops([seq] * 3, SHAPE, backward=True) == 3 * seq * (6 * n + 12 * layers * hidden * seq)
     assert transformer_flops([seq], SHAPE, backward=False) == seq * (2 * n + 4 * layers * hidden * seq)
+    # outputs for 5 of the 48 tokens: the other 43 skip the 50x8 vocabulary projection
+    skipped = 3 * 2 * SHAPE.vocab * hidden * 43
+    assert transformer_flops([seq] * 3, SHAPE, backward=True, output_tokens=5) == (
+        transformer_flops([seq] * 3, SHAPE, backward=True) - skipped)
 
 
 def test_peak_between_and_best_rate():
@@ -145,7 +149,7 @@ def test_peak_between_and_best_rate():
 def test_step_limits_floor_is_training_flops_over_flops_plus_weight_bytes_over_bandwidth():
     st = vs_trl.meshrl_step(meshrl_record(), rows=8)
     out = limits.step_limits(st, SHAPE, rows=8, n=4, flops_per_s=1e6, read_bytes_per_s=1e5, weight_dtype_bytes=4)
-    train_flops = transformer_flops([150.0] * 8, SHAPE, backward=True)
+    train_flops = transformer_flops([150.0] * 8, SHAPE, backward=True, output_tokens=st["response_tokens"])
     decode_bytes = SHAPE.params * 4 * 64  # weights read once per decode step, 64 steps (the longest response)
     assert out["training_flops"] == pytest.approx(train_flops)
     assert out["floor_s"] == pytest.approx(train_flops / 1e6 + decode_bytes / 1e5)

@@ -230,7 +230,31 @@ def check_parity(path: Path, critic: bool) -> dict:
         grads = hf_tensors(chunks, path, grads=True)
         result[prefix + "grad_names_mismatch"] = len(set(ref_grads) ^ set(grads))
         result[prefix + "grads"] = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)
+        result.update({prefix + key: value for key, value in check_selected(chunks, path, mine, critic, request).items()})
     result["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values())
+    return result
+
+
+def check_selected(chunks, path: Path, batches: list[dict], critic: bool, request: OutputRequest) -> dict:
+    """``output_mask`` (the second half of each row's loss tokens, like responses after a prompt): outputs
+    equal the unselected run's there and are 0 elsewhere; a loss on those tokens has the same gradient."""
+    selected, unselected = [], []
+    for mb in batches:
+        keep = mb["loss_mask"] * (mb["loss_mask"].cumsum(1) > mb["loss_mask"].sum(1, keepdim=True) / 2)
+        selected.append({**mb, "loss_mask": keep, "output_mask": keep})
+        unselected.append({**mb, "loss_mask": keep})
+    outputs = [schedule.forward_only(chunks, mbs, request) for mbs in (selected, unselected)]
+    result = {"selected_outputs": max(float((a[key] - b[key] * mb["output_mask"]).abs().max())
+                                      for a, b, mb in zip(*outputs, selected) for key in a)}
+    runs = []
+    for mbs in (selected, unselected):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        passed = schedule.forward_backward(chunks, mbs, critic_loss if critic else policy_loss, request)
+        runs.append((passed.loss, hf_tensors(chunks, path, grads=True)))
+    (loss_a, grads_a), (loss_b, grads_b) = runs
+    result["selected_loss"] = abs(loss_a - loss_b)
+    result["selected_grads"] = max(float((grads_a[k] - grads_b[k]).abs().max()) for k in grads_a)
     return result
 
 

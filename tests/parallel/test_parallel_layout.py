@@ -135,6 +135,29 @@ def test_pack_thd_lays_sequences_end_to_end_in_slots_and_unpack_restores_alignme
     assert out.tolist() == [[0, 50, 60, 0, 0], [0, 0, 0, 0, 0], [0, 0, 110, 120, 130]]
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_output_mask_selects_the_positions_that_predict_its_tokens(packed: bool) -> None:
+    ids = torch.tensor([[5, 6, 7, 0, 0], [0, 0, 8, 9, 10], [11, 0, 12, 13, 14]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 1, 1, 1]])
+    # wanted: tokens 7 and 13, 14; token 8 is a first token (nothing predicts it), column 3 of row 0 padding
+    output_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 1, 0, 0], [0, 0, 0, 1, 1]])
+    inputs = (forward.pack_thd(ids, mask, pad_multiple=2) if packed else forward.trim_rows(ids, mask))
+    selected = forward.output_positions(inputs, output_mask)
+    # the positions hold the tokens before the wanted ones: 6 (predicts 7), 12 and 13
+    assert inputs.input_ids.reshape(-1)[selected].tolist() == [6, 12, 13]
+    full = forward.unpack(inputs.input_ids.float() * 10, inputs)
+    inputs.selected = selected
+    out = forward.unpack(inputs.input_ids.reshape(-1)[selected].float()[None] * 10, inputs)
+    assert out.tolist() == (full * output_mask * mask).tolist() == [[0, 0, 60, 0, 0], [0] * 5, [0, 0, 0, 120, 130]]
+
+
+def test_select_hidden_reads_megatrons_sequence_first_layout() -> None:
+    hidden = torch.arange(2 * 3 * 4, dtype=torch.float).view(3, 2, 4)  # [n=3, r=2, h=4]
+    picked = forward.select_hidden(hidden, torch.tensor([4, 1]))  # flat [r, n]: (row 1, pos 1), (row 0, pos 1)
+    assert picked.shape == (2, 1, 4)
+    assert torch.equal(picked[:, 0], torch.stack([hidden[1, 1], hidden[1, 0]]))
+
+
 def test_unpack_zeroes_padding_even_when_values_are_not_finite() -> None:
     ids, mask = torch.tensor([[1, 2, 0]]), torch.tensor([[1, 1, 0]])
     for inputs in (forward.trim_rows(ids, mask), forward.pack_thd(ids, mask, pad_multiple=2)):
