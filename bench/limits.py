@@ -23,6 +23,10 @@ the actor's dtype and B the read bandwidth:
     update fraction  = training FLOPs / update_actor_s / F
     decode fraction  = decode bytes / gen_s / B   (and the decode's FLOP fraction, 2·N per generated token / gen_s / F)
 
+``gen_over_decode_matmuls`` compares generation with what its weight matmuls alone cost on this machine
+at the step's real decode batch (``bench.machine.decode_matmuls``: torch's GEMMs on M = rows per step,
+times the decode steps): small-M products run far below the peak of large ones.
+
 ``roofline_floor_s`` is stricter and closer to what the hardware allows: the decode phase costs
 at least the larger of its compute (2·N and attention per generated token) and its memory traffic
 (weights per decode step plus the KV cache read per generated token), and prefill adds 2·N per unique
@@ -50,7 +54,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.machine import (ModelShape, best_rate, kv_bytes_per_token, measure_rates, model_shape,
+import torch
+
+from bench.machine import (ModelShape, best_rate, decode_matmuls, kv_bytes_per_token, measure_rates, model_shape,
                            transformer_flops)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +66,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def step_limits(step: dict, shape: ModelShape, *, rows: int, n: int, flops_per_s: float, read_bytes_per_s: float,
-                weight_dtype_bytes: int) -> dict:
+                weight_dtype_bytes: int, decode_step_matmul_s: float | None = None) -> dict:
     """Floors and achieved fractions of one meshrl step (a ``bench.vs_trl.step_record`` with meshrl's
     ``phases``); the module docstring defines every figure."""
     phases = step["phases"]
@@ -98,6 +104,8 @@ def step_limits(step: dict, shape: ModelShape, *, rows: int, n: int, flops_per_s
         "gen_s": gen_s,
         "decode_fraction_of_bandwidth": decode_bytes / gen_s / read_bytes_per_s if gen_s > 0 else None,
         "decode_fraction_of_matmul_flops": decode_flops / gen_s / flops_per_s if gen_s > 0 else None,
+        "decode_matmuls_s": decode_steps * decode_step_matmul_s if decode_step_matmul_s else None,
+        "gen_over_decode_matmuls": gen_s / (decode_steps * decode_step_matmul_s) if decode_step_matmul_s else None,
         # Where the step's time goes relative to the floor's two terms.
         "above_floor_s": {"generation": gen_s - decode_floor, "update_actor": update_s - train_floor,
                           "old_log_prob": phases.get("old_log_prob", 0.0), "sync": phases.get("sync", 0.0),
@@ -110,8 +118,9 @@ def summarize_limits(per_step: list[dict], warmup: int = 1) -> dict:
     used = per_step[warmup:] if len(per_step) > warmup else per_step
     out = {"steps_used": [s["step"] for s in used]}
     for key in ("wall_s", "floor_s", "roofline_floor_s", "step_over_floor", "step_over_roofline_floor",
-                "update_fraction_of_matmul_flops", "decode_fraction_of_bandwidth", "decode_fraction_of_matmul_flops"):
-        values = [s[key] for s in used if s[key] is not None]
+                "update_fraction_of_matmul_flops", "decode_fraction_of_bandwidth", "decode_fraction_of_matmul_flops",
+                "gen_over_decode_matmuls"):
+        values = [s[key] for s in used if s.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     out["target_step_over_floor"] = TARGET_STEP_OVER_FLOOR
     out["meets_target"] = out["step_over_floor"] is not None and out["step_over_floor"] <= TARGET_STEP_OVER_FLOOR
@@ -181,6 +190,8 @@ def main(argv=None) -> int:
     shape = model_shape(smollm2_hf_dir())
     print(f"limits: measuring matmul FLOP/s and memory bandwidth ({args.threads} threads)", flush=True)
     measured = measure_rates(args.threads)
+    rollout_dtype = torch.bfloat16 if source["rollout_dtype"] == "bfloat16" else torch.float32
+    decode = decode_matmuls(smollm2_hf_dir(), rows=source["rows"], threads=args.threads, dtype=rollout_dtype)
     recorded = [r for r in source["recorded_rates"] if r]
     flops_key = "matmul_flops_bf16" if source["actor_dtype"] == "bfloat16" else "matmul_flops_fp32"
     rates = {
@@ -191,14 +202,16 @@ def main(argv=None) -> int:
     }
     per_step = [step_limits(step, shape, rows=source["rows"], n=source["n"], flops_per_s=rates[flops_key],
                             read_bytes_per_s=rates["read_bytes_per_s"],
-                            weight_dtype_bytes=DTYPE_BYTES[source["rollout_dtype"]])
+                            weight_dtype_bytes=DTYPE_BYTES[source["rollout_dtype"]],
+                            decode_step_matmul_s=decode["seconds_per_step"])
                 for step in source["steps"]]
     summary = summarize_limits(per_step)
     result = {
         "benchmark": "limits", "input": source["input"],
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "threads": args.threads, "measured_now": measured, "recorded_with_run": recorded,
-                    "rates_used": rates, "rates_rule": "best of every measurement (others' load only lowers one)"},
+                    "rates_used": rates, "rates_rule": "best of every measurement (others' load only lowers one)",
+                    "decode_matmuls": decode},
         "model_shape": shape.as_dict(), "actor_dtype": source["actor_dtype"], "rollout_dtype": source["rollout_dtype"],
         "flops_per_s_used": rates[flops_key], "rows_per_step": source["rows"], "n": source["n"],
         "steps": per_step, "summary": summary,
@@ -207,13 +220,16 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     g = 1e9
-    print(f"machine: matmul fp32 {rates['matmul_flops_fp32'] / g:.0f} GFLOP/s, bf16 {rates['matmul_flops_bf16'] / g:.0f} "
-          f"GFLOP/s, read {rates['read_bytes_per_s'] / g:.1f} GB/s (load average {measured['load_average']})")
+    print(f"machine: matmul fp32 {rates['matmul_flops_fp32'] / g:.0f} GFLOP/s, bf16 {rates['matmul_flops_bf16'] / g:.1f} "
+          f"GFLOP/s, read {rates['read_bytes_per_s'] / g:.1f} GB/s (load average {measured['load_average']}); "
+          f"a decode step's matmuls at {decode['rows']} rows: {decode['seconds_per_step'] * 1e3:.0f} ms "
+          f"({decode['flops_per_s'] / g:.0f} GFLOP/s)")
     for st in per_step:
         print(f"step {st['step']}: {st['wall_s']:.1f} s vs floor {st['floor_s']:.1f} s ({st['step_over_floor']:.2f}x; "
               f"roofline {st['roofline_floor_s']:.1f} s, {st['step_over_roofline_floor']:.2f}x)  update "
               f"{_pct(st['update_fraction_of_matmul_flops'])} of FLOP/s  decode {_pct(st['decode_fraction_of_bandwidth'])} "
-              f"of bandwidth, {_pct(st['decode_fraction_of_matmul_flops'])} of FLOP/s")
+              f"of bandwidth, {_pct(st['decode_fraction_of_matmul_flops'])} of FLOP/s, "
+              f"{st['gen_over_decode_matmuls']:.2f}x its matmuls' time")
     print(f"median step/floor {summary['step_over_floor']:.2f}x (target <= {TARGET_STEP_OVER_FLOOR}: "
           f"{'met' if summary['meets_target'] else 'NOT met'}); wrote {args.out}")
     return 0

@@ -2,6 +2,7 @@
 
 - ``matmul_flops``: dense ``torch.mm`` FLOP/s right now (best of a few; fp32 or bf16).
 - ``memory_bandwidth``: bytes/s of streaming a large tensor (read: ``sum``; copy: read + write).
+- ``decode_matmuls``: a decode step's weight matmuls at its real row count, timed with torch's GEMMs.
 - ``model_shape`` / ``transformer_flops``: a model's parameter count and layout, and the model FLOPs
   of running it over sequences (PaLM's convention, used by every FLOP figure in bench/).
 - ``ProcessTreeSampler``: the summed memory of a process and all its descendants (Ray workers,
@@ -55,15 +56,25 @@ def memory_bandwidth(mib: int = 512, repeats: int = 3) -> dict[str, float]:
     return {"read_bytes_per_s": nbytes / read, "copy_bytes_per_s": 2 * nbytes / copy, "tensor_mib": mib}
 
 
+def bf16_is_emulated(bf16_flops: float, fp32_flops: float) -> bool:
+    """Whether bf16 matmuls run without a bf16 matrix unit (AVX512-BF16/AMX): torch then emulates them,
+    measured here at 1.3 GFLOP/s against 173 GFLOP/s in fp32 (an AMX machine gave 425 GFLOP/s bf16)."""
+    return bf16_flops < fp32_flops / 4
+
+
 def measure_rates(threads: int) -> dict[str, float]:
     """This machine's rates right now with ``threads`` torch threads: fp32 and bf16 matmul FLOP/s and
-    memory bandwidth, stamped with the time and load average (the thread count is restored after)."""
+    memory bandwidth, stamped with the time and load average (the thread count is restored after).
+    Where bf16 is emulated its figure comes from a 512³ product (a 2048³ one would take minutes)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return {"t": time.time(), "load_average": load_average(), "threads": threads,
-                "matmul_flops_fp32": matmul_flops(dtype=torch.float32),
-                "matmul_flops_bf16": matmul_flops(dtype=torch.bfloat16), **memory_bandwidth()}
+        fp32 = matmul_flops(dtype=torch.float32)
+        bf16 = matmul_flops(n=512, repeats=1, dtype=torch.bfloat16)
+        emulated = bf16_is_emulated(bf16, fp32)
+        return {"t": time.time(), "load_average": load_average(), "threads": threads, "matmul_flops_fp32": fp32,
+                "matmul_flops_bf16": bf16 if emulated else matmul_flops(dtype=torch.bfloat16),
+                "bf16_emulated": emulated, **memory_bandwidth()}
     finally:
         torch.set_num_threads(previous)
 
@@ -129,6 +140,44 @@ def transformer_flops(seq_lens, shape: ModelShape, *, backward: bool, output_tok
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
     """Bytes of K and V cache one context token holds (read once per decode step that attends to it)."""
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+
+
+def decode_matmuls(model_dir: str | os.PathLike, rows: int, threads: int, dtype: torch.dtype = torch.float32,
+                   repeats: int = 5) -> dict:
+    """What one decode step's weight matmuls cost with torch's own GEMMs: every linear layer of the model
+    in ``model_dir`` (fused QKV, attention output, fused gate/up, down, times the layers, and the
+    vocabulary projection) applied to ``rows`` tokens, each shape timed alone (best of ``repeats`` after
+    a warm-up). A decode step of ``rows`` sequences cannot do its matmuls faster than these kernels do
+    (short of better GEMMs), whatever the peak FLOP/s of large products says."""
+    from transformers import AutoConfig
+
+    from meshrl.parallel.model_builder import model_spec
+
+    spec = model_spec(AutoConfig.from_pretrained(model_dir))
+    qkv = (spec.num_attention_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    shapes = {"qkv": (qkv, spec.hidden_size, spec.num_layers),
+              "attention_out": (spec.hidden_size, spec.num_attention_heads * spec.head_dim, spec.num_layers),
+              "gate_up": (2 * spec.ffn_hidden_size, spec.hidden_size, spec.num_layers),
+              "down": (spec.hidden_size, spec.ffn_hidden_size, spec.num_layers),
+              "vocabulary": (spec.vocab_size, spec.hidden_size, 1)}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        by_shape, total_s, total_flops = {}, 0.0, 0.0
+        for name, (out_features, in_features, count) in shapes.items():
+            x = torch.randn(rows, in_features, dtype=dtype)
+            weight = torch.randn(out_features, in_features, dtype=dtype)
+            torch.nn.functional.linear(x, weight)
+            seconds = min(timed(lambda: torch.nn.functional.linear(x, weight)) for _ in range(repeats))
+            flops = 2 * rows * out_features * in_features
+            by_shape[name] = {"out": out_features, "in": in_features, "count": count, "seconds": seconds,
+                              "flops_per_s": flops / seconds}
+            total_s += seconds * count
+            total_flops += flops * count
+    finally:
+        torch.set_num_threads(previous)
+    return {"rows": rows, "threads": threads, "dtype": str(dtype).removeprefix("torch."),
+            "seconds_per_step": total_s, "flops_per_s": total_flops / total_s, "by_shape": by_shape}
 
 
 def load_average() -> float:

@@ -634,19 +634,16 @@ def precision_block(s: Settings) -> dict:
 
 
 def refuse_emulated_bf16(threads: int) -> None:
-    """Exit with a message when this CPU has no bf16 matrix unit worth comparing on.
-
-    Without AVX512-BF16 / AMX, torch's CPU bf16 matmul is emulated: measured on an AVX2-only machine of
-    this project, 1.3 GFLOP/s against 173 GFLOP/s in fp32 (an AMX machine gave 425 GFLOP/s bf16). A bf16
-    run there would take days and time the emulation, not the frameworks.
-    """
+    """Exit with a message when this CPU has no bf16 matrix unit worth comparing on
+    (``bench.machine.bf16_is_emulated``): a bf16 run there would take days and time the emulation, not
+    the frameworks."""
     import torch
 
-    from bench.machine import matmul_flops
+    from bench.machine import bf16_is_emulated, matmul_flops
 
     torch.set_num_threads(threads)
     bf16, fp32 = matmul_flops(n=512, dtype=torch.bfloat16), matmul_flops(n=512)
-    if bf16 < fp32 / 4:
+    if bf16_is_emulated(bf16, fp32):
         raise SystemExit(f"vs_trl --dtype bf16: this CPU's bf16 matmul runs at {bf16 / 1e9:.1f} GFLOP/s, "
                          f"{fp32 / bf16:.0f}x slower than fp32 ({fp32 / 1e9:.0f} GFLOP/s): bf16 is emulated here "
                          "(no AVX512-BF16/AMX). Run the bf16 comparison on a CPU with native bf16, or use --dtype fp32.")

@@ -197,3 +197,38 @@ def test_bf16_comparison_refused_where_bf16_matmul_is_emulated(monkeypatch):
         vs_trl.refuse_emulated_bf16(threads=1)
     rates["bf16"] = 425e9
     vs_trl.refuse_emulated_bf16(threads=1)  # a native bf16 unit passes
+
+
+def test_measure_rates_skips_the_large_bf16_product_where_bf16_is_emulated(monkeypatch):
+    import bench.machine
+
+    calls = []
+
+    def fake_matmul(n=2048, repeats=3, dtype=None):
+        calls.append((n, "bfloat16" in str(dtype)))
+        return rates["bf16"] if "bfloat16" in str(dtype) else 173e9
+
+    monkeypatch.setattr(bench.machine, "matmul_flops", fake_matmul)
+    monkeypatch.setattr(bench.machine, "memory_bandwidth", lambda: {"read_bytes_per_s": 1.0})
+    rates = {"bf16": 1.3e9}
+    measured = bench.machine.measure_rates(threads=1)
+    assert measured["bf16_emulated"] and measured["matmul_flops_bf16"] == 1.3e9
+    assert (2048, True) not in calls
+    rates["bf16"], calls[:] = 425e9, []
+    measured = bench.machine.measure_rates(threads=1)
+    assert not measured["bf16_emulated"] and (2048, True) in calls
+
+
+def test_decode_matmuls_cover_every_linear_weight_of_the_model(tiny_llama_dir):
+    from safetensors import safe_open
+
+    from bench.machine import decode_matmuls
+
+    decode = decode_matmuls(tiny_llama_dir, rows=4, threads=1, repeats=1)
+    timed_weights = sum(s["out"] * s["in"] * s["count"] for s in decode["by_shape"].values())
+    with safe_open(next(iter(sorted(tiny_llama_dir.glob("*.safetensors")))), framework="pt") as handle:
+        # every matrix: the projections of each layer and the (tied) embedding, the vocabulary projection
+        matrices = sum(handle.get_slice(k).get_shape()[0] * handle.get_slice(k).get_shape()[1]
+                       for k in handle.keys() if len(handle.get_slice(k).get_shape()) == 2)
+    assert timed_weights == matrices
+    assert decode["seconds_per_step"] > 0 and decode["rows"] == 4
