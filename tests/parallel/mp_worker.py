@@ -236,11 +236,14 @@ def check_parity(path: Path, critic: bool) -> dict:
 
 
 def check_selected(chunks, path: Path, batches: list[dict], critic: bool, request: OutputRequest) -> dict:
-    """``output_mask`` (the second half of each row's loss tokens, like responses after a prompt): outputs
-    equal the unselected run's there and are 0 elsewhere; a loss on those tokens has the same gradient."""
+    """``output_mask`` (the second half of each row's loss tokens, like responses after a prompt; none at
+    all in the last micro-batch, like a placeholder): outputs equal the unselected run's there and are 0
+    elsewhere; a loss on those tokens has the same gradient."""
     selected, unselected = [], []
-    for mb in batches:
+    for i, mb in enumerate(batches):
         keep = mb["loss_mask"] * (mb["loss_mask"].cumsum(1) > mb["loss_mask"].sum(1, keepdim=True) / 2)
+        if i == len(batches) - 1:
+            keep = torch.zeros_like(keep)
         selected.append({**mb, "loss_mask": keep, "output_mask": keep})
         unselected.append({**mb, "loss_mask": keep})
     outputs = [schedule.forward_only(chunks, mbs, request) for mbs in (selected, unselected)]
