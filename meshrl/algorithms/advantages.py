@@ -51,11 +51,6 @@ def _broadcast(per_response: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, per_response.unsqueeze(-1), 0.0)
 
 
-def _next_step(mask: Tensor) -> Tensor:
-    """m_{t+1} (False past the last position)."""
-    return torch.nn.functional.pad(mask[:, 1:], (0, 1), value=False)
-
-
 @register_advantage("gae")
 @torch.no_grad()
 def gae(
@@ -86,7 +81,8 @@ def gae(
     next_values = torch.nn.functional.pad(value_here_or_later[:, 1:], (0, 1))
     deltas = torch.where(mask, rewards + gamma * next_values - values, 0.0)
     # A_t = δ_t + γλ A_{t+1} on valid tokens; masked tokens pass A_{t+1} through unchanged (decay 1).
-    decay = torch.where(mask, gamma * lam, 1.0)
+    # γλ in the dtype of δ (the scan's): an fp32 constant would cost fp64 inputs their precision.
+    decay = torch.where(mask, deltas.new_tensor(gamma * lam), 1.0)
     raw_advantages = reverse_linear_scan(deltas, decay)
     returns = torch.where(mask, raw_advantages + values, 0.0)
     return AdvantageOutput(advantages=masked_whiten(raw_advantages, mask), returns=returns)
@@ -140,7 +136,9 @@ def remax(token_rewards: Tensor, response_mask: Tensor, *, greedy_scores: Tensor
         A_{i,t} = Σ_{t' ≥ t} r_{i,t'} − b_i    reverse cumulative return minus the baseline
 
     No whitening, no critic. `greedy_scores` (B,) repeats each prompt's baseline for each of its
-    samples. The paper clips rewards to ±5 and folds a per-token KL into r (see `kl.apply_kl_penalty`).
+    samples. Masked tokens inside a response add no reward, so the return flows past them. The paper
+    clips rewards to ±5 (`algorithm.remax.reward_clip`: the trainer clips the sampled and the greedy
+    scores alike before this runs) and folds a per-token KL into r (see `kl.apply_kl_penalty`).
     """
     mask, rewards = _prepare(token_rewards, response_mask)
     check_per_response("greedy_scores", greedy_scores, rewards.shape[0])
@@ -209,12 +207,17 @@ def gpg(
 def reinforce_plus_plus(token_rewards: Tensor, response_mask: Tensor, *, gamma: float = 1.0) -> AdvantageOutput:
     """REINFORCE++ (Hu 2025, arXiv 2501.03262).
 
-        G_t = r_t + γ · m_{t+1} · G_{t+1}      the return restarts after a masked token
-        A   = whiten(G) · m                     whitened over the valid tokens of the batch
+        G_t = r_t + γ · G_{t'}      t' the next valid token after t (G = 0 past the last one)
+        A   = whiten(G) · m         whitened over the valid tokens of the batch
+
+    Masked tokens inside a response (tool output in a multi-turn rollout) are skipped, as in `gae`:
+    they carry neither reward nor discount, and the return flows past them to the earlier turns.
     """
     mask, rewards = _prepare(token_rewards, response_mask)
     check_has_valid_token(mask)
-    decay = torch.where(_next_step(mask), gamma, 0.0)
+    # Masked tokens pass G_{t+1} through unchanged (decay 1). γ in the rewards' dtype: an fp32 γ
+    # would cost fp64 inputs their precision.
+    decay = torch.where(mask, rewards.new_tensor(gamma), 1.0)
     returns = torch.where(mask, reverse_linear_scan(rewards, decay), 0.0)
     return AdvantageOutput(advantages=masked_whiten(returns, mask), returns=returns)
 

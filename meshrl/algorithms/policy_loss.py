@@ -194,14 +194,17 @@ def value_loss(
 
         L = ½ · max((V − R)², (clip(V, V_old − ε_v, V_old + ε_v) − R)²),   ε_v = clip_range_value
 
-    metrics: vf_clipfrac (the clipped term is the larger one).
+    metrics: vf_clipfrac (the clipped term is strictly the larger one, as verl's
+    `compute_value_loss`: (clip(V) − R)² > (V − R)²).
     """
     response_mask_as_bool(response_mask)
     check_same_shape("values", values, "response_mask", response_mask)
     check_same_shape("old_values", old_values, "response_mask", response_mask)
     check_same_shape("returns", returns, "response_mask", response_mask)
     check_finite("returns", returns)
-    clipped_values = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    # Clamp V itself, not V_old + clamp(V − V_old): that sum is V ± 1 ulp in fp32/bf16 when nothing is
+    # clipped, which would count the token in vf_clipfrac half the time.
+    clipped_values = torch.clamp(values, old_values - clip_range_value, old_values + clip_range_value)
     unclipped_error = (values - returns).square()
     clipped_error = (clipped_values - returns).square()
     return TokenLoss(

@@ -295,7 +295,9 @@ class GPGConfig:
 
 @dataclass
 class ReMaxConfig:
-    # Rewards clipped to ±reward_clip before computing advantages (the ReMax paper uses 5); <=0: off.
+    # Outcome scores clipped to ±reward_clip before the KL penalty and the advantages (the ReMax paper
+    # uses 5); <=0: off. With remax, the sampled scores and the greedy baseline's both; with any other
+    # estimator (the key lives here, but is not remax-only), the sampled scores.
     reward_clip: float = 0.0
 
 

@@ -28,10 +28,18 @@ def outcome_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -
 
 
 def compute_token_rewards(batch: Batch, algo: DictConfig, kl_ctrl: KLController | None) -> dict[str, float]:
-    """``token_level_rewards`` = scores, minus β·KL per token when ``algorithm.use_kl_in_reward``."""
+    """``token_level_rewards`` = scores, minus β·KL per token when ``algorithm.use_kl_in_reward``.
+
+    With ``algorithm.remax.reward_clip`` = c > 0, scores are first clipped to [−c, c], for every
+    estimator; so is ReMax's baseline ``greedy_scores`` (rewritten in the batch), so that the sampled
+    and the greedy response are scored on the same scale.
+    """
     scores = batch["token_level_scores"]
-    if algo.remax.reward_clip > 0:  # the ReMax paper clips rewards to ±5
-        scores = scores.clamp(-algo.remax.reward_clip, algo.remax.reward_clip)
+    clip = algo.remax.reward_clip
+    if clip > 0:  # the ReMax paper clips rewards to ±5
+        scores = scores.clamp(-clip, clip)
+        if "greedy_scores" in batch:
+            batch.set("greedy_scores", batch["greedy_scores"].clamp(-clip, clip))
     if not algo.use_kl_in_reward:
         batch.set("token_level_rewards", scores)
         return {}

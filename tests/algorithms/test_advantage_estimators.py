@@ -151,16 +151,49 @@ def test_gae_skips_interior_masked_tokens() -> None:
     assert holey.advantages[0, 1] == 0
 
 
-def test_reinforce_plus_plus_discounted_returns_restart_after_masked_tokens() -> None:
+def test_reinforce_plus_plus_discounted_returns_skip_masked_tokens() -> None:
     rewards = torch.tensor([[0.0, 0.0, 1.0], [1.0, 2.0, 3.0], [1.0, 5.0, 2.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 1]])
     out = reinforce_plus_plus(rewards, mask, gamma=0.5)
     assert out.returns is not None
-    assert out.returns.tolist() == [[0.25, 0.5, 1.0], [2.0, 2.0, 0.0], [1.0, 0.0, 2.0]]
+    # Row 2: the masked 5.0 is dropped and the return flows past it: G_0 = 1 + 0.5·2.
+    assert out.returns.tolist() == [[0.25, 0.5, 1.0], [2.0, 2.0, 0.0], [2.0, 0.0, 2.0]]
     valid = mask.bool()
     whitened = out.advantages[valid]
     assert float(whitened.mean()) == pytest.approx(0.0, abs=1e-6)
     assert float(whitened.std()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_reinforce_plus_plus_return_reaches_past_a_tool_output_span() -> None:
+    # Multi-turn: the outcome reward on the last token credits the first turn across the masked span.
+    out = reinforce_plus_plus(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[1, 0, 1]]), gamma=1.0)
+    assert out.returns is not None and out.returns.tolist() == [[1.0, 0.0, 1.0]]
+    compact = reinforce_plus_plus(torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), gamma=1.0)
+    assert out.advantages[:, [0, 2]].tolist() == compact.advantages.tolist()
+
+
+def float_discounted_sum(rewards: list[float], decay: float) -> list[float]:
+    """Σ_{t' ≥ t} decay^(t'−t) r_t' in Python floats (double precision throughout)."""
+    out, running = [], 0.0
+    for reward in reversed(rewards):
+        running = reward + decay * running
+        out.append(running)
+    return out[::-1]
+
+
+def test_fp64_inputs_discount_in_fp64() -> None:
+    # γ and γλ rounded to fp32 (0.99 → 0.9900000095) err by ~1e-8 per step: far above fp64 round-off.
+    generator = torch.Generator().manual_seed(3)
+    rewards = torch.randn(2, 64, generator=generator, dtype=torch.float64)
+    mask = torch.ones(2, 64, dtype=torch.bool)
+    returns = reinforce_plus_plus(rewards, mask, gamma=0.99).returns
+    assert returns is not None and returns.dtype == torch.float64
+    expected = torch.tensor([float_discounted_sum(row, 0.99) for row in rewards.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(returns, expected, rtol=1e-13, atol=1e-13)
+    # GAE with V = 0: δ_t = r_t, so the raw advantages (= returns) are the γλ-discounted sums.
+    gae_returns = gae(rewards, mask, values=torch.zeros_like(rewards), gamma=0.99, lam=0.9).returns
+    expected = torch.tensor([float_discounted_sum(row, 0.99 * 0.9) for row in rewards.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(gae_returns, expected, rtol=1e-13, atol=1e-13)
 
 
 def test_reinforce_plus_plus_baseline_centres_per_group_then_whitens_over_tokens() -> None:

@@ -158,6 +158,20 @@ def test_value_loss_clipped_hand_computed() -> None:
     assert grad[0].tolist() == pytest.approx([0.0, 1.0, -2.0])  # clipped term: no gradient
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_loss_counts_no_clip_when_the_update_is_inside_the_range(dtype: torch.dtype) -> None:
+    # V_old + (V − V_old) can be V ± 1 ulp in fp32/bf16 (when V and V_old are not within a factor 2 of
+    # each other, V − V_old rounds); the clipped value must then be V itself.
+    generator = torch.Generator().manual_seed(11)
+    old_values = torch.randn(64, 32, generator=generator).to(dtype)
+    values = (old_values.float() + 0.9 * torch.rand(64, 32, generator=generator) - 0.45).to(dtype)
+    assert bool(((values.double() - old_values.double()).abs() < 0.5).all())
+    returns = torch.randn(64, 32, generator=generator).to(dtype)
+    out = value_loss(values, old_values, returns, torch.ones(64, 32), clip_range_value=0.5)
+    assert int(out.metrics["vf_clipfrac"].sum()) == 0
+    assert torch.equal(out.loss, 0.5 * (values - returns).square())
+
+
 def test_entropy_from_logits() -> None:
     uniform = entropy_from_logits(torch.zeros(2, 3, 4))
     assert uniform.shape == (2, 3)

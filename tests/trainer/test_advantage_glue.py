@@ -54,6 +54,26 @@ def test_remax_needs_greedy_scores_and_uses_them():
     assert batch["advantages"][1, :2].tolist() == [-1.0, -1.0]
 
 
+def test_remax_reward_clip_clips_sampled_and_greedy_scores_alike():
+    batch = rollout_batch()
+    batch.set("token_level_scores", 4 * batch["token_level_scores"])  # sampled scores 4, 0, 4, 4
+    batch.set("greedy_scores", torch.tensor([9.0, 9.0, -7.0, -7.0]))
+    cfg = load_config(["algorithm.adv_estimator=remax", "algorithm.remax.reward_clip=2"])
+    compute_token_rewards(batch, cfg.algorithm, None)
+    assert batch["greedy_scores"].tolist() == [2.0, 2.0, -2.0, -2.0]
+    compute_advantages(batch, cfg.algorithm)
+    # Both sides clipped: 2 − 2 = 0 for response 0 (unclipped it would be 4 − 9), 2 − (−2) = 4 for response 2.
+    assert batch["advantages"][:, 0].tolist() == [0.0, -2.0, 4.0, 4.0]
+
+
+def test_reward_clip_clips_the_scores_of_every_estimator():
+    batch = rollout_batch()
+    batch.set("token_level_scores", -3 * batch["token_level_scores"])
+    cfg = load_config(["algorithm.adv_estimator=grpo", "algorithm.remax.reward_clip=1"])
+    compute_token_rewards(batch, cfg.algorithm, None)
+    assert torch.equal(batch["token_level_rewards"], batch["token_level_scores"] / 3)
+
+
 def test_kl_in_reward_with_identical_policies_changes_nothing():
     batch = rollout_batch()
     cfg = load_config(["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=True"])
