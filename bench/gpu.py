@@ -192,6 +192,7 @@ def make_worker(args, overrides: list[str]):
     from omegaconf import OmegaConf
 
     from meshrl.config import load_config
+    from meshrl.config.validate import validate_config
     from meshrl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     model_dir = random_model_dir(args)
@@ -205,7 +206,8 @@ def make_worker(args, overrides: list[str]):
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.token_budget}",
         "actor_rollout_ref.actor.use_kl_loss=False", "algorithm.use_kl_in_reward=False",
         "actor_rollout_ref.actor.optim.lr=1e-6", *overrides])
-    worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg, resolve=True), str(model_dir))
+    worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg, resolve=True), str(model_dir),
+                                   validate_config(cfg))
     worker.setup(worker.address())
     return worker, model_dir
 

@@ -156,7 +156,7 @@ class ActorConfig:
     use_torch_compile: bool = False
     # meshrl's key (verl has none for it): when the update is exactly on-policy (one epoch, one
     # mini-batch, no KL in the reward) skip the old-log-prob forward pass and use logπ_θ.detach() in
-    # its place (ratio 1, same gradient); False always recomputes (see rl_trainer.on_policy_update).
+    # its place (ratio 1, same gradient); False always recomputes (see run_plan.on_policy_update).
     skip_on_policy_old_log_prob: bool = True
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -250,7 +250,7 @@ class CriticConfig:
     ppo_max_token_len_per_gpu: int = 32768
     forward_max_token_len_per_gpu: Optional[int] = None  # None: ppo_max_token_len_per_gpu
     ppo_epochs: Optional[int] = None  # None: actor's
-    shuffle: bool = False
+    shuffle: Optional[bool] = None  # None: actor's
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
     loss_agg_mode: Optional[str] = None  # None: actor's

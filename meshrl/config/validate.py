@@ -1,7 +1,8 @@
 """Semantic checks of a loaded configuration: ranges, choices and cross-key rules.
 
 ``validate_config(cfg)`` collects every problem and raises one ``ConfigError`` listing them all, each
-naming the key and the fix, so a user fixes a recipe in one pass. ``validate_against_model`` adds the
+naming the key and the fix, so a user fixes a recipe in one pass; a valid config gives its ``RunPlan``
+(``meshrl.config.run_plan``), the decisions every later part reads. ``validate_against_model`` adds the
 checks that need the model's HF config (parallel sizes must divide heads and layers).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from meshrl.config.loader import ConfigError
-from meshrl.config.micro_batching import data_parallel_size, micro_batching
+from meshrl.config.run_plan import RunPlan, build_run_plan, check_run_plan
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_SCHEDULES, MEGATRON_DTYPES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
 
@@ -43,11 +44,15 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` listing every semantic problem of ``cfg`` (see module docstring)."""
+def validate_config(cfg: DictConfig) -> RunPlan:
+    """``cfg``'s run plan; raises ``ConfigError`` listing every semantic problem (see module docstring)."""
     p = _Problems()
     data, arr, trainer, algo = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
     actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
+    # Method names and each phase's micro-batching; the plan says which roles the checks below concern.
+    plan, plan_problems = check_run_plan(cfg)
+    p.items.extend(plan_problems)
+    use_critic = plan is not None and plan.use_critic
 
     # data
     p.require(bool(data.train_files), "data.train_files", "is empty; give a parquet/jsonl path or a list")
@@ -61,8 +66,9 @@ def validate_config(cfg: DictConfig) -> None:
     # rollout
     p.choice(rollout.name, "actor_rollout_ref.rollout.name", ROLLOUT_ENGINES)
     p.require(rollout.n >= 1, "actor_rollout_ref.rollout.n", f"must be >= 1 responses per prompt, got {rollout.n}")
-    p.require(rollout.temperature >= 0, "actor_rollout_ref.rollout.temperature",
-              f"must be >= 0 (0 = greedy), got {rollout.temperature}")
+    p.require(rollout.temperature > 0, "actor_rollout_ref.rollout.temperature",
+              f"must be > 0: the trained log-probs are those of softmax(logits / temperature), got "
+              f"{rollout.temperature} (greedy decoding belongs to rollout.val_kwargs.temperature=0)")
     p.require(0 < rollout.top_p <= 1, "actor_rollout_ref.rollout.top_p", f"must be in (0, 1], got {rollout.top_p}")
     p.require(rollout.top_k == -1 or rollout.top_k >= 1, "actor_rollout_ref.rollout.top_k",
               f"must be -1 (off) or >= 1, got {rollout.top_k}")
@@ -77,24 +83,7 @@ def validate_config(cfg: DictConfig) -> None:
     p.require(actor.strategy == "megatron", "actor_rollout_ref.actor.strategy",
               f"meshrl trains with its Megatron backend; got '{actor.strategy}'. Remove the key or set megatron "
               "(fsdp_config.param_offload/optimizer_offload are honoured).")
-    p.positive(actor.ppo_mini_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size")
-    if data.train_batch_size > 0 and actor.ppo_mini_batch_size > 0:
-        p.require(actor.ppo_mini_batch_size <= data.train_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size",
-                  f"{actor.ppo_mini_batch_size} prompts is more than data.train_batch_size="
-                  f"{data.train_batch_size}; lower it to at most the batch size")
-        p.require(data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
-                  f"must divide data.train_batch_size={data.train_batch_size} (got {actor.ppo_mini_batch_size})")
-    # Micro-batches of every phase this run has: a token budget, or a count when use_dynamic_bsz=False.
-    phases = ["actor_update", "actor_log_prob"]
-    if algo.use_kl_in_reward or actor.use_kl_loss:
-        phases.append("ref_log_prob")
-    if algo.adv_estimator == "gae":
-        phases += ["critic_update", "critic_values"]
-    for phase in phases:
-        try:
-            micro_batching(cfg, phase, data_parallel_size(cfg, critic=phase.startswith("critic")))
-        except ValueError as exc:
-            p.items.append(str(exc))
+    _check_mini_batch(p, actor.ppo_mini_batch_size, data.train_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size")
     for key in ("log_prob_max_token_len_per_gpu",):
         for section, name in ((ref, "ref"), (rollout, "rollout")):
             value = section[key]
@@ -114,8 +103,12 @@ def validate_config(cfg: DictConfig) -> None:
     _check_megatron(p, cfg, actor.megatron, "actor_rollout_ref.actor.megatron")
     p.choice(ref.megatron.dtype, "actor_rollout_ref.ref.megatron.dtype", MEGATRON_DTYPES)
 
-    # critic (only PPO's gae trains one)
-    if algo.adv_estimator == "gae":
+    # critic (when the estimator takes values: PPO's gae)
+    if use_critic:
+        if critic.ppo_mini_batch_size is not None:
+            _check_mini_batch(p, critic.ppo_mini_batch_size, data.train_batch_size, "critic.ppo_mini_batch_size")
+        if critic.ppo_epochs is not None:
+            p.positive(critic.ppo_epochs, "critic.ppo_epochs")
         _check_optim(p, critic.optim, "critic.optim")
         _check_megatron(p, cfg, critic.megatron, "critic.megatron")
         p.require(critic.cliprange_value > 0, "critic.cliprange_value", f"must be > 0, got {critic.cliprange_value}")
@@ -153,6 +146,15 @@ def validate_config(cfg: DictConfig) -> None:
               f"{rollout.tensor_model_parallel_size} must divide the {ws} training processes "
               "(trainer.nnodes × trainer.n_gpus_per_node)")
     p.raise_if_any("configuration")
+    return plan
+
+
+def _check_mini_batch(p: _Problems, size: int, batch: int, key: str) -> None:
+    p.positive(size, key)
+    if batch > 0 and size > 0:
+        p.require(size <= batch, key, f"{size} prompts is more than data.train_batch_size={batch}; lower it to at "
+                  "most the batch size")
+        p.require(batch % size == 0, key, f"must divide data.train_batch_size={batch} (got {size})")
 
 
 def _check_optim(p: _Problems, optim: DictConfig, key: str) -> None:
@@ -171,6 +173,13 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
     for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
         p.positive(mg[size], f"{key}.{size}")
+    # Refused here rather than when the workers build their models, after Ray and a rollout started.
+    p.require(mg.context_parallel_size <= 1, f"{key}.context_parallel_size",
+              f"context parallelism is not supported yet (got {mg.context_parallel_size}); set 1 and shorten "
+              "ppo_max_token_len_per_gpu, or raise tensor_model_parallel_size, to fit long sequences")
+    p.require(mg.expert_model_parallel_size <= 1, f"{key}.expert_model_parallel_size",
+              f"expert parallelism needs a mixture-of-experts model, which meshrl does not build yet (got "
+              f"{mg.expert_model_parallel_size}); set 1")
     model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
     ws = world_size(cfg)
     if model_parallel > 0:
@@ -195,7 +204,7 @@ def validate_against_model(cfg: DictConfig, hf_config) -> None:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     layers = hf_config.num_hidden_layers
     sections = [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron)]
-    if cfg.algorithm.adv_estimator == "gae":
+    if build_run_plan(cfg).use_critic:
         sections.append(("critic.megatron", cfg.critic.megatron))
     for key, mg in sections:
         tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size

@@ -10,7 +10,10 @@ built with the same flag). Weight decay is megatron's standard: none for biases 
 
 The schedule is megatron's ``OptimizerParamScheduler``: linear warmup from ``warmup_init_lr`` over
 ``warmup_steps``, then ``constant`` / ``cosine`` / ``linear`` decay to ``min_lr`` at ``decay_steps``.
-Update ``k`` (0-based) uses the learning rate of step ``k``.
+Schedule step ``k`` (0-based, ``k`` calls of ``advance_schedule`` so far) sets the learning rate
+``lr(k)``. ``train_step`` with a scheduler advances it after its update (one step per update); RL
+training passes none and advances once per RL step, so every mini-batch of RL step ``k`` uses ``lr(k)``
+(verl's semantics, ``meshrl.workers.engine``).
 """
 
 from __future__ import annotations
@@ -188,24 +191,27 @@ def current_lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
-def optimizer_step(optimizer, scheduler) -> dict[str, Any]:
-    """Clip (``clip_grad``) and apply the accumulated gradients, then advance the schedule one step.
+def advance_schedule(scheduler) -> None:
+    """One schedule step: the learning rate (and weight decay) of the next step are set."""
+    scheduler.step(1)
+
+
+def optimizer_step(optimizer) -> dict[str, Any]:
+    """Clip (``clip_grad``) and apply the accumulated gradients.
 
     Returns ``lr`` (the one used), ``grad_norm`` (before clipping, over the whole model) and
-    ``update_successful`` (False when a mixed-precision step found inf/nan and was skipped; the
-    schedule then does not advance).
+    ``update_successful`` (False when a mixed-precision step found inf/nan and was skipped).
     """
     lr = current_lr(optimizer)
     success, grad_norm, _ = optimizer.step()
-    if success:
-        scheduler.step(1)
     return {"lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
             "update_successful": bool(success)}
 
 
 def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batches: list[MicroBatch],
                loss_fn: LossFn, request: OutputRequest = OutputRequest()) -> dict[str, Any]:
-    """One optimizer update over ``micro_batches``: zero grads, forward/backward, clip, step.
+    """One optimizer update over ``micro_batches``: zero grads, forward/backward, clip, step; then one
+    schedule step if ``scheduler`` is given and the update was applied (None: the caller advances it).
 
     ``loss_fn`` follows ``meshrl.parallel.schedule``'s contract (already globally normalised).
     Returns ``loss`` (global), per-micro-batch ``metrics``, ``lr``, ``grad_norm``, ``update_successful``.
@@ -214,5 +220,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batche
 
     zero_grad(chunks, optimizer)
     result = forward_backward(chunks, micro_batches, loss_fn, request)
-    stats = optimizer_step(optimizer, scheduler)
+    stats = optimizer_step(optimizer)
+    if scheduler is not None and stats["update_successful"]:
+        advance_schedule(scheduler)
     return {"loss": result.loss, "metrics": result.metrics, **stats}

@@ -55,7 +55,7 @@ attention FLOPs (quadratic in length; small next to 6·N per token at these leng
 FLOPs per step (upper bound: every sequence at max prompt + max response length): generation 2·N per
 token of every sampled sequence (ReMax also decodes one greedy response per prompt), the policy update
 6·N per token per PPO epoch (8·N with recompute), 2·N per token for each forward-only pass (old
-log-probs, which an on-policy update skips: ``rl_trainer.on_policy_update``; reference; critic values),
+log-probs, which an on-policy update skips: ``run_plan.on_policy_update``; reference; critic values),
 and the critic's own update. N counts the matmul parameters:
 the layers plus the output projection, not the embedding lookup.
 
@@ -289,11 +289,11 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     from meshrl.config.validate import validate_against_model, world_size
     from meshrl.parallel.model_builder import check_layout, model_spec
     from meshrl.parallel.state import ParallelConfig
-    from meshrl.trainer.rl_trainer import on_policy_update
+    from meshrl.config.run_plan import build_run_plan
 
     arr, actor, rollout, ref, critic_cfg = (cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor,
                                             cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic)
-    algo, data, trainer = cfg.algorithm, cfg.data, cfg.trainer
+    data, trainer = cfg.data, cfg.trainer
     device = "cpu" if trainer.device == "cpu" else "cuda"
     dtype = _CPU if device == "cpu" else _GPU  # the rollout engine's (rollout.dtype auto)
 
@@ -312,9 +312,9 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     except (ConfigError, ValueError) as exc:
         raise PlanError(str(exc)) from None
     world = world_size(cfg)
-    use_ref = bool(algo.use_kl_in_reward or actor.use_kl_loss)
-    use_critic = algo.adv_estimator == "gae"
-    seq_len = data.max_prompt_length + data.max_response_length
+    run = build_run_plan(cfg)  # the roles and widths the trainer will use
+    use_ref, use_critic = run.use_reference, run.use_critic
+    seq_len = data.max_prompt_length + run.response_length
 
     def trainer_of(section, model_section, model_spec_, is_critic: bool) -> _Trainer:
         mg = section.megatron
@@ -420,18 +420,18 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     # FLOPs of one step (upper bound: full-length sequences)
     prompts = data.train_batch_size
     samples = prompts * rollout.n
-    generated = samples + (prompts if algo.adv_estimator == "remax" else 0)
+    generated = samples + (prompts if run.greedy_baseline else 0)
     tokens = samples * seq_len
     n_policy = matmul_parameters(spec)
     flops = {
         "generation": 2.0 * n_policy * generated * seq_len,
-        "old_log_probs": 0.0 if on_policy_update(cfg) else 2.0 * n_policy * tokens,
+        "old_log_probs": 0.0 if run.on_policy else 2.0 * n_policy * tokens,
         "reference": 2.0 * n_policy * tokens if use_ref else 0.0,
         "actor_update": (8.0 if policy.recompute else 6.0) * n_policy * tokens * actor.ppo_epochs,
     }
     if critic is not None:
         n_critic = matmul_parameters(critic.spec, critic=True)
-        epochs = critic_cfg.ppo_epochs or actor.ppo_epochs
+        epochs = run.critic_update.epochs
         flops["values"] = 2.0 * n_critic * tokens
         flops["critic_update"] = (8.0 if critic.recompute else 6.0) * n_critic * tokens * epochs
     flops["total"] = sum(flops.values())

@@ -9,8 +9,9 @@
         values        ← critic(responses)                        (PPO)
         rewards       ← scores − β·KL                            (algorithm.use_kl_in_reward)
         advantages    ← estimator(rewards, ...)                  (algorithm.adv_estimator)
-        critic.update(returns)                                   (PPO)
-        policy.update(advantages)   if step > critic_warmup      (ppo_epochs × mini-batches, each in micro-batches)
+        critic.update(returns)                                   (PPO; its own epochs × mini-batches)
+        policy.update(advantages)   if step > critic_warmup      (ppo_epochs × mini-batches, each in micro-batches;
+                                                                  one LR-schedule step per RL step)
         engine ← sync(policy weights)
         validate every test_freq; checkpoint every save_freq
 """
@@ -18,7 +19,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms import GlobalNorm, make_kl_controller
+from meshrl.config.run_plan import RunPlan, UpdateSchedule
 from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
 from meshrl.protocol import Batch
@@ -35,26 +36,13 @@ from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, 
 from meshrl.trainer.checkpoint import CheckpointManager
 from meshrl.trainer.tracking import Timer, Tracker
 
-# Estimators that need each prompt's greedy response scored (the ReMax baseline).
-GREEDY_BASELINE_ESTIMATORS = ("remax",)
-
-
-@dataclass
-class StepPlan:
-    """What this run computes, derived once from the config."""
-
-    use_reference: bool
-    use_critic: bool
-    greedy_baseline: bool
-    on_policy: bool  # no old-log-prob pass: the update's forward gives logπ_θ = logπ_old (on_policy_update)
-    total_steps: int
-
 
 class RLTrainer:
-    def __init__(self, cfg: DictConfig, *, policy, critic, tokenizer, train_data: RLDataset,
+    def __init__(self, cfg: DictConfig, plan: RunPlan, *, policy, critic, tokenizer, train_data: RLDataset,
                  val_data: RLDataset | None, reward: RewardPool, tracker: Tracker,
                  checkpoints: CheckpointManager) -> None:
         self.cfg = cfg
+        self.plan = plan  # roles, methods, widths, schedules: decided once (meshrl.config.run_plan)
         self.policy = policy  # ActorRolloutRefGroup: generate / log-probs / update / sync / save
         self.critic = critic  # CriticGroup or None
         self.tokenizer = tokenizer
@@ -63,18 +51,12 @@ class RLTrainer:
         self.reward = reward
         self.tracker = tracker
         self.checkpoints = checkpoints
-        algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+        algo = cfg.algorithm
         self.sampler = PromptSampler(len(train_data), cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                      seed=cfg.data.seed)
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, kl_coef=algo.kl_ctrl.kl_coef,
                                           target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
-        self.plan = StepPlan(
-            use_reference=bool(algo.use_kl_in_reward or actor.use_kl_loss),
-            use_critic=critic is not None,
-            greedy_baseline=algo.adv_estimator in GREEDY_BASELINE_ESTIMATORS,
-            on_policy=on_policy_update(cfg),
-            total_steps=total_training_steps(cfg, len(train_data)),
-        )
+        self.total_steps = total_training_steps(cfg, len(train_data))
         self.step = 0
 
     # ------------------------------------------------------------------------------- the loop
@@ -86,14 +68,14 @@ class RLTrainer:
         if self.val_data is not None and trainer.val_before_train and self.step == 0:
             last = self.validate()
             self.tracker.log(last, step=0)
-        while self.step < self.plan.total_steps:
+        while self.step < self.total_steps:
             self.step += 1
             last = self.train_step()
             if self.val_data is not None and trainer.test_freq > 0 and (
-                    self.step % trainer.test_freq == 0 or self.step == self.plan.total_steps):
+                    self.step % trainer.test_freq == 0 or self.step == self.total_steps):
                 last.update(self.validate())
             self.tracker.log(last, step=self.step)
-            if trainer.save_freq > 0 and (self.step % trainer.save_freq == 0 or self.step == self.plan.total_steps):
+            if trainer.save_freq > 0 and (self.step % trainer.save_freq == 0 or self.step == self.total_steps):
                 self.save()
         return last
 
@@ -124,13 +106,13 @@ class RLTrainer:
             with timer("adv"):
                 metrics.update(compute_token_rewards(batch, cfg.algorithm, self.kl_ctrl))
                 metrics.update(compute_advantages(batch, cfg.algorithm))
-            updates = self.mini_batches(batch)
             if plan.use_critic:
                 with timer("update_critic"):
-                    metrics.update(self.critic.update(updates))
+                    metrics.update(self.critic.update(self.mini_batches(batch, plan.critic_update, stream=1)))
             if self.step > cfg.trainer.critic_warmup:
                 with timer("update_actor"):
-                    actor_metrics, log_probs = self.policy.update(updates, on_policy=plan.on_policy)
+                    actor_metrics, log_probs = self.policy.update(self.mini_batches(batch, plan.actor_update),
+                                                                  on_policy=plan.on_policy)
                 metrics.update(actor_metrics)
                 if log_probs is not None:  # on-policy: logπ_θ before the step, what the recompute gives
                     batch = batch.union(log_probs)
@@ -161,22 +143,9 @@ class RLTrainer:
         out.update({k: float(v) for k, v in result.metrics.items()})  # already named reward/...
         return out
 
-    def mini_batches(self, batch: Batch) -> list[tuple[Batch, GlobalNorm]]:
-        """``ppo_epochs`` × mini-batches of ``ppo_mini_batch_size × n`` responses, each with its global normaliser."""
-        actor, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
-        size = actor.ppo_mini_batch_size * n
-        rng = np.random.default_rng([self.cfg.trainer.seed, self.step])
-        max_len = self.cfg.data.max_response_length
-        updates = []
-        for _ in range(actor.ppo_epochs):
-            # One mini-batch is the whole batch: reordering its rows would change nothing but rounding,
-            # and on-policy updates hand back log-probs in the batch's row order.
-            shuffle = actor.shuffle and size < len(batch)
-            order = rng.permutation(len(batch)) if shuffle else np.arange(len(batch))
-            for start in range(0, len(batch), size):
-                mini = batch.take(order[start:start + size])
-                updates.append((mini, GlobalNorm.from_mask(mini["response_mask"], max_len=max_len)))
-        return updates
+    def mini_batches(self, batch: Batch, schedule: UpdateSchedule, stream: int = 0) -> list[tuple[Batch, GlobalNorm]]:
+        return mini_batches(batch, schedule, width=self.plan.response_length, seed=[self.cfg.trainer.seed, self.step],
+                            stream=stream)
 
     def validate(self) -> dict[str, float]:
         """Greedy (``rollout.val_kwargs``) generation on the validation set; mean score per data source."""
@@ -236,6 +205,25 @@ def prompts_batch(dataset: RLDataset, indices) -> Batch:
     )
 
 
+def mini_batches(batch: Batch, schedule: UpdateSchedule, *, width: int, seed: list[int], stream: int = 0
+                 ) -> list[tuple[Batch, GlobalNorm]]:
+    """``schedule.epochs`` × mini-batches of ``schedule.mini_batch_responses`` responses, each with its global
+    normaliser (responses ``width`` wide); shuffled per epoch from ``seed`` (the run's seed and the step)
+    when ``schedule.shuffle``; ``stream`` keeps a role's shuffling apart from another's (0: actor, 1: critic)."""
+    size = schedule.mini_batch_responses
+    rng = np.random.default_rng(seed + ([stream] if stream else []))
+    updates = []
+    for _ in range(schedule.epochs):
+        # One mini-batch is the whole batch: reordering its rows would change nothing but rounding,
+        # and on-policy updates hand back log-probs in the batch's row order.
+        shuffle = schedule.shuffle and size < len(batch)
+        order = rng.permutation(len(batch)) if shuffle else np.arange(len(batch))
+        for start in range(0, len(batch), size):
+            mini = batch.take(order[start:start + size])
+            updates.append((mini, GlobalNorm.from_mask(mini["response_mask"], max_len=width)))
+    return updates
+
+
 def total_training_steps(cfg: DictConfig, num_prompts: int) -> int:
     """``trainer.total_training_steps`` if set, else ``total_epochs`` × full batches per epoch."""
     if cfg.trainer.total_training_steps is not None:
@@ -243,27 +231,7 @@ def total_training_steps(cfg: DictConfig, num_prompts: int) -> int:
     return cfg.trainer.total_epochs * (num_prompts // cfg.data.train_batch_size)
 
 
-def on_policy_update(cfg: DictConfig) -> bool:
-    """Whether the actor update is exactly on-policy, so the old-log-prob forward pass is skipped.
-
-    On-policy ⇔ ``ppo_epochs = 1`` and one mini-batch holds every response
-    (``ppo_mini_batch_size·n = train_batch_size·n``): the RL step's one optimizer step differentiates the
-    very policy that the old log-probs would be recomputed from, so logπ_old = logπ_θ.detach() exactly
-    (ratio ρ = 1; every policy loss then has the gradient it has with the recompute, up to rounding).
-    Not when KL is in the reward (``algorithm.use_kl_in_reward`` reads the old log-probs before the
-    advantages, hence before the update), nor with ``actor.skip_on_policy_old_log_prob=False``.
-
-    The skipped log-probs still exist: the update returns those of its forward pass (the policy before
-    the step) as ``old_log_probs``, so the diagnostics that read them are computed as with the recompute;
-    a step without an actor update (``trainer.critic_warmup``) has none and logs none.
-    """
-    actor = cfg.actor_rollout_ref.actor
-    return bool(actor.skip_on_policy_old_log_prob and actor.ppo_epochs == 1
-                and actor.ppo_mini_batch_size == cfg.data.train_batch_size
-                and not cfg.algorithm.use_kl_in_reward)
-
-
-def batch_metrics(batch: Batch, plan: StepPlan) -> dict[str, float]:
+def batch_metrics(batch: Batch, plan: RunPlan) -> dict[str, float]:
     """Response-length and log-prob diagnostics of a trained batch (those of ``old_log_probs`` when it has them)."""
     mask = batch["response_mask"].bool()
     lengths = mask.sum(-1).float()

@@ -16,17 +16,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from meshrl.protocol import Batch
 from meshrl.workers.dispatch import DispatchGroup
-from meshrl.workers.objectives import ActorObjective, sum_metrics
+from meshrl.workers.engine import MICRO_INDEX, TrainingEngine
+from meshrl.workers.objectives import ActorObjective
 from meshrl.workers.rank import RankWorker
-from meshrl.workers.sequences import gather_response_outputs, response_part, split_micro_batches
-
-# Key of a micro-batch's position in its list, for outputs that loss functions hand back.
-MICRO_INDEX = "micro_index"
+from meshrl.workers.sequences import response_part, responses_batch
 
 
 def optimizer_config(optim, grad_clip: float, distributed: bool):
@@ -77,10 +72,14 @@ class ActorRolloutRefWorker(RankWorker):
         load_hf_weights(self.policy, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
             self.policy, optimizer_config(actor.optim, actor.grad_clip, distributed_opt))
+        self.train_engine = TrainingEngine(
+            "actor", self.policy, self.optimizer, self.scheduler, self.pad_id,
+            min_micro=actor.megatron.pipeline_model_parallel_size,
+            hint="check the rewards and advantages, or lower actor_rollout_ref.actor.optim.lr")
         self.ref = self.ref_offloaded = None
         # Pinned host memory for offloads, allocated once and reused every step (pinning is the slow part).
         self.host_buffers = HostBuffers()
-        if cfg.algorithm.use_kl_in_reward or actor.use_kl_loss:
+        if self.plan.use_reference:
             # Forward passes only: no DDP gradient buffer (as large as the fp32 weights) for it.
             ref_dtype = arr.ref.megatron.dtype if arr.ref.megatron.dtype != "auto" else actor.megatron.dtype
             self.ref = build_forward_only_model(self.hf_config, dtype=param_dtype(ref_dtype))
@@ -93,9 +92,9 @@ class ActorRolloutRefWorker(RankWorker):
         # or the device has no fast variable-length attention (model_builder.packed_sequences).
         self.remove_padding = packed_sequences(arr.model.use_remove_padding)
         rollout = arr.rollout
-        self.response_length = rollout.response_length or cfg.data.max_response_length
+        self.response_length = self.plan.response_length
         engine_cfg = EngineConfig.from_rollout(
-            rollout, max_model_len=(rollout.prompt_length or cfg.data.max_prompt_length) + self.response_length,
+            rollout, max_model_len=self.plan.prompt_length + self.response_length,
             generation_threads=threads)
         self.replica = self.rank // rollout.tensor_model_parallel_size
         self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)
@@ -124,20 +123,7 @@ class ActorRolloutRefWorker(RankWorker):
         offload, onload = self._offload_hooks()
         with colocated_rollout(self.engine, offload_trainer=offload, onload_trainer=onload):
             completions = self.engine.generate([list(p) for p in prompts["prompt_ids"]], sampling)
-        n, width = sampling.n, self.response_length
-        out = prompts.repeat_interleave(n) if n > 1 else prompts.take(np.arange(len(prompts)))
-        responses = torch.full((len(out), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(out), width), dtype=torch.float32)
-        log_probs = torch.zeros((len(out), width), dtype=torch.float32)
-        for c in completions:
-            row, length = c.prompt_index * n + c.sample_index, len(c.token_ids)
-            responses[row, :length] = torch.as_tensor(c.token_ids)
-            mask[row, :length] = 1.0
-            log_probs[row, :length] = torch.as_tensor(c.logprobs)
-        out.set("responses", responses)
-        out.set("response_mask", mask)
-        out.set("rollout_log_probs", log_probs)
-        out.set("finish_reason", [c.finish_reason for c in completions])
+        out = responses_batch(prompts, completions, sampling.n, self.response_length, self.pad_id)
         return out if self.rank % self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 0 else None
 
     def _offload_hooks(self):
@@ -160,10 +146,7 @@ class ActorRolloutRefWorker(RankWorker):
         """Per-token log-probs of the responses under the policy (``old_log_probs``) or the reference
         (``ref_log_probs``); forward-only, micro-batches of the ``rollout.log_prob_*`` / ``ref.log_prob_*``
         keys (``meshrl.config.micro_batching``)."""
-        from meshrl.config.micro_batching import micro_batching
-        from meshrl.parallel import state
         from meshrl.parallel.forward import OutputRequest
-        from meshrl.parallel.schedule import forward_only
 
         chunks, phase, field = {
             "actor": (self.policy, "actor_log_prob", "old_log_probs"),
@@ -172,14 +155,11 @@ class ActorRolloutRefWorker(RankWorker):
         if chunks is None:
             raise RuntimeError("compute_log_probs(model='ref') without a reference model: "
                                "enable algorithm.use_kl_in_reward or actor.use_kl_loss")
-        batching = micro_batching(self.cfg, phase, self.layout.dp_size)
-        plan, rows, micros = split_micro_batches(shard, batching, state.dp_group(), self.pad_id,
-                                                 min_micro=self._min_micro())
+        request = OutputRequest(log_probs=True, remove_padding=self.remove_padding)
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext():
-            outputs = forward_only(chunks, micros, OutputRequest(log_probs=True, remove_padding=self.remove_padding))
-        parts = [response_part(o["log_probs"], m) for o, m in zip(outputs, micros)]
-        result = Batch(tensors={field: gather_response_outputs(parts, plan, rows, self.response_length)})
-        return result if self.layout.collect else None
+            log_probs = self.train_engine.forward(shard, self.plan.micro_batching[phase], request, "log_probs",
+                                                  self.response_length, chunks=chunks)
+        return Batch(tensors={field: log_probs}) if self.layout.collect else None
 
     @contextlib.contextmanager
     def _reference_on_device(self):
@@ -197,75 +177,43 @@ class ActorRolloutRefWorker(RankWorker):
             self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False,
                                          buffers=self.host_buffers)
 
-    def _min_micro(self) -> int:
-        """The pipeline schedules need at least one micro-batch per stage to fill the pipeline."""
-        megatron = self.cfg.actor_rollout_ref.actor.megatron
-        return megatron.pipeline_model_parallel_size
-
     # ---------------------------------------------------------------------------------- update
     def update(self, updates: list[tuple[Batch, Any]], on_policy: bool = False
                ) -> tuple[dict[str, float], Batch | None]:
-        """One optimizer step per (mini-batch shard, its global normaliser); metrics averaged over steps.
+        """One optimizer step per (mini-batch shard, its global normaliser), one LR-schedule step per call
+        (``meshrl.workers.engine``); metrics averaged over the optimizer steps.
 
         ``on_policy`` (one update whose policy is the one that sampled the batch, see
-        ``rl_trainer.on_policy_update``): the shards carry no ``old_log_probs``; the loss takes
+        ``run_plan.on_policy_update``): the shards carry no ``old_log_probs``; the loss takes
         logπ_θ.detach() in their place (ratio exactly 1, the gradient of the recompute), and the
         collecting ranks also return those log-probs as this shard's ``old_log_probs`` (row order).
         Returns (metrics, that batch or None).
         """
-        import torch.distributed as dist
-
-        from meshrl.config.micro_batching import micro_batching
-        from meshrl.parallel import state
         from meshrl.parallel.forward import OutputRequest
-        from meshrl.parallel.optimizer import train_step
 
-        actor = self.cfg.actor_rollout_ref.actor
-        batching = micro_batching(self.cfg, "actor_update", self.layout.dp_size)
         if on_policy and len(updates) != 1:
             raise ValueError(f"an on-policy update is one optimizer step, got {len(updates)} mini-batches")
         fields = ("advantages",) + (() if on_policy else ("old_log_probs",)) \
-            + (("ref_log_probs",) if actor.use_kl_loss else ())
+            + (("ref_log_probs",) if self.plan.kl_loss is not None else ())
         request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy,
                                 remove_padding=self.remove_padding)
-        per_step, seen = [], {}
-        for shard, norm in updates:
-            plan, rows, micros = split_micro_batches(shard, batching, state.dp_group(), self.pad_id,
-                                                     response_fields=fields, min_micro=self._min_micro())
-            for index, micro in enumerate(micros):
-                micro[MICRO_INDEX] = index
+        seen = {}
 
-            def loss_fn(outputs, micro, norm=norm):
-                log_probs = response_part(outputs["log_probs"], micro)
-                if on_policy:
-                    seen[micro[MICRO_INDEX]] = log_probs.detach()
-                    micro = {**micro, "old_log_probs": log_probs.detach()}
-                entropy = response_part(outputs["entropy"], micro) if request.entropy else None
-                loss, metrics = self.objective(log_probs, entropy, micro, norm)
-                if not torch.isfinite(loss):
-                    # Raised before backward: the optimizer never sees the NaN and the weights stay intact.
-                    raise FloatingPointError(f"actor loss is {loss.item()} on rank {self.rank} "
-                                             f"(metrics: { {k: float(v) for k, v in metrics.items()} }); check "
-                                             "the rewards and advantages, or lower actor_rollout_ref.actor.optim.lr")
-                return loss, metrics
+        def loss_fn(outputs, micro, norm):
+            log_probs = response_part(outputs["log_probs"], micro)
+            if on_policy:
+                seen[micro[MICRO_INDEX]] = log_probs.detach()
+                micro = {**micro, "old_log_probs": log_probs.detach()}
+            entropy = response_part(outputs["entropy"], micro) if request.entropy else None
+            return self.objective(log_probs, entropy, micro, norm)
 
-            result = train_step(self.policy, self.optimizer, self.scheduler, micros, loss_fn, request)
-            shares = sum_metrics(result["metrics"])
-            # Metric shares of this DP rank's micro-batches add up to the mini-batch value over ranks.
-            values = torch.tensor(list(shares.values()), dtype=torch.float64,
-                                  device=state.collective_device(state.dp_group()))
-            dist.all_reduce(values, group=state.dp_group())
-            metrics = dict(zip(shares, values.tolist()))
-            metrics.update({"actor/loss": result["loss"], "actor/lr": result["lr"],
-                            "actor/grad_norm": result["grad_norm"] if result["grad_norm"] is not None else float("nan")})
-            metrics.update(plan.metrics())
-            per_step.append(metrics)
-        mean = {key: float(np.mean([m[key] for m in per_step])) for key in per_step[0]}
+        metrics, splits = self.train_engine.train(updates, self.plan.micro_batching["actor_update"], request,
+                                                  loss_fn, fields)
         if not (on_policy and self.layout.collect):
-            return mean, None
+            return metrics, None
         # The last pipeline stage (where collecting ranks sit) ran loss_fn on every micro-batch.
-        parts = [seen[index].cpu() for index in range(len(micros))]
-        return mean, Batch(tensors={"old_log_probs": gather_response_outputs(parts, plan, rows, self.response_length)})
+        parts = [seen[index].cpu() for index in range(len(splits[0].micros))]
+        return metrics, Batch(tensors={"old_log_probs": splits[0].gather(parts, self.response_length)})
 
     # ---------------------------------------------------------------------------------- weights
     def sync_weights(self) -> dict[str, float]:
@@ -300,8 +248,8 @@ class ActorRolloutRefWorker(RankWorker):
 class ActorRolloutRefGroup(DispatchGroup):
     """Driver-side handle: the calls of ``RLTrainer.train_step`` on the policy workers."""
 
-    def __init__(self, cfg, model_dir) -> None:
-        super().__init__(ActorRolloutRefWorker, cfg, model_dir, name="actor_rollout_ref")
+    def __init__(self, cfg, plan, model_dir) -> None:
+        super().__init__(ActorRolloutRefWorker, cfg, plan, model_dir, name="actor_rollout_ref")
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         return self.dispatch("generate", prompts, by="replica", mode=mode)
@@ -317,7 +265,7 @@ class ActorRolloutRefGroup(DispatchGroup):
         fields = ["prompt_ids", "responses", "response_mask", "advantages"]
         if not on_policy:
             fields.append("old_log_probs")
-        if self.cfg.actor_rollout_ref.actor.use_kl_loss:
+        if self.plan.kl_loss is not None:
             fields.append("ref_log_probs")
         per_dp: list[list[tuple[Batch, Any]]] = [[] for _ in range(self.dp_size)]
         splits = []

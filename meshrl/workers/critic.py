@@ -11,15 +11,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from meshrl.protocol import Batch
 from meshrl.workers.actor_rollout_ref import optimizer_config, recompute_overrides
 from meshrl.workers.dispatch import DispatchGroup
-from meshrl.workers.objectives import CriticObjective, sum_metrics
+from meshrl.workers.engine import TrainingEngine
+from meshrl.workers.objectives import CriticObjective
 from meshrl.workers.rank import RankWorker
-from meshrl.workers.sequences import gather_response_outputs, response_part, split_micro_batches
+from meshrl.workers.sequences import response_part
 
 
 class CriticWorker(RankWorker):
@@ -48,51 +46,26 @@ class CriticWorker(RankWorker):
         # Packed THD micro-batches (no compute on padding) unless critic.model.use_remove_padding says no
         # or the device has no fast variable-length attention (model_builder.packed_sequences).
         self.request = OutputRequest(remove_padding=packed_sequences(critic.model.use_remove_padding))
-        self.response_length = self.cfg.data.max_response_length
+        self.response_length = self.plan.response_length
+        self.train_engine = TrainingEngine("critic", self.model, self.optimizer, self.scheduler, self.pad_id,
+                                           min_micro=megatron.pipeline_model_parallel_size,
+                                           hint="check the rewards and returns, or lower critic.optim.lr")
         return {**self.layout_dict(), "num_replicas": self.layout.dp_size}
 
-    def _batching(self, phase: str):
-        """Micro-batching of ``critic_values`` / ``critic_update`` (``meshrl.config.micro_batching``)."""
-        from meshrl.config.micro_batching import micro_batching
-
-        return micro_batching(self.cfg, phase, self.layout.dp_size)
-
     def compute_values(self, shard: Batch) -> Batch | None:
-        from meshrl.parallel import state
-        from meshrl.parallel.schedule import forward_only
-
-        plan, rows, micros = split_micro_batches(shard, self._batching("critic_values"), state.dp_group(),
-                                                 self.pad_id, min_micro=self.cfg.critic.megatron.pipeline_model_parallel_size)
-        outputs = forward_only(self.model, micros, self.request)
-        parts = [response_part(o["values"], m) for o, m in zip(outputs, micros)]
-        values = gather_response_outputs(parts, plan, rows, self.response_length)
+        values = self.train_engine.forward(shard, self.plan.micro_batching["critic_values"], self.request, "values",
+                                           self.response_length)
         return Batch(tensors={"values": values}) if self.layout.collect else None
 
     def update(self, updates: list[tuple[Batch, Any]]) -> dict[str, float]:
-        import torch.distributed as dist
+        """One optimizer step per (mini-batch shard, its normaliser) of ``critic``'s own schedule, one
+        LR-schedule step per call (``meshrl.workers.engine``)."""
+        def loss_fn(outputs, micro, norm):
+            return self.objective(response_part(outputs["values"], micro), micro, norm)
 
-        from meshrl.parallel import state
-        from meshrl.parallel.optimizer import train_step
-
-        per_step = []
-        for shard, norm in updates:
-            plan, _, micros = split_micro_batches(shard, self._batching("critic_update"), state.dp_group(),
-                                                  self.pad_id, response_fields=("values", "returns"),
-                                                  min_micro=self.cfg.critic.megatron.pipeline_model_parallel_size)
-
-            def loss_fn(outputs, micro, norm=norm):
-                return self.objective(response_part(outputs["values"], micro), micro, norm)
-
-            result = train_step(self.model, self.optimizer, self.scheduler, micros, loss_fn, self.request)
-            shares = sum_metrics(result["metrics"])
-            values = torch.tensor(list(shares.values()), dtype=torch.float64,
-                                  device=state.collective_device(state.dp_group()))
-            dist.all_reduce(values, group=state.dp_group())
-            metrics = dict(zip(shares, values.tolist()))
-            metrics.update({"critic/lr": result["lr"],
-                            "critic/grad_norm": result["grad_norm"] if result["grad_norm"] is not None else float("nan")})
-            per_step.append(metrics)
-        return {key: float(np.mean([m[key] for m in per_step])) for key in per_step[0]}
+        metrics, _ = self.train_engine.train(updates, self.plan.micro_batching["critic_update"], self.request,
+                                             loss_fn, ("values", "returns"))
+        return metrics
 
     def save_checkpoint(self, folder: str, step: int) -> None:
         from meshrl.parallel.checkpoint import save_checkpoint
@@ -106,8 +79,8 @@ class CriticWorker(RankWorker):
 
 
 class CriticGroup(DispatchGroup):
-    def __init__(self, cfg, model_dir) -> None:
-        super().__init__(CriticWorker, cfg, model_dir, name="critic")
+    def __init__(self, cfg, plan, model_dir) -> None:
+        super().__init__(CriticWorker, cfg, plan, model_dir, name="critic")
 
     def compute_values(self, batch: Batch) -> Batch:
         needed = batch.select(["prompt_ids", "responses", "response_mask"])

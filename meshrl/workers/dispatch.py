@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from meshrl.config.run_plan import RunPlan
 from meshrl.config.validate import world_size
 from meshrl.data.dynamic_batching import balance_batch
 from meshrl.protocol import Batch
@@ -44,12 +45,13 @@ def use_cuda(cfg: DictConfig) -> bool:
 
 
 class DispatchGroup:
-    def __init__(self, worker_cls: type, cfg: DictConfig, model_dir, *, name: str) -> None:
+    def __init__(self, worker_cls: type, cfg: DictConfig, plan: RunPlan, model_dir, *, name: str) -> None:
         import ray
 
         from meshrl.workers.group import WorkerGroup
 
         self.cfg = cfg
+        self.plan = plan
         world = world_size(cfg)
         cuda = use_cuda(cfg)
         # On CPU the machine's cores are shared out between the ranks (Ray would pin each to 1 thread).
@@ -62,7 +64,7 @@ class DispatchGroup:
             timeout_s=cfg.trainer.worker_timeout_s,
             env_vars={"OMP_NUM_THREADS": str(threads), "MESHRL_THREADS": str(threads),
                       **{k: v for k, v in os.environ.items() if k.startswith(("MESHRL_", "VLLM_", "TORCHDYNAMO"))}},
-            init_kwargs={"cfg": OmegaConf.to_container(cfg, resolve=True), "model_dir": str(model_dir)},
+            init_kwargs={"cfg": OmegaConf.to_container(cfg, resolve=True), "model_dir": str(model_dir), "plan": plan},
         )
         try:
             address = ray.get(self.group.workers[0].address.remote(), timeout=cfg.trainer.worker_timeout_s)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from meshrl.config.run_plan import RunPlan
 from meshrl.runtime import configure_environment
 
 
@@ -29,12 +30,13 @@ class RankLayout:
 
 
 class RankWorker:
-    def __init__(self, rank: int, world_size: int, cfg: dict, model_dir: str) -> None:
+    def __init__(self, rank: int, world_size: int, cfg: dict, model_dir: str, plan: RunPlan) -> None:
         configure_environment()
         self.rank = rank
         self.world_size = world_size
         self.cfg_dict = cfg
         self.model_dir = model_dir
+        self.plan = plan  # the run's decisions (roles, widths, micro-batching), made once by the driver
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for the rendezvous (called on rank 0)."""

@@ -59,6 +59,28 @@ def build_micro_batch(batch: Batch, pad_id: int, response_fields: tuple[str, ...
     return micro
 
 
+def responses_batch(prompts: Batch, completions, n: int, width: int, pad_id: int) -> Batch:
+    """The RL batch of ``n`` completions per prompt, prompt-major (row = prompt · n + sample): the prompts'
+    fields repeated, ``responses`` (pad-filled), ``response_mask``, ``rollout_log_probs`` (B, ``width``) and
+    ``finish_reason``. Engines return completions in any order (vLLM: as they finish); each lands in its row."""
+    out = prompts.repeat_interleave(n) if n > 1 else prompts.take(np.arange(len(prompts)))
+    responses = torch.full((len(out), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(out), width), dtype=torch.float32)
+    log_probs = torch.zeros((len(out), width), dtype=torch.float32)
+    finish_reasons = [""] * len(out)
+    for c in completions:
+        row, length = c.prompt_index * n + c.sample_index, len(c.token_ids)
+        responses[row, :length] = torch.as_tensor(c.token_ids)
+        mask[row, :length] = 1.0
+        log_probs[row, :length] = torch.as_tensor(c.logprobs)
+        finish_reasons[row] = c.finish_reason
+    out.set("responses", responses)
+    out.set("response_mask", mask)
+    out.set("rollout_log_probs", log_probs)
+    out.set("finish_reason", finish_reasons)
+    return out
+
+
 def response_part(output: torch.Tensor, micro: dict[str, Any]) -> torch.Tensor:
     """The (b, R_mb) response columns of a (b, P + R_mb) parallel-layer output."""
     return output[:, micro[RESPONSE_START]:]

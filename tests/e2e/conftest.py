@@ -28,8 +28,7 @@ def train(tmp_path):
         run_dir = run_dir or tmp_path / "run"
         cfg = load_config([f"trainer.default_local_dir={run_dir}", f"custom_reward_function.path={reward}",
                            *overrides], recipe=recipe)
-        validate_config(cfg)
-        final = run_training(cfg)
+        final = run_training(cfg, validate_config(cfg))
         steps = {}
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():
             record = json.loads(line)

@@ -22,8 +22,10 @@ CASES = {
     "gpg": ["algorithm.adv_estimator=gpg", "actor_rollout_ref.actor.policy_loss.loss_mode=gpg",
             "actor_rollout_ref.actor.use_kl_loss=True"],
     "rloo": ["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive"],
+    # the critic on its own schedule (verl's critic.ppo_mini_batch_size / ppo_epochs): 2 epochs × 2 mini-batches
     "ppo": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=True", "critic.optim.lr=1e-4",
-            "actor_rollout_ref.rollout.n=1"],
+            "actor_rollout_ref.rollout.n=1", "critic.ppo_mini_batch_size=2", "critic.ppo_epochs=2",
+            "critic.shuffle=True"],
 }
 
 
@@ -49,6 +51,7 @@ def test_two_steps(train, name):
     assert "val/score" in second and "val/score" in steps[0]
     if name == "ppo":
         assert first["critic/grad_norm"] > 0 and "critic/vf_loss" in second
+        assert first["critic/optimizer_steps"] == 4 and first["actor/optimizer_steps"] == 1
     if name == "remax":
         assert "greedy_score/mean" in first
 

@@ -5,7 +5,8 @@ import torch
 
 from meshrl.config import load_config
 from meshrl.protocol import Batch
-from meshrl.trainer.rl_trainer import StepPlan, batch_metrics, on_policy_update
+from meshrl.config.run_plan import build_run_plan, on_policy_update
+from meshrl.trainer.rl_trainer import batch_metrics
 
 # One mini-batch of the whole batch (4 prompts), one epoch: the tiny recipe's on-policy form.
 ON_POLICY = ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=1"]
@@ -43,7 +44,8 @@ def _batch(with_old: bool) -> Batch:
 
 
 def test_log_prob_diagnostics_only_where_old_log_probs_exist():
-    plan = StepPlan(use_reference=True, use_critic=False, greedy_baseline=False, on_policy=True, total_steps=1)
+    plan = build_run_plan(load_config(ON_POLICY + ["actor_rollout_ref.actor.use_kl_loss=True"], recipe="cpu_tiny_grpo"))
+    assert plan.use_reference and plan.on_policy and not plan.use_critic
     with_old = batch_metrics(_batch(with_old=True), plan)
     assert with_old["actor/ref_kl_k1"] == pytest.approx(0.25)
     assert with_old["actor/ref_log_prob_max_abs_diff"] == pytest.approx(0.25)

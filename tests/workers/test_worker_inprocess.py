@@ -2,6 +2,7 @@
 each): asserts on its results."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -97,3 +98,25 @@ def test_remove_padding_packs_micro_batches_with_the_row_layouts_results(results
         assert r["log_prob_diff"] <= 0.05
         assert r["loss_diff"] <= 1e-3 * abs(r["loss"])
         assert r["grad_diff"] <= 2e-2 * r["grad_max_abs"]
+
+
+def verl_cosine_lr(step: int, lr: float, min_lr_ratio: float, warmup_ratio: float, total: int) -> float:
+    """verl's learning rate at RL step ``step`` (0-based) for ``warmup_style=cosine``, written from its
+    definition: linear warm-up from 0 over int(ratio·total) steps, then a half cosine to lr·min_lr_ratio."""
+    warmup = int(warmup_ratio * total)
+    if step < warmup:
+        return lr * step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return lr * max(min_lr_ratio, (1 + min_lr_ratio) / 2 + (1 - min_lr_ratio) / 2 * math.cos(math.pi * progress))
+
+
+def test_lr_schedule_steps_once_per_rl_step(results):
+    """Every optimizer step of RL step k (two mini-batches × two epochs here) uses verl's lr(k): the
+    schedule is sized in RL steps, so stepping it per mini-batch would run it four times too fast."""
+    r = results["lr_schedule"]
+    expected = [verl_cosine_lr(k, r["lr"], r["min_lr_ratio"], r["warmup_ratio"], r["total"]) for k in range(r["total"])]
+    assert len(set(expected)) == r["total"]  # warm-up, peak and decay are all visited
+    for k, lrs in enumerate(r["per_optimizer_step"]):
+        assert len(lrs) == 4
+        assert lrs == pytest.approx([expected[k]] * 4, rel=1e-9, abs=1e-15)
+    assert r["logged"] == pytest.approx(expected, rel=1e-9, abs=1e-15)

@@ -27,13 +27,15 @@ def make_worker(overrides: list[str]):
 
     from meshrl.config import load_config
     from meshrl.models.resolve import resolve_model_path
+    from meshrl.config.validate import validate_config
     from meshrl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     cfg = load_config(["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.use_kl_loss=True",
                        "actor_rollout_ref.actor.grad_clip=1e9", "actor_rollout_ref.actor.optim.lr=1e-3",
                        f"data.max_response_length={WIDTH}", *overrides], recipe="cpu_tiny_grpo")
     model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
-    worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg, resolve=True), str(model_dir))
+    worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg, resolve=True), str(model_dir),
+                                   validate_config(cfg))
     worker.setup(worker.address())
     return worker
 
@@ -157,17 +159,22 @@ def check_fixed_micro_batches(worker) -> dict:
     """use_dynamic_bsz=False: micro-batches of k sequences, against the token-budget split of the same batch."""
     from omegaconf import OmegaConf
 
+    from meshrl.config.run_plan import build_run_plan
+
     rows, k, k_log_prob = 10, 4, 3
     batch = make_batch(rows=rows, seed=3)
     batch = batch.union(worker.compute_log_probs(batch, model="ref"))
     budget = worker.compute_log_probs(batch, model="actor")["old_log_probs"]
     dynamic, _, g_dynamic = update(worker, batch, on_policy=True)
+    planned = worker.plan
     for key, value in (("actor.use_dynamic_bsz", False), ("actor.ppo_micro_batch_size_per_gpu", k),
                        ("rollout.log_prob_micro_batch_size_per_gpu", k_log_prob)):
         OmegaConf.update(worker.cfg, f"actor_rollout_ref.{key}", value)
+    worker.plan = build_run_plan(worker.cfg)  # the worker reads its micro-batching from the run plan
     counted, log_prob_plan = with_plan(lambda: worker.compute_log_probs(batch, model="actor")["old_log_probs"])
     fixed, _, g_fixed = update(worker, batch, on_policy=True)
     OmegaConf.update(worker.cfg, "actor_rollout_ref.actor.use_dynamic_bsz", True)
+    worker.plan = planned
     return {
         "rows": rows, "k": k,
         "micro_batches": fixed["dynamic_batch/num_micro_batches"],
@@ -216,20 +223,59 @@ def check_remove_padding(worker) -> dict:
 
 def with_plan(call):
     """(``call()``, the micro-batch plan the worker made inside it)."""
-    from meshrl.workers import actor_rollout_ref
+    from meshrl.workers import engine
 
-    split, plans = actor_rollout_ref.split_micro_batches, []
+    split, plans = engine.split_micro_batches, []
 
     def recording(*args, **kwargs):
         out = split(*args, **kwargs)
         plans.append(out[0])
         return out
 
-    actor_rollout_ref.split_micro_batches = recording
+    engine.split_micro_batches = recording
     try:
         return call(), plans[0]
     finally:
-        actor_rollout_ref.split_micro_batches = split
+        engine.split_micro_batches = split
+
+
+def check_lr_schedule(worker, rl_steps: int = 4) -> dict:
+    """verl's optimizer keys (cosine after a warm-up ratio, min_lr_ratio) on an update of several
+    mini-batches and epochs per RL step: the learning rate of every optimizer step, by RL step."""
+    from omegaconf import OmegaConf
+
+    from meshrl.algorithms import GlobalNorm
+    from meshrl.parallel.optimizer import build_optimizer
+    from meshrl.workers.actor_rollout_ref import optimizer_config
+
+    optim = OmegaConf.create({**OmegaConf.to_container(worker.cfg.actor_rollout_ref.actor.optim),
+                              "lr": 1e-3, "lr_warmup_steps_ratio": 0.25, "warmup_style": "cosine",
+                              "min_lr_ratio": 0.1, "total_training_steps": rl_steps})
+    saved = (worker.optimizer, worker.scheduler, weights(worker))
+    worker.optimizer, worker.scheduler = build_optimizer(worker.policy, optimizer_config(optim, 1e9, False))
+    worker.train_engine.optimizer, worker.train_engine.scheduler = worker.optimizer, worker.scheduler
+    seen, step = [], worker.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        seen[-1].append(worker.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    worker.optimizer.step = recording_step
+    batch = make_batch(rows=8, seed=5)
+    batch = batch.union(worker.compute_log_probs(batch, model="actor")).union(worker.compute_log_probs(batch, model="ref"))
+    halves = [batch.take(list(range(0, 4))), batch.take(list(range(4, 8)))]
+    logged = []
+    for _ in range(rl_steps):
+        seen.append([])
+        # two mini-batches × two epochs: four optimizer steps in one RL step
+        updates = [(half, GlobalNorm.from_mask(half["response_mask"], max_len=WIDTH)) for half in halves] * 2
+        metrics, _ = worker.update(updates)
+        logged.append(metrics["actor/lr"])
+    worker.optimizer, worker.scheduler, before = saved
+    worker.train_engine.optimizer, worker.train_engine.scheduler = worker.optimizer, worker.scheduler
+    restore(worker, before)
+    return {"lr": 1e-3, "min_lr_ratio": 0.1, "warmup_ratio": 0.25, "total": rl_steps,
+            "per_optimizer_step": seen, "logged": logged}
 
 
 def check_checkpoint(worker, folder: Path) -> dict:
@@ -269,6 +315,7 @@ def main() -> None:
     results = {"on_policy": check_on_policy(worker), "precision": check_precision(worker),
                "fixed_micro_batches": check_fixed_micro_batches(worker),
                "remove_padding": check_remove_padding(worker),
+               "lr_schedule": check_lr_schedule(worker),
                "checkpoint": check_checkpoint(worker, args.out.parent / f"ckpt-{args.dtype}")}
     worker.shutdown_engine()
     args.out.write_text(json.dumps(results, indent=1))

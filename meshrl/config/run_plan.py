@@ -1,0 +1,203 @@
+"""The run plan: every decision a run makes from its config, derived once and checked at load time.
+
+The trainer, the workers, ``meshrl plan`` and validation read a ``RunPlan`` instead of re-deriving
+decisions from raw strings. ``build_run_plan(cfg)`` resolves the method names against the algorithm
+registries (a typo fails here with a did-you-mean, before Ray, models or a rollout start) and decides:
+
+- **roles**: the policy always; the reference when a KL term is used (``algorithm.use_kl_in_reward`` or
+  ``actor.use_kl_loss``); the critic when the advantage estimator takes ``values`` (GAE); the greedy
+  baseline rollout when it takes ``greedy_scores`` (ReMax). Read from the estimator's signature, so a
+  user's ``module:function`` estimator gets the roles it asks for.
+- **where KL goes**: the reward (``kl_in_reward``: its penalty type) and/or the loss (``kl_loss``: its type).
+- **response width** ``response_length``: the rollout's (``rollout.response_length``, else
+  ``data.max_response_length``), the one width of every ``(B, R)`` tensor — actor, critic and the loss
+  normalisers alike (verl's width is its rollout's, too).
+- **parallel layout per role**, the **mini-batch schedule** of each trained role (the critic's own
+  ``ppo_mini_batch_size`` / ``ppo_epochs`` / ``shuffle``, each defaulting to the actor's as in verl),
+  the **micro-batching** of every phase the run has, and the sampling ``temperature`` the trained
+  log-probs are evaluated at.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig
+
+from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, POLICY_LOSSES, Registry
+from meshrl.config.loader import ConfigError
+from meshrl.config.micro_batching import MicroBatching, data_parallel_size, micro_batching
+
+# Batch fields the trainer can hand an estimator, and the roles that produce them.
+ESTIMATOR_BATCH_INPUTS = {"uid": None, "values": "critic", "greedy_scores": "greedy_baseline"}
+# Config values the trainer hands every estimator that names them (meshrl.trainer.advantage).
+ESTIMATOR_CONFIG_INPUTS = ("gamma", "lam", "norm_adv_by_std_in_grpo", "norm_by_std", "gpg_alpha_mode")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """One role's model-parallel layout over the run's training processes."""
+
+    tensor: int
+    pipeline: int
+    virtual_pipeline: int | None
+    context: int
+    expert: int
+    data: int
+
+
+@dataclass(frozen=True)
+class UpdateSchedule:
+    """How a trained role's update cuts the RL batch: ``epochs`` passes over mini-batches of
+    ``mini_batch_responses`` responses (``ppo_mini_batch_size`` prompts × ``rollout.n``), reshuffled
+    every pass when ``shuffle``. One optimizer step per mini-batch; the LR schedule advances once per RL step."""
+
+    mini_batch_responses: int
+    epochs: int
+    shuffle: bool
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    adv_estimator: str
+    policy_loss: str
+    loss_agg_mode: str
+    kl_in_reward: str | None  # the reward's KL penalty type, None: no KL in the reward
+    kl_loss: str | None  # the loss's KL type, None: no KL loss
+    use_critic: bool
+    greedy_baseline: bool
+    response_length: int
+    prompt_length: int
+    temperature: float  # the sampling temperature: trained log-probs are those of softmax(logits / T)
+    actor_layout: ParallelLayout
+    critic_layout: ParallelLayout | None
+    rollout_tensor_parallel: int
+    on_policy: bool  # no old-log-prob pass: the update's forward gives logπ_θ = logπ_old (on_policy_update)
+    actor_update: UpdateSchedule
+    critic_update: UpdateSchedule | None
+    micro_batching: dict[str, MicroBatching] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()  # said once at start-up (meshrl.trainer.main)
+
+    @property
+    def use_reference(self) -> bool:
+        return self.kl_in_reward is not None or self.kl_loss is not None
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ("policy", "rollout") + (("reference",) if self.use_reference else ()) \
+            + (("critic",) if self.use_critic else ()) + (("greedy_baseline",) if self.greedy_baseline else ())
+
+
+def _resolve(registry: Registry, name: str, key: str, problems: list[str]) -> bool:
+    try:
+        registry.get(name)
+    except ValueError as exc:
+        problems.append(f"{key}: {exc}")
+        return False
+    return True
+
+
+def estimator_inputs(name: str) -> tuple[str, ...]:
+    """The keyword inputs estimator ``name`` requires (no default), e.g. ``('values',)`` for GAE."""
+    parameters = list(inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters.values())[2:]
+    return tuple(p.name for p in parameters
+                 if p.default is inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_KEYWORD)
+
+
+def method_problems(cfg: DictConfig) -> list[str]:
+    """Every method name of ``cfg`` that no registry knows, and estimator inputs meshrl cannot provide."""
+    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    problems: list[str] = []
+    if _resolve(ADVANTAGE_ESTIMATORS, algo.adv_estimator, "algorithm.adv_estimator", problems):
+        known = set(ESTIMATOR_BATCH_INPUTS) | set(ESTIMATOR_CONFIG_INPUTS)
+        missing = [name for name in estimator_inputs(algo.adv_estimator) if name not in known]
+        if missing:
+            problems.append(f"algorithm.adv_estimator: '{algo.adv_estimator}' needs {', '.join(missing)}, which meshrl "
+                            f"does not provide; an estimator may take {', '.join(sorted(known))}")
+    _resolve(POLICY_LOSSES, actor.policy_loss.loss_mode, "actor_rollout_ref.actor.policy_loss.loss_mode", problems)
+    _resolve(KL_PENALTIES, algo.kl_penalty, "algorithm.kl_penalty", problems)
+    _resolve(KL_PENALTIES, actor.kl_loss_type, "actor_rollout_ref.actor.kl_loss_type", problems)
+    return problems
+
+
+def _layout(cfg: DictConfig, critic: bool) -> ParallelLayout:
+    mg = (cfg.critic if critic else cfg.actor_rollout_ref.actor).megatron
+    return ParallelLayout(tensor=mg.tensor_model_parallel_size, pipeline=mg.pipeline_model_parallel_size,
+                          virtual_pipeline=mg.virtual_pipeline_model_parallel_size, context=mg.context_parallel_size,
+                          expert=mg.expert_model_parallel_size, data=data_parallel_size(cfg, critic=critic))
+
+
+def build_run_plan(cfg: DictConfig) -> RunPlan:
+    """The ``RunPlan`` of ``cfg``; raises ``ConfigError`` listing unknown method names and unbuildable phases."""
+    plan, problems = check_run_plan(cfg)
+    if problems:
+        raise ConfigError("invalid configuration ({} problem(s)):\n  - {}".format(len(problems), "\n  - ".join(problems)))
+    return plan
+
+
+def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
+    """(the plan, []) or (None, every problem found: method names, then micro-batching of each phase)."""
+    problems = method_problems(cfg)
+    if problems:
+        return None, problems
+    algo, data, arr = cfg.algorithm, cfg.data, cfg.actor_rollout_ref
+    actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
+    needs = estimator_inputs(algo.adv_estimator)
+    use_critic = "values" in needs
+    width = rollout.response_length or data.max_response_length
+    warnings = []
+    if rollout.response_length is not None and rollout.response_length != data.max_response_length:
+        warnings.append(f"actor_rollout_ref.rollout.response_length={rollout.response_length} sets the response "
+                        f"width of every role (data.max_response_length={data.max_response_length} is not used), "
+                        "as in verl")
+    n = rollout.n
+    actor_update = UpdateSchedule(actor.ppo_mini_batch_size * n, actor.ppo_epochs, bool(actor.shuffle))
+    critic_update = None
+    if use_critic:
+        critic_update = UpdateSchedule(
+            (critic.ppo_mini_batch_size if critic.ppo_mini_batch_size is not None else actor.ppo_mini_batch_size) * n,
+            critic.ppo_epochs if critic.ppo_epochs is not None else actor.ppo_epochs,
+            bool(critic.shuffle if critic.shuffle is not None else actor.shuffle))
+    kl_in_reward = algo.kl_penalty if algo.use_kl_in_reward else None
+    kl_loss = actor.kl_loss_type if actor.use_kl_loss else None
+    phases = ["actor_update", "actor_log_prob"] + (["ref_log_prob"] if kl_in_reward or kl_loss else []) \
+        + (["critic_update", "critic_values"] if use_critic else [])
+    batching, phase_problems = {}, []
+    for phase in phases:
+        try:
+            batching[phase] = micro_batching(cfg, phase, data_parallel_size(cfg, critic=phase.startswith("critic")))
+        except ValueError as exc:
+            phase_problems.append(str(exc))
+    if phase_problems:
+        return None, phase_problems
+    return RunPlan(
+        adv_estimator=algo.adv_estimator, policy_loss=actor.policy_loss.loss_mode, loss_agg_mode=actor.loss_agg_mode,
+        kl_in_reward=kl_in_reward, kl_loss=kl_loss, use_critic=use_critic,
+        greedy_baseline="greedy_scores" in needs, response_length=int(width),
+        prompt_length=int(rollout.prompt_length or data.max_prompt_length), temperature=float(rollout.temperature),
+        actor_layout=_layout(cfg, critic=False), critic_layout=_layout(cfg, critic=True) if use_critic else None,
+        rollout_tensor_parallel=rollout.tensor_model_parallel_size, on_policy=on_policy_update(cfg),
+        actor_update=actor_update,
+        critic_update=critic_update, micro_batching=batching, warnings=tuple(warnings),
+    ), []
+
+
+def on_policy_update(cfg: DictConfig) -> bool:
+    """Whether the actor update is exactly on-policy, so the old-log-prob forward pass is skipped.
+
+    On-policy ⇔ ``ppo_epochs = 1`` and one mini-batch holds every response
+    (``ppo_mini_batch_size·n = train_batch_size·n``): the RL step's one optimizer step differentiates the
+    very policy that the old log-probs would be recomputed from, so logπ_old = logπ_θ.detach() exactly
+    (ratio ρ = 1; every policy loss then has the gradient it has with the recompute, up to rounding).
+    Not when KL is in the reward (``algorithm.use_kl_in_reward`` reads the old log-probs before the
+    advantages, hence before the update), nor with ``actor.skip_on_policy_old_log_prob=False``.
+
+    The skipped log-probs still exist: the update returns those of its forward pass (the policy before
+    the step) as ``old_log_probs``, so the diagnostics that read them are computed as with the recompute;
+    a step without an actor update (``trainer.critic_warmup``) has none and logs none.
+    """
+    actor = cfg.actor_rollout_ref.actor
+    return bool(actor.skip_on_policy_old_log_prob and actor.ppo_epochs == 1
+                and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+                and not cfg.algorithm.use_kl_in_reward)

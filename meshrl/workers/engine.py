@@ -1,0 +1,119 @@
+"""The training engine every trained role shares (policy, critic; a reward model or LoRA adapters next).
+
+One RL step's update of a role, given its mini-batches (each a DP shard with the mini-batch's global
+normaliser ``GlobalNorm``, from ``meshrl.trainer.rl_trainer.mini_batches``)::
+
+    for (shard, norm) in mini-batches:                 one optimizer step each
+        micro-batches ← split(shard)                   token budget or count; the same count on every DP rank
+        loss ← Σ_k loss_fn(outputs_k, micro_k, norm)   each share already divided by the mini-batch's normaliser
+        clip, step
+        metrics ← Σ over micro-batches, all-reduced over DP ranks (exact mini-batch values)
+    schedule.advance()                                 once per RL step, as verl: every mini-batch uses lr(step)
+
+and the forward-only passes (log-probs, values): split → forward → the response columns, in row order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from meshrl.config.micro_batching import MicroBatching
+from meshrl.protocol import Batch
+from meshrl.workers.objectives import sum_metrics
+from meshrl.workers.sequences import gather_response_outputs, response_part, split_micro_batches
+
+# Key of a micro-batch's position in its mini-batch, for loss functions that hand outputs back.
+MICRO_INDEX = "micro_index"
+
+RoleLoss = Callable[[dict[str, torch.Tensor], dict[str, Any], Any], tuple[torch.Tensor, dict[str, Any]]]
+
+
+@dataclass
+class MiniBatchSplit:
+    """How one DP shard of a mini-batch was cut: the plan, each micro-batch's rows, the micro-batch dicts."""
+
+    plan: Any
+    rows: list[Batch]
+    micros: list[dict[str, Any]]
+
+    def gather(self, parts: list[torch.Tensor], width: int) -> torch.Tensor:
+        """Per-micro-batch response outputs → (B, width) in the shard's row order."""
+        return gather_response_outputs(parts, self.plan, self.rows, width)
+
+
+@dataclass
+class TrainingEngine:
+    """A model's chunks with their optimizer and LR schedule, trained and evaluated on RL batches."""
+
+    role: str  # "actor" | "critic": metric prefix and error messages
+    chunks: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    pad_id: int
+    min_micro: int  # micro-batches per step at least (a pipeline needs one per stage)
+    hint: str = ""  # what to check when the loss is not finite
+
+    def split(self, shard: Batch, batching: MicroBatching, response_fields: tuple[str, ...] = ()) -> MiniBatchSplit:
+        from meshrl.parallel import state
+
+        plan, rows, micros = split_micro_batches(shard, batching, state.dp_group(), self.pad_id,
+                                                 response_fields=response_fields, min_micro=self.min_micro)
+        for index, micro in enumerate(micros):
+            micro[MICRO_INDEX] = index
+        return MiniBatchSplit(plan, rows, micros)
+
+    def forward(self, shard: Batch, batching: MicroBatching, request, output: str, width: int,
+                chunks: list[torch.nn.Module] | None = None) -> torch.Tensor:
+        """Forward-only ``output`` (``log_probs`` / ``values``) of the shard's responses, (B, ``width``: the
+        run's response width), row order; ``chunks`` runs another model on the same split (the reference)."""
+        from meshrl.parallel.schedule import forward_only
+
+        split = self.split(shard, batching)
+        outputs = forward_only(chunks if chunks is not None else self.chunks, split.micros, request)
+        return split.gather([response_part(o[output], m) for o, m in zip(outputs, split.micros)], width)
+
+    def train(self, updates: list[tuple[Batch, Any]], batching: MicroBatching, request, loss_fn: RoleLoss,
+              response_fields: tuple[str, ...]) -> tuple[dict[str, float], list[MiniBatchSplit]]:
+        """One optimizer step per (shard, norm) in ``updates``, then one schedule step; (metrics averaged
+        over the optimizer steps, plus ``<role>/optimizer_steps``; each shard's split)."""
+        import torch.distributed as dist
+
+        from meshrl.parallel import state
+        from meshrl.parallel.optimizer import advance_schedule, train_step
+
+        per_step, splits = [], []
+        for shard, norm in updates:
+            split = self.split(shard, batching, response_fields)
+
+            def checked_loss(outputs, micro, norm=norm):
+                loss, metrics = loss_fn(outputs, micro, norm)
+                if not torch.isfinite(loss):
+                    # Raised before backward: the optimizer never sees the NaN and the weights stay intact.
+                    raise FloatingPointError(
+                        f"{self.role} loss is {loss.item()} (metrics: { {k: float(v) for k, v in metrics.items()} }); "
+                        f"{self.hint}")
+                return loss, metrics
+
+            result = train_step(self.chunks, self.optimizer, None, split.micros, checked_loss, request)
+            shares = sum_metrics(result["metrics"])
+            # Metric shares of this DP rank's micro-batches add up to the mini-batch value over ranks.
+            values = torch.tensor(list(shares.values()), dtype=torch.float64,
+                                  device=state.collective_device(state.dp_group()))
+            dist.all_reduce(values, group=state.dp_group())
+            metrics = dict(zip(shares, values.tolist()))
+            grad_norm = result["grad_norm"] if result["grad_norm"] is not None else float("nan")
+            metrics.update({f"{self.role}/loss": result["loss"], f"{self.role}/lr": result["lr"],
+                            f"{self.role}/grad_norm": grad_norm})
+            # The actor's micro-batching keeps verl's metric names; other roles' carry their role.
+            metrics.update(split.plan.metrics("dynamic_batch/" if self.role == "actor" else f"{self.role}/dynamic_batch/"))
+            per_step.append(metrics)
+            splits.append(split)
+        advance_schedule(self.scheduler)
+        mean = {key: float(np.mean([m[key] for m in per_step])) for key in per_step[0]}
+        # epochs × mini-batches: shows that the role's own ppo_epochs / ppo_mini_batch_size took effect
+        mean[f"{self.role}/optimizer_steps"] = float(len(per_step))
+        return mean, splits
