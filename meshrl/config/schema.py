@@ -211,6 +211,9 @@ class RolloutConfig:
     enable_chunked_prefill: bool = True
     disable_log_stats: bool = True
     calculate_log_probs: bool = False
+    # Which log-probs of the sampled tokens the engine returns (rollout_log_probs): processed_logprobs
+    # (verl's default; after temperature, top-k, top-p) or raw_logprobs (temperature 1); see meshrl.rollout.
+    logprobs_mode: str = "processed_logprobs"
     log_prob_micro_batch_size: Optional[int] = None
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: Optional[bool] = None

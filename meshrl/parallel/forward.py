@@ -3,9 +3,14 @@
 Alignment convention (every output is ``[batch, seq]``, like the micro-batch's ``input_ids``):
 ``out[b, t]`` concerns token ``t`` and is computed from tokens ``< t`` of the same row:
 
-- ``log_probs[b, t] = log pi(input_ids[b, t] | input_ids[b, <t])``
+- ``log_probs[b, t] = log pi_T(input_ids[b, t] | input_ids[b, <t])``
 - ``entropy[b, t]``  = entropy of that next-token distribution
 - ``values[b, t]``   = critic value of the prefix before token ``t`` (the state that emits it)
+
+where ``pi_T = softmax(logits / T)`` at the request's temperature ``T`` (:class:`OutputRequest`): RL
+evaluates the policy on samples drawn at the rollout's temperature, so old, reference and updated
+log-probs, KL and entropy all use that distribution (verl divides by ``rollout.temperature`` in the
+same three places). Critic values do not depend on it.
 
 Positions without a prediction (the first valid token of a row, padding) are 0.
 
@@ -33,11 +38,13 @@ token.
 
 Full-vocabulary logits are never materialised on one rank: log-probs use megatron's
 ``vocab_parallel_cross_entropy`` and entropy uses ``vocab_parallel_entropy`` below, both reducing over
-the TP group, both differentiable, both from the logits upcast to fp32 whatever the model's dtype.
+the TP group, both differentiable, both from the logits upcast to fp32 whatever the model's dtype and
+divided by the temperature in place (no further copy of the ``[tokens, V/TP]`` logits).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -187,14 +194,28 @@ def unpack(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class OutputRequest:
-    """What the last stage computes from the model output (``temperature`` divides the logits), and the
-    layout every stage runs: ``remove_padding`` packs each micro-batch (:func:`pack_thd`), else
-    :func:`trim_rows`. Outputs are the same ``[B, S]`` tensors either way."""
+    """What the last stage computes from the model output, and the layout every stage runs:
+    ``remove_padding`` packs each micro-batch (:func:`pack_thd`), else :func:`trim_rows`. Outputs are the
+    same ``[B, S]`` tensors either way.
+
+    ``temperature`` T > 0: ``log_probs = log_softmax(logits / T)[target]`` and
+    ``entropy = -sum_i p_i log p_i`` with ``p = softmax(logits / T)``; gradients flow through the
+    division (d/dlogits = (1/T) d/d(logits/T)). Pass the temperature the evaluated tokens were sampled
+    at (the rollout's). Critic values ignore it.
+    """
 
     log_probs: bool = True
     entropy: bool = False
     temperature: float = 1.0
     remove_padding: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"OutputRequest.temperature must be a finite number > 0, got {self.temperature}: log-probs "
+                "are those of softmax(logits / temperature), and temperature 0 is greedy decoding, whose "
+                "argmax tokens have no sampling distribution to train on; pass the temperature the "
+                "rollout sampled with")
 
 
 def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: OutputRequest,
@@ -208,7 +229,10 @@ def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: Ou
     # share this one copy (a no-op for fp32 models); the bf16 logits' own rounding remains.
     logits = model_output.float()
     if request.temperature != 1.0:
-        logits = logits / request.temperature
+        # In place, so no second [tokens, V/TP] fp32 tensor: autograd allows it because neither the
+        # output layer's backward nor the division's needs these values (both functions below save
+        # their own results, not their input).
+        logits.div_(request.temperature)
     outputs = {}
     if request.entropy:
         outputs["entropy"] = unpack(vocab_parallel_entropy(logits), inputs)

@@ -9,9 +9,20 @@ trainer runs. Two engines implement it:
 - ``hf`` (``meshrl.rollout.hf_engine``): transformers ``generate``, a named fallback for platforms
   without vLLM. Selecting ``vllm`` where vLLM cannot be imported is an error, never a silent switch.
 
-Log-probabilities are those of the *unmodified* policy, ``log softmax(logits)`` at temperature 1,
-before temperature, top-k or top-p: the quantity the trainer recomputes for importance ratios, so at
-step 0 the two agree up to numerics (see ``vllm_engine`` for the alternative and when it is right).
+Log-probabilities of the sampled tokens (``Completion.logprobs``, the trainer's ``rollout_log_probs``)
+follow ``EngineConfig.logprobs_mode`` (verl's ``rollout.logprobs_mode``, values named as vLLM names them):
+
+- ``processed_logprobs`` (default, verl's): the distribution the token was drawn from,
+  ``log softmax(logits / T)`` renormalised over the tokens top-k and top-p keep
+  (``logits[y] / T - logsumexp_{i kept}(logits[i] / T)``). Without top-k/top-p it is what the trainer
+  recomputes at the rollout temperature (``OutputRequest.temperature``), so at step 0 the two agree up
+  to numerics; with truncation it exceeds that by ``-log(probability mass kept)``.
+- ``raw_logprobs``: the unmodified policy, ``log softmax(logits)`` at temperature 1, whatever the
+  sampling settings.
+
+Greedy requests (temperature 0) report ``log softmax(logits)`` in both modes (as vLLM does).
+vLLM's other two modes (``raw_logits``, ``processed_logits``) return logits, not log-probabilities, and
+are refused.
 
 A response is the sampled tokens up to and including the first stop token (the model's EOS ids plus
 ``SamplingConfig.stop_token_ids``): ``finish_reason`` is ``"stop"`` then, ``"length"`` when
@@ -39,8 +50,9 @@ if TYPE_CHECKING:
     from meshrl.rollout.weight_sync import SyncStats
 
 ENGINE_NAMES = ("vllm", "hf")
-# The two vLLM log-prob modes that are probabilities (the others return logits); see vllm_engine.
+# vLLM's log-prob modes that are log-probabilities; its other two return logits (see the module doc).
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+LOGITS_MODES = ("raw_logits", "processed_logits")
 
 
 class EngineUnavailableError(RuntimeError):
@@ -104,7 +116,8 @@ class SamplingConfig:
         Reads ``n``, ``temperature``, ``top_p``, ``top_k``, ``do_sample`` (False = greedy),
         ``response_length``, ``ignore_eos`` and ``seed``; with ``validation=True`` the sampling keys
         come from ``rollout.val_kwargs`` instead. ``max_response_length`` fills in a ``None``
-        ``response_length`` (verl: ``data.max_response_length``).
+        ``response_length`` (verl: ``data.max_response_length``). ``rollout.logprobs_mode`` is not a
+        sampling key: vLLM fixes it per engine, so ``EngineConfig.from_rollout`` reads it.
         """
         get = _getter(rollout)
         if validation and get("val_kwargs") is None:
@@ -133,8 +146,8 @@ class EngineConfig:
       on CPU prompts are never split across steps, see ``vllm_engine``).
     - ``kv_cache_memory_bytes`` (CPU; None = 1 GiB) / ``gpu_memory_utilization`` (CUDA).
     - ``enforce_eager``: None = True on CPU (the only exact mode there), False (CUDA graphs) on CUDA.
-    - ``logprobs_mode``: ``raw_logprobs`` (the policy at temperature 1; default) or
-      ``processed_logprobs`` (the distribution actually sampled from, after temperature/top-k/top-p).
+    - ``logprobs_mode``: ``processed_logprobs`` (default; the distribution sampled from, after
+      temperature, top-k and top-p) or ``raw_logprobs`` (the policy at temperature 1); see the module doc.
     - ``in_process``: vLLM's engine core in this process (colocation; required when
       ``torch.distributed`` is initialised) or in a child process (a standalone engine).
     - ``free_cache_engine``: sleep the engine (release KV cache, offload weights) between rollouts;
@@ -155,7 +168,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool | None = None
     enable_prefix_caching: bool = True
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: str = "processed_logprobs"
     in_process: bool = True
     free_cache_engine: bool = True
     sleep_level: int = 1
@@ -166,8 +179,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.name not in ENGINE_NAMES:
             raise ValueError(f"rollout.name must be one of {ENGINE_NAMES}, got {self.name!r}")
+        if self.logprobs_mode in LOGITS_MODES:
+            raise ValueError(f"rollout.logprobs_mode={self.logprobs_mode} makes the engine return logits, but "
+                             "meshrl stores the sampled tokens' log-probabilities (rollout_log_probs); use "
+                             f"one of {LOGPROBS_MODES}")
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+            raise ValueError(f"rollout.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
         for key in ("tensor_model_parallel_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",

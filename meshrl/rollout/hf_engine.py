@@ -6,9 +6,11 @@ with ``model.generate`` and its KV cache.
 
 Log-probs: ``generate`` can return every step's raw logits, but that is steps x batch x vocab floats
 (3 GB for 64 x 256 x 49k). Instead one logits processor, the only one in the list, sees the raw
-logits of each step first: it keeps their ``log_softmax`` until the next step reveals which token was
-chosen, and it applies temperature, top-k and top-p itself, so ``generate`` samples from exactly
-the distribution vLLM would. Memory: one batch x vocab matrix.
+logits of each step first and applies temperature, top-k and top-p itself, so ``generate`` samples
+from exactly the distribution vLLM would. It keeps the ``log_softmax`` of the raw logits
+(``raw_logprobs``) or of those processed ones (``processed_logprobs``: removed tokens are -inf, so it
+renormalises over the kept ones, as vLLM does) until the next step reveals which token was chosen.
+Memory: one batch x vocab matrix.
 
 Seeding: ``generate`` samples with torch's global RNG, so each micro-batch runs inside a forked RNG
 seeded from the call's per-prompt seeds; the global RNG is untouched. The same seed gives the same
@@ -25,18 +27,22 @@ import torch
 from meshrl.rollout.base import Completion, EngineConfig, RolloutEngine, SamplingConfig, default_dp_rank
 
 
-class _RawLogprobsAndWarp:
-    """A ``generate`` logits processor: records raw log-probs of chosen tokens, returns warped scores."""
+class _LogprobsAndWarp:
+    """A ``generate`` logits processor: records the chosen tokens' log-probs of ``logprobs_mode`` (see the
+    module docstring), returns warped scores."""
 
-    def __init__(self, sampling: SamplingConfig) -> None:
+    def __init__(self, sampling: SamplingConfig, logprobs_mode: str) -> None:
         self.sampling = sampling
+        self.processed = logprobs_mode == "processed_logprobs"
         self.chosen_logprobs: list[torch.Tensor] = []
         self._previous: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self._record(input_ids[:, -1])
-        self._previous = torch.log_softmax(scores.float(), dim=-1)
-        return scores if self.sampling.greedy else _warp(scores, self.sampling)
+        # Greedy scores are never processed: both modes report log softmax(logits) then, like vLLM.
+        warped = scores if self.sampling.greedy else _warp(scores, self.sampling)
+        self._previous = torch.log_softmax((warped if self.processed else scores).float(), dim=-1)
+        return warped
 
     def _record(self, chosen: torch.Tensor) -> None:
         if self._previous is not None:
@@ -115,7 +121,7 @@ class HFEngine(RolloutEngine):
         for row, prompt in enumerate(batch):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
-        recorder = _RawLogprobsAndWarp(sampling)
+        recorder = _LogprobsAndWarp(sampling, self.config.logprobs_mode)
         stops = self.stop_token_ids(sampling)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):

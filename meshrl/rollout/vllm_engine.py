@@ -29,12 +29,21 @@ Without a world (a standalone engine) vLLM creates a private one-rank group; ini
 engines on 2 and 4 ranks next to Megatron at training TP 2, PP 2 and TP 2 x PP 2 (weights streamed
 by ``iter_hf_weights``), and one inference-TP-2 replica over 2 ranks.
 
-**Log-probs.** ``logprobs=0`` returns the log-prob of each sampled token. vLLM's ``logprobs_mode``
-decides of which distribution: ``raw_logprobs`` (default here) is ``log softmax(logits)`` before any
-processing — the policy at temperature 1, what the trainer recomputes, so importance ratios start at
-1 up to numerics (checked: matches HF to ~2e-6 also when sampling at temperature 0.7 with top-k).
-``processed_logprobs`` is the distribution the token was actually drawn from (after temperature,
-top-k, top-p); use it for a behaviour-policy correction when sampling with T != 1 or truncation.
+**Log-probs.** ``logprobs=0`` returns the log-prob of each sampled token; ``EngineConfig.logprobs_mode``
+is passed to ``LLM(logprobs_mode=...)``, an engine-wide setting (vLLM has no per-request one), and
+decides of which distribution (``meshrl.rollout.base`` has the contract). What vLLM 0.32's sampler
+(``vllm/v1/sample/sampler.py``, ``ops/topk_topp_sampler.py``; the V2 GPU runner's sampler likewise)
+does per step: ``raw_logprobs`` is ``log_softmax`` of the model's logits before anything else.
+``processed_logprobs`` is ``log_softmax`` of the logits the token is drawn from, after, in order: the
+allowed-token/bad-word masks, min-tokens, logit bias and repetition/frequency/presence penalties
+(none of which meshrl sets), temperature (division), min-p, then top-k and top-p, which set the
+tokens they drop to -inf, so the log-softmax renormalises over the kept tokens. Greedy requests skip
+temperature and truncation: both modes give ``log_softmax(logits)``. On CUDA, processed modes keep
+vLLM off FlashInfer's sampler (it cannot return them); per-request seeds already do. Checked on CPU
+against HF's forward on the same tokens at temperature 0.7: processed equals
+``log_softmax(logits / 0.7)`` (top-k: renormalised over the top k) and raw equals
+``log_softmax(logits)``, within 5e-6 (``tests/rollout/test_vllm_engine.py``); top-k 50 with top-p 0.95
+matches HF's top-p-renormalised log-softmax as closely.
 
 **Containing in-process side effects.** Creating the engine seeds Python's, NumPy's and torch's
 global RNGs, sets torch to one thread and replaces ``torch.set_num_threads`` with a no-op (CPU

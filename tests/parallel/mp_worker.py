@@ -114,8 +114,9 @@ def critic_loss(outputs: dict, mb: dict):
     return (((outputs["values"] - mb["returns"]) ** 2) * m).sum() / mb["n_global"], {}
 
 
-def hf_outputs(model, mb: dict, critic: bool) -> dict:
-    """HF outputs in meshrl's alignment: position t from the previous valid position."""
+def hf_outputs(model, mb: dict, critic: bool, temperature: float = 1.0) -> dict:
+    """HF outputs in meshrl's alignment: position t from the previous valid position; the policy's from
+    ``log_softmax(logits / temperature)``."""
     ids, mask = mb["input_ids"], mb["attention_mask"]
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions)
@@ -127,7 +128,7 @@ def hf_outputs(model, mb: dict, critic: bool) -> dict:
     if critic:
         values = out.logits.squeeze(-1).gather(1, src)
         return {"values": torch.where(has_prev, values, torch.zeros_like(values))}
-    logp = torch.log_softmax(out.logits.float(), dim=-1)
+    logp = torch.log_softmax(out.logits.float() / temperature, dim=-1)
     rows = logp.gather(1, src.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
     lp = rows.gather(2, ids.unsqueeze(-1)).squeeze(-1)
     ent = -(rows.exp() * rows).sum(-1)
@@ -143,13 +144,13 @@ def hf_model(path: Path, critic: bool):
     return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kwargs)
 
 
-def hf_reference(path: Path, batches: list[dict], critic: bool):
+def hf_reference(path: Path, batches: list[dict], critic: bool, temperature: float = 1.0):
     """(per-micro-batch outputs, loss, grads by HF name) of the HF model on ``batches``."""
     model = hf_model(path, critic)
     loss_fn = critic_loss if critic else policy_loss
     outputs, total = [], 0.0
     for mb in batches:
-        out = hf_outputs(model, mb, critic)
+        out = hf_outputs(model, mb, critic, temperature)
         loss, _ = loss_fn(out, mb)
         loss.backward()
         total += float(loss)
@@ -206,17 +207,17 @@ def my_batches(items: list) -> list:
     return items[:2] if state.dp_rank() == 0 else items[2:]
 
 
-def check_parity(path: Path, critic: bool) -> dict:
+def check_parity(path: Path, critic: bool, temperature: float = 1.0) -> dict:
     """Outputs, loss and grads against HF, in the row layout and packed (THD, ``packed.*`` keys), and the
-    packed outputs against the row layout's (``packed_vs_rows``)."""
+    packed outputs against the row layout's (``packed_vs_rows``); the policy's at ``temperature``."""
     batches = make_micro_batches()
-    ref_out, ref_loss, ref_grads = hf_reference(path, batches, critic)
+    ref_out, ref_loss, ref_grads = hf_reference(path, batches, critic, temperature)
     mine, mine_ref = my_batches(batches), my_batches(ref_out)
     chunks = build(path, critic)
     result, rows_out = {}, None
     for remove_padding in (False, True):
         prefix = "packed." if remove_padding else ""
-        request = OutputRequest(entropy=not critic, remove_padding=remove_padding)
+        request = OutputRequest(entropy=not critic, temperature=temperature, remove_padding=remove_padding)
         out = schedule.forward_only(chunks, mine, request)
         for key in mine_ref[0]:
             result[prefix + key] = max(float((o[key] - r[key]).abs().max()) for o, r in zip(out, mine_ref))
@@ -540,9 +541,10 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
         rec.run("forward_only_model", lambda: check_forward_only_model(llama4))
     else:
         rec.run("parity.llama", lambda: check_parity(llama, False))
-        rec.run("parity.qwen2", lambda: check_parity(qwen2, False))
+        # Qwen2 at a rollout temperature != 1 (llama at 1).
+        rec.run("parity.qwen2", lambda: check_parity(qwen2, False, temperature=0.7))
         rec.run("parity.llama_critic", lambda: check_parity(critic_llama, True))
-        rec.run("parity.qwen2_critic", lambda: check_parity(critic_qwen2, True))
+        rec.run("parity.qwen2_critic", lambda: check_parity(critic_qwen2, True, temperature=0.7))  # values ignore it
         rec.run("invariance", lambda: check_invariance(llama))
         rec.run("forward_only_model", lambda: check_forward_only_model(qwen2 if name == "pp2" else llama))
         rec.run("roundtrip.llama", lambda: check_roundtrip(llama, workdir, f"{name}-llama"))

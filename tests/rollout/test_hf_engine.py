@@ -19,6 +19,14 @@ def engine(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
+def raw_engine(tiny_llama_dir):
+    engine = create_engine(tiny_llama_dir, EngineConfig(name="hf", hf_batch_size=4, max_model_len=256,
+                                                        logprobs_mode="raw_logprobs"))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
@@ -35,29 +43,40 @@ def greedy_by_full_recompute(model, prompt: list[int], steps: int) -> list[int]:
 
 
 @torch.no_grad()
-def recomputed_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
-    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+def recomputed_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0,
+                        top_k: int = -1) -> torch.Tensor:
+    """log softmax(logits / temperature) of ``response``, normalised over the ``top_k`` tokens (-1: all)."""
+    scaled = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float() / temperature
+    kept = scaled if top_k == -1 else scaled.topk(top_k, dim=-1).values
+    return scaled.gather(-1, torch.tensor(response)[:, None])[:, 0] - kept.logsumexp(-1)
 
 
-def test_greedy_matches_unbatched_full_recompute(engine, reference):
-    out = engine.generate(PROMPTS, SamplingConfig(temperature=0, max_response_length=12, ignore_eos=True))
-    for prompt, completion in zip(PROMPTS, out):
+def test_greedy_matches_unbatched_full_recompute(engine, raw_engine, reference):
+    greedy = SamplingConfig(temperature=0, max_response_length=12, ignore_eos=True)
+    for prompt, completion, raw in zip(PROMPTS, engine.generate(PROMPTS, greedy), raw_engine.generate(PROMPTS, greedy)):
         assert completion.token_ids == greedy_by_full_recompute(reference, prompt, 12)
         assert completion.finish_reason == "length"
+        # Greedy log-probs are the temperature-1 ones in both modes (as vLLM's).
         assert torch.allclose(torch.tensor(completion.logprobs),
                               recomputed_logprobs(reference, prompt, completion.token_ids), atol=1e-4)
+        assert raw.logprobs == completion.logprobs
 
 
-def test_sampled_logprobs_are_the_raw_policy_logprobs(engine, reference):
-    # Temperature and truncation shape the sampling, not the reported log-probs (temperature 1, raw).
-    sampling = SamplingConfig(n=3, temperature=0.7, top_k=40, top_p=0.9, max_response_length=10, ignore_eos=True)
-    out = engine.generate(PROMPTS, sampling)
-    assert len(out) == 9
-    for completion in out:
-        prompt = PROMPTS[completion.prompt_index]
-        expected = recomputed_logprobs(reference, prompt, completion.token_ids)
+@pytest.mark.parametrize("top_k", [-1, 40])
+def test_sampled_logprobs_follow_the_logprobs_mode(engine, raw_engine, reference, top_k):
+    """processed: log softmax(logits / 0.7), over the top-k when truncating; raw: log softmax(logits).
+    The mode changes the reported numbers only: the same seed samples the same tokens."""
+    sampling = SamplingConfig(n=3, temperature=0.7, top_k=top_k, max_response_length=10, ignore_eos=True, seed=4)
+    for each in (engine, raw_engine):  # the same call index, so the same seeds
+        each.load_state_dict({"calls": 0})
+    processed, raw = engine.generate(PROMPTS, sampling), raw_engine.generate(PROMPTS, sampling)
+    assert len(processed) == 9 and [c.token_ids for c in processed] == [c.token_ids for c in raw]
+    for completion, raw_completion in zip(processed, raw):
+        prompt, tokens = PROMPTS[completion.prompt_index], completion.token_ids
+        expected = recomputed_logprobs(reference, prompt, tokens, temperature=0.7, top_k=top_k)
         assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+        assert torch.allclose(torch.tensor(raw_completion.logprobs), recomputed_logprobs(reference, prompt, tokens),
+                              atol=1e-4)
 
 
 def test_seeds_replicas_and_calls(tiny_llama_dir, engine):

@@ -101,11 +101,22 @@ def test_configs_from_verl_rollout_section():
     engine = EngineConfig.from_rollout(section, max_num_seqs=8)
     assert (engine.name, engine.max_model_len, engine.kv_cache_memory_bytes, engine.max_num_seqs) == (
         "vllm", 384, 1 << 28, 8)
+    assert engine.logprobs_mode == EngineConfig().logprobs_mode == "processed_logprobs"  # verl's default
+    raw = RolloutConfig(response_length=8, logprobs_mode="raw_logprobs")
+    assert EngineConfig.from_rollout(raw).logprobs_mode == "raw_logprobs"
     assert SamplingConfig.from_rollout({"do_sample": False, "response_length": 4}).greedy
     with pytest.raises(TypeError, match="unknown EngineConfig field"):
         EngineConfig.from_rollout(section, kv_cache_bytes=1)
     with pytest.raises(ValueError, match="response_length"):
         SamplingConfig.from_rollout(SimpleNamespace(n=1))
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logits"])
+def test_logits_modes_are_refused(mode):
+    with pytest.raises(ValueError, match=f"logprobs_mode={mode} makes the engine return logits"):
+        EngineConfig(logprobs_mode=mode)
+    with pytest.raises(ValueError, match="must be one of"):
+        EngineConfig(logprobs_mode="processed")
 
 
 def test_request_seeds_are_distinct_and_deterministic():

@@ -7,6 +7,7 @@ model. Weight changes come from a real AdamW step on an HF copy, or from seeded 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -21,6 +22,7 @@ from meshrl.rollout import (
     WeightSyncError,
     create_engine,
 )
+from meshrl.rollout.hf_engine import _warp
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
@@ -38,18 +40,29 @@ def model_dir():
     return tiny_model_dir(TinySpec(num_hidden_layers=12))
 
 
+ENGINE = EngineConfig(kv_cache_memory_bytes=256 * MIB, max_model_len=256, max_num_seqs=32)
+
+
 @pytest.fixture(scope="module")
 def engine(model_dir):
+    """The default engine (processed_logprobs)."""
     previous = os.environ.get("TORCHDYNAMO_DISABLE")
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # skip compiling vLLM's sampler (identical outputs)
-    engine = create_engine(model_dir, EngineConfig(kv_cache_memory_bytes=256 * MIB, max_model_len=256,
-                                                   max_num_seqs=32))
+    engine = create_engine(model_dir, ENGINE)
     yield engine
     engine.shutdown()
     if previous is None:
         os.environ.pop("TORCHDYNAMO_DISABLE")
     else:
         os.environ["TORCHDYNAMO_DISABLE"] = previous
+
+
+@pytest.fixture(scope="module")
+def raw_engine(model_dir, engine):
+    """A second in-process engine beside ``engine`` (~2 s to start), reporting raw_logprobs."""
+    raw = create_engine(model_dir, dataclasses.replace(ENGINE, logprobs_mode="raw_logprobs"))
+    yield raw
+    raw.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +108,14 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
 
 
 @torch.no_grad()
-def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
-    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+def hf_logprobs(model, prompt: list[int], response: list[int], processed: SamplingConfig | None = None
+                ) -> torch.Tensor:
+    """log softmax of HF's logits for ``response``, or of those logits ``processed`` as the HF engine's
+    sampler does it (temperature, top-k, top-p: dropped tokens -inf)."""
+    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()
+    if processed is not None:
+        logits = _warp(logits, processed)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
 def assert_engine_serves(engine, model) -> None:
@@ -105,9 +123,12 @@ def assert_engine_serves(engine, model) -> None:
     model.eval()
     greedy = engine.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in greedy] == [hf_greedy(model, p, GREEDY.max_response_length) for p in PROMPTS]
-    sampled = engine.generate(PROMPTS, SAMPLED)
-    for completion in sampled + greedy:
+    for completion in greedy:  # the temperature-1 log-probs in both modes
         expected = hf_logprobs(model, PROMPTS[completion.prompt_index], completion.token_ids)
+        assert (torch.tensor(completion.logprobs) - expected).abs().max() <= 1e-4
+    processed = SAMPLED if engine.config.logprobs_mode == "processed_logprobs" else None
+    for completion in engine.generate(PROMPTS, SAMPLED):
+        expected = hf_logprobs(model, PROMPTS[completion.prompt_index], completion.token_ids, processed)
         assert (torch.tensor(completion.logprobs) - expected).abs().max() <= 1e-4
 
 
@@ -119,6 +140,26 @@ def fresh_copies(model):
 
 def test_engine_matches_hf_before_any_sync(engine, policy):
     assert_engine_serves(engine, policy)
+
+
+@pytest.mark.parametrize("top_k", [-1, 5])
+def test_logprobs_modes_at_a_temperature(engine, raw_engine, model_dir, top_k):
+    """processed_logprobs: log softmax(logits / 0.7) of an HF forward on the same tokens, normalised over
+    the top-k when truncating; raw_logprobs: log softmax(logits). The mode changes the reported numbers
+    only: the same seed samples the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sampling = SamplingConfig(n=2, temperature=0.7, top_k=top_k, max_response_length=16, ignore_eos=True, seed=9)
+    for each in (engine, raw_engine):  # the same call index, so the same seeds
+        each.load_state_dict({"calls": 0})
+    processed, raw = engine.generate(PROMPTS, sampling), raw_engine.generate(PROMPTS, sampling)
+    assert [c.token_ids for c in processed] == [c.token_ids for c in raw]
+    for completion, raw_completion in zip(processed, raw):
+        prompt, tokens = PROMPTS[completion.prompt_index], completion.token_ids
+        expected = hf_logprobs(model, prompt, tokens, processed=sampling)
+        assert (torch.tensor(completion.logprobs) - expected).abs().max() <= 1e-4
+        assert (torch.tensor(raw_completion.logprobs) - hf_logprobs(model, prompt, tokens)).abs().max() <= 1e-4
 
 
 def test_sync_after_an_optimizer_step_matches_hf_and_the_fallback(engine, hf_engine, policy):
