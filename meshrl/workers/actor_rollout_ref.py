@@ -155,7 +155,8 @@ class ActorRolloutRefWorker(RankWorker):
         if chunks is None:
             raise RuntimeError("compute_log_probs(model='ref') without a reference model: "
                                "enable algorithm.use_kl_in_reward or actor.use_kl_loss")
-        request = OutputRequest(log_probs=True, remove_padding=self.remove_padding)
+        # The samples came from softmax(logits / T): the reference and the policy are evaluated at T too (verl).
+        request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding)
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext():
             log_probs = self.train_engine.forward(shard, self.plan.micro_batching[phase], request, "log_probs",
                                                   self.response_length, chunks=chunks)
@@ -195,7 +196,7 @@ class ActorRolloutRefWorker(RankWorker):
             raise ValueError(f"an on-policy update is one optimizer step, got {len(updates)} mini-batches")
         fields = ("advantages",) + (() if on_policy else ("old_log_probs",)) \
             + (("ref_log_probs",) if self.plan.kl_loss is not None else ())
-        request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy,
+        request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy, temperature=self.plan.temperature,
                                 remove_padding=self.remove_padding)
         seen = {}
 

@@ -15,8 +15,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ONE_MINI_BATCH = ["actor_rollout_ref.actor.ppo_mini_batch_size=4"]
 
 CASES = {
+    # sampled at T = 0.7: every log-prob (old, reference, update) is that of softmax(logits / 0.7)
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True",
-             "actor_rollout_ref.actor.kl_loss_type=low_var_kl"],
+             "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.rollout.temperature=0.7"],
     "remax": ["algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=True", "algorithm.kl_penalty=kl",
               "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.policy_loss.loss_mode=reinforce"],
     "gpg": ["algorithm.adv_estimator=gpg", "actor_rollout_ref.actor.policy_loss.loss_mode=gpg",
