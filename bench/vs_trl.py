@@ -338,7 +338,7 @@ def meshrl_overrides(s: Settings, data_file: Path, run_dir: Path, micro_batch_to
         f"{arr}.actor.ppo_mini_batch_size={s.prompts}", f"{arr}.actor.ppo_epochs=1", f"{arr}.actor.shuffle=False",
         f"{arr}.actor.use_dynamic_bsz=True", f"{arr}.actor.ppo_max_token_len_per_gpu={micro_batch_tokens}",
         f"{arr}.actor.use_kl_loss=False", f"{arr}.actor.entropy_coeff=0.0", f"{arr}.actor.loss_agg_mode=token-mean",
-        f"{arr}.actor.clip_ratio={s.clip_ratio}", f"{arr}.actor.grad_clip={s.grad_clip}",
+        f"{arr}.actor.clip_ratio={s.clip_ratio}", f"{arr}.actor.optim.clip_grad={s.grad_clip}",
         f"{arr}.actor.optim.lr={s.lr}", f"{arr}.actor.optim.weight_decay={s.weight_decay}",
         f"{arr}.actor.optim.lr_warmup_steps=0", f"{arr}.actor.optim.warmup_style=constant",
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False", "algorithm.norm_adv_by_std_in_grpo=True",

@@ -201,3 +201,9 @@ def on_policy_update(cfg: DictConfig) -> bool:
     return bool(actor.skip_on_policy_old_log_prob and actor.ppo_epochs == 1
                 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
                 and not cfg.algorithm.use_kl_in_reward)
+
+
+def lr_decay_style(optim: DictConfig) -> str:
+    """The LR decay style verl's keys name: ``lr_decay_style`` (its Megatron key), else ``lr_scheduler_type``
+    / ``warmup_style`` (its FSDP ones); ``meshrl.config.validate`` refuses the two disagreeing."""
+    return optim.lr_decay_style or optim.lr_scheduler_type or optim.warmup_style

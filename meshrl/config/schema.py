@@ -25,7 +25,10 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 ROLLOUT_ENGINES = ("vllm", "hf")
 MEGATRON_DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine")  # verl FSDP's lr_scheduler_type / warmup_style
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse_square_root", "WSD")  # verl Megatron's lr_decay_style
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
@@ -68,17 +71,36 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    """verl's optimizer keys of both its backends (``meshrl.workers.actor_rollout_ref.optimizer_config``
+    maps them onto megatron's optimizer and ``OptimizerParamScheduler``). The schedule is sized in RL
+    steps and advances once per RL step, as in verl."""
+
     lr: float = 1e-6
     lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
-    lr_warmup_steps_ratio: float = 0.0
-    min_lr_ratio: float = 0.0
+    lr_warmup_steps_ratio: float = 0.0  # of lr_decay_steps (default: the run's RL steps)
+    min_lr_ratio: float = 0.0  # verl FSDP's floor, a fraction of lr; min_lr is its Megatron form
     warmup_style: str = "constant"  # verl's name for the schedule after warm-up
     lr_scheduler_type: Optional[str] = None  # newer verl name; wins over warmup_style when set
+    num_cycles: float = 0.5  # verl FSDP's cosine cycles; the cosine is a half cycle, other values are refused
     weight_decay: float = 0.01
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    clip_grad: float = 1.0
+    clip_grad: float = 1.0  # the gradient-norm clip (verl's Megatron key; actor.grad_clip is its FSDP one)
     total_training_steps: int = -1  # filled in by the trainer from the data and epochs
+    # verl's Megatron-only keys
+    optimizer: str = "adam"  # megatron's Adam with decoupled weight decay (AdamW); the only one wired
+    lr_warmup_init: float = 0.0  # the warm-up's first learning rate
+    lr_decay_steps: Optional[int] = None  # None: total_training_steps
+    lr_decay_style: Optional[str] = None  # constant | linear | cosine | inverse_square_root | WSD; None: lr_scheduler_type
+    min_lr: Optional[float] = None  # None: lr * min_lr_ratio
+    weight_decay_incr_style: str = "constant"  # constant | linear | cosine (verl starts and ends at weight_decay)
+    lr_wsd_decay_style: str = "exponential"  # the WSD schedule's anneal: linear | cosine | exponential | minus_sqrt
+    lr_wsd_decay_steps: Optional[int] = None  # the WSD anneal's length (needed with lr_decay_style=WSD)
+    # False (verl's default): on resume the schedule's settings come from this config, its position from
+    # the checkpoint; True: both from the checkpoint.
+    use_checkpoint_opt_param_scheduler: bool = False
+    # Fields of megatron's OptimizerConfig set directly (verl's key), e.g. {adam_beta2: 0.95}; unknown ones are refused.
+    override_optimizer_config: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

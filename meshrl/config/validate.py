@@ -8,11 +8,14 @@ checks that need the model's HF config (parallel sizes must divide heads and lay
 
 from __future__ import annotations
 
+import difflib
+
 from omegaconf import DictConfig
 
 from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import RunPlan, build_run_plan, check_run_plan
-from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_SCHEDULES, MEGATRON_DTYPES,
+from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_DECAY_STYLES, LR_SCHEDULES,
+                                  MEGATRON_DTYPES, WD_INCR_STYLES, WSD_DECAY_STYLES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
 
 
@@ -98,7 +101,6 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.require(actor.clip_ratio_c > 1, "actor_rollout_ref.actor.clip_ratio_c",
               f"the dual-clip bound must be > 1, got {actor.clip_ratio_c}")
     p.require(actor.kl_loss_coef >= 0, "actor_rollout_ref.actor.kl_loss_coef", f"must be >= 0, got {actor.kl_loss_coef}")
-    p.require(actor.grad_clip > 0, "actor_rollout_ref.actor.grad_clip", f"must be > 0, got {actor.grad_clip}")
     _check_optim(p, actor.optim, "actor_rollout_ref.actor.optim")
     _check_megatron(p, cfg, actor.megatron, "actor_rollout_ref.actor.megatron")
     p.choice(ref.megatron.dtype, "actor_rollout_ref.ref.megatron.dtype", MEGATRON_DTYPES)
@@ -162,11 +164,42 @@ def _check_optim(p: _Problems, optim: DictConfig, key: str) -> None:
     p.require(0 <= optim.lr_warmup_steps_ratio <= 1, f"{key}.lr_warmup_steps_ratio",
               f"must be in [0, 1], got {optim.lr_warmup_steps_ratio}")
     p.require(0 <= optim.min_lr_ratio <= 1, f"{key}.min_lr_ratio", f"must be in [0, 1], got {optim.min_lr_ratio}")
-    schedule = optim.lr_scheduler_type or optim.warmup_style
-    p.choice(schedule, f"{key}.lr_scheduler_type", LR_SCHEDULES)
+    fsdp_style = optim.lr_scheduler_type or optim.warmup_style
+    p.choice(fsdp_style, f"{key}.lr_scheduler_type", LR_SCHEDULES)
+    if optim.lr_decay_style is not None:
+        p.choice(optim.lr_decay_style, f"{key}.lr_decay_style", LR_DECAY_STYLES)
+        p.require(fsdp_style in ("constant", optim.lr_decay_style), f"{key}.lr_decay_style",
+                  f"'{optim.lr_decay_style}' disagrees with lr_scheduler_type/warmup_style '{fsdp_style}' (verl's FSDP "
+                  "name of the same setting); set one of them")
+        p.require(optim.lr_decay_style != "WSD" or bool(optim.lr_wsd_decay_steps), f"{key}.lr_wsd_decay_steps",
+                  "must be set (the anneal's length in RL steps) with lr_decay_style=WSD")
+    if optim.min_lr is not None:
+        p.require(0 <= optim.min_lr <= optim.lr, f"{key}.min_lr", f"must be in [0, lr={optim.lr}], got {optim.min_lr}")
+        p.require(optim.min_lr_ratio == 0, f"{key}.min_lr",
+                  f"and min_lr_ratio={optim.min_lr_ratio} both set the floor (verl's Megatron and FSDP names); set one")
+    p.require(0 <= optim.lr_warmup_init <= optim.lr, f"{key}.lr_warmup_init",
+              f"must be in [0, lr={optim.lr}], got {optim.lr_warmup_init}")
+    p.require(optim.num_cycles == 0.5, f"{key}.num_cycles",
+              f"the cosine schedule is a half cycle (0.5); {optim.num_cycles} is not supported")
+    p.require(optim.optimizer.lower() in ("adam", "adamw"), f"{key}.optimizer",
+              f"'{optim.optimizer}' is not wired; meshrl trains with megatron's Adam (decoupled weight decay, AdamW)")
+    p.choice(optim.weight_decay_incr_style, f"{key}.weight_decay_incr_style", WD_INCR_STYLES)
+    p.choice(optim.lr_wsd_decay_style, f"{key}.lr_wsd_decay_style", WSD_DECAY_STYLES)
+    if optim.lr_decay_steps is not None:
+        p.positive(optim.lr_decay_steps, f"{key}.lr_decay_steps")
     p.require(optim.weight_decay >= 0, f"{key}.weight_decay", f"must be >= 0, got {optim.weight_decay}")
     p.require(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas), f"{key}.betas",
               f"must be two numbers in [0, 1), got {list(optim.betas)}")
+    p.require(optim.clip_grad > 0, f"{key}.clip_grad", f"must be > 0, got {optim.clip_grad}")
+    if optim.override_optimizer_config:
+        # megatron is imported only for this check: most configs have no overrides, and loading stays fast.
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+        known = set(MegatronOptimizerConfig.__dataclass_fields__)
+        for name in optim.override_optimizer_config:
+            close = difflib.get_close_matches(name, known, n=2)
+            p.require(name in known, f"{key}.override_optimizer_config.{name}",
+                      "megatron's OptimizerConfig has no such field" + (f"; did you mean {' or '.join(close)}?" if close else ""))
 
 
 def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> None:

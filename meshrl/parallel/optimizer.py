@@ -9,7 +9,8 @@ into the bf16 params. fp16 params are not supported: they need a loss scale wire
 built with the same flag). Weight decay is megatron's standard: none for biases and 1-D parameters (norms).
 
 The schedule is megatron's ``OptimizerParamScheduler``: linear warmup from ``warmup_init_lr`` over
-``warmup_steps``, then ``constant`` / ``cosine`` / ``linear`` decay to ``min_lr`` at ``decay_steps``.
+``warmup_steps``, then ``constant`` / ``cosine`` / ``linear`` / ``inverse-square-root`` / ``WSD`` decay to
+``min_lr`` at ``decay_steps``.
 Schedule step ``k`` (0-based, ``k`` calls of ``advance_schedule`` so far) sets the learning rate
 ``lr(k)``. ``train_step`` with a scheduler advances it after its update (one step per update); RL
 training passes none and advances once per RL step, so every mini-batch of RL step ``k`` uses ``lr(k)``
@@ -26,7 +27,9 @@ import torch
 from meshrl.parallel.forward import LossFn, MicroBatch, OutputRequest
 from meshrl.parallel.model_builder import model_config
 
-LR_SCHEDULES = ("constant", "cosine", "linear")
+LR_SCHEDULES = ("constant", "cosine", "linear", "inverse-square-root", "WSD")
+WD_SCHEDULES = ("constant", "linear", "cosine")
+WSD_DECAYS = ("linear", "cosine", "exponential", "minus_sqrt")
 
 
 @dataclass(frozen=True)
@@ -41,17 +44,30 @@ class OptimizerConfig:
     warmup_init_lr: float = 0.0
     schedule: str = "constant"
     decay_steps: int | None = None
+    wsd_decay_steps: int | None = None  # the WSD schedule's final anneal
+    wsd_decay: str = "exponential"
+    weight_decay_schedule: str = "constant"
+    weight_decay_steps: int = 1  # over which weight_decay_schedule runs (it starts and ends at weight_decay)
+    # Resume takes the schedule's settings from the checkpoint (True) or from this config (False); its
+    # position (step count) comes from the checkpoint either way.
+    schedule_from_checkpoint: bool = True
     use_distributed_optimizer: bool = False
+    overrides: tuple[tuple[str, Any], ...] = ()  # megatron OptimizerConfig fields set directly
 
     def __post_init__(self) -> None:
         if self.schedule not in LR_SCHEDULES:
             raise ValueError(f"schedule {self.schedule!r} is not one of {LR_SCHEDULES}")
-        if self.schedule != "constant" and self.decay_steps is None:
-            raise ValueError(f"schedule {self.schedule!r} needs decay_steps")
-        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
-            raise ValueError(f"decay_steps ({self.decay_steps}) must exceed warmup_steps ({self.warmup_steps})")
-        if not 0.0 <= self.min_lr <= self.lr or self.warmup_init_lr > self.lr:
-            raise ValueError("need 0 <= min_lr <= lr and warmup_init_lr <= lr")
+        if self.schedule == "WSD" and not self.wsd_decay_steps:
+            raise ValueError("schedule 'WSD' needs wsd_decay_steps")
+        if self.wsd_decay not in WSD_DECAYS:
+            raise ValueError(f"wsd_decay {self.wsd_decay!r} is not one of {WSD_DECAYS}")
+        if self.weight_decay_schedule not in WD_SCHEDULES:
+            raise ValueError(f"weight_decay_schedule {self.weight_decay_schedule!r} is not one of {WD_SCHEDULES}")
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+        unknown = [name for name, _ in self.overrides if name not in MegatronOptimizerConfig.__dataclass_fields__]
+        if unknown:
+            raise ValueError(f"megatron's OptimizerConfig has no field(s) {unknown}")
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -122,7 +138,6 @@ def build_optimizer(chunks: list[torch.nn.Module], config: OptimizerConfig):
     """(megatron optimizer, ``OptimizerParamScheduler``) for ``chunks``; the LR of step 0 is set."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     model = model_config(chunks)
     ddp_flag = getattr(chunks[0], "ddp_config", None)
@@ -141,6 +156,7 @@ def build_optimizer(chunks: list[torch.nn.Module], config: OptimizerConfig):
         fp16=model.fp16,
         params_dtype=model.params_dtype,
         use_distributed_optimizer=config.use_distributed_optimizer,
+        **dict(config.overrides),
     )
     optimizer = get_megatron_optimizer(megatron_config, chunks)
     for inner in _inner_optimizers(optimizer):
@@ -150,7 +166,14 @@ def build_optimizer(chunks: list[torch.nn.Module], config: OptimizerConfig):
             if hasattr(inner, "_set_main_param_and_optimizer_states"):
                 _fix_distributed_optimizer_step_loading(inner)
             _fill_missing_step_on_load(inner.optimizer)
-    scheduler = OptimizerParamScheduler(
+    return optimizer, build_scheduler(optimizer, config)
+
+
+def build_scheduler(optimizer, config: OptimizerConfig):
+    """megatron's ``OptimizerParamScheduler`` over ``optimizer``'s param groups; the LR of step 0 is set."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=config.warmup_init_lr if config.warmup_steps else config.lr,
         max_lr=config.lr,
@@ -160,13 +183,15 @@ def build_optimizer(chunks: list[torch.nn.Module], config: OptimizerConfig):
         lr_decay_style=config.schedule,
         start_wd=config.weight_decay,
         end_wd=config.weight_decay,
-        wd_incr_steps=1,
-        wd_incr_style="constant",
-        # Resuming restores the schedule from the checkpoint (see checkpoint.load_checkpoint).
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        wd_incr_steps=config.weight_decay_steps,
+        wd_incr_style=config.weight_decay_schedule,
+        # Resuming restores the schedule's position (and, if schedule_from_checkpoint, its settings) from
+        # the checkpoint (see checkpoint.load_checkpoint).
+        use_checkpoint_opt_param_scheduler=config.schedule_from_checkpoint,
+        override_opt_param_scheduler=not config.schedule_from_checkpoint,
+        wsd_decay_steps=config.wsd_decay_steps,
+        lr_wsd_decay_style=config.wsd_decay,
     )
-    return optimizer, scheduler
 
 
 def initialize_state(optimizer) -> None:

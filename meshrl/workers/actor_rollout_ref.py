@@ -24,18 +24,27 @@ from meshrl.workers.rank import RankWorker
 from meshrl.workers.sequences import response_part, responses_batch
 
 
-def optimizer_config(optim, grad_clip: float, distributed: bool):
-    """``actor.optim`` (verl keys) → ``meshrl.parallel.optimizer.OptimizerConfig``."""
+def optimizer_config(optim, distributed: bool):
+    """``*.optim`` (verl's keys of both backends) → ``meshrl.parallel.optimizer.OptimizerConfig``, as verl's
+    Megatron workers build the optimizer and ``OptimizerParamScheduler``: schedule sized in RL steps
+    (``lr_decay_steps``, default ``total_training_steps``), warm-up ``lr_warmup_steps`` or, when that is
+    not positive, ``int(lr_warmup_steps_ratio · lr_decay_steps)``; floor ``min_lr`` or ``lr·min_lr_ratio``."""
+    from meshrl.config.run_plan import lr_decay_style
     from meshrl.parallel.optimizer import OptimizerConfig
 
     total = max(int(optim.total_training_steps), 1)
-    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total)
-    schedule = optim.lr_scheduler_type or optim.warmup_style
+    decay = optim.lr_decay_steps or total
+    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * decay)
+    schedule = lr_decay_style(optim).replace("inverse_square_root", "inverse-square-root")  # megatron's spelling
     return OptimizerConfig(
-        lr=optim.lr, min_lr=optim.lr * optim.min_lr_ratio, weight_decay=optim.weight_decay,
-        betas=tuple(optim.betas), eps=optim.eps, clip_grad=grad_clip, warmup_steps=warmup,
-        schedule=schedule, decay_steps=max(total, warmup + 1) if schedule != "constant" else None,
-        use_distributed_optimizer=distributed,
+        lr=optim.lr, min_lr=optim.min_lr if optim.min_lr is not None else optim.lr * optim.min_lr_ratio,
+        weight_decay=optim.weight_decay, betas=tuple(optim.betas), eps=optim.eps, clip_grad=optim.clip_grad,
+        warmup_steps=warmup, warmup_init_lr=optim.lr_warmup_init, schedule=schedule,
+        decay_steps=max(decay, warmup + 1) if schedule != "constant" else None,
+        wsd_decay_steps=optim.lr_wsd_decay_steps, wsd_decay=optim.lr_wsd_decay_style,
+        weight_decay_schedule=optim.weight_decay_incr_style, weight_decay_steps=total,
+        schedule_from_checkpoint=optim.use_checkpoint_opt_param_scheduler,
+        use_distributed_optimizer=distributed, overrides=tuple(sorted(optim.override_optimizer_config.items())),
     )
 
 
@@ -71,7 +80,7 @@ class ActorRolloutRefWorker(RankWorker):
                                   use_distributed_optimizer=distributed_opt, **recompute_overrides(arr.model))
         load_hf_weights(self.policy, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
-            self.policy, optimizer_config(actor.optim, actor.grad_clip, distributed_opt))
+            self.policy, optimizer_config(actor.optim, distributed_opt))
         self.train_engine = TrainingEngine(
             "actor", self.policy, self.optimizer, self.scheduler, self.pad_id,
             min_micro=actor.megatron.pipeline_model_parallel_size,

@@ -41,7 +41,7 @@ class CriticWorker(RankWorker):
                                  **recompute_overrides(critic.model))
         load_hf_weights(self.model, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
-            self.model, optimizer_config(critic.optim, critic.grad_clip, megatron.use_distributed_optimizer))
+            self.model, optimizer_config(critic.optim, megatron.use_distributed_optimizer))
         self.objective = CriticObjective.from_config(self.cfg)
         # Packed THD micro-batches (no compute on padding) unless critic.model.use_remove_padding says no
         # or the device has no fast variable-length attention (model_builder.packed_sequences).

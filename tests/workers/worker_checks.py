@@ -31,7 +31,7 @@ def make_worker(overrides: list[str]):
     from meshrl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     cfg = load_config(["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.use_kl_loss=True",
-                       "actor_rollout_ref.actor.grad_clip=1e9", "actor_rollout_ref.actor.optim.lr=1e-3",
+                       "actor_rollout_ref.actor.optim.clip_grad=1e9", "actor_rollout_ref.actor.optim.lr=1e-3",
                        f"data.max_response_length={WIDTH}", *overrides], recipe="cpu_tiny_grpo")
     model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
     worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg, resolve=True), str(model_dir),
@@ -250,9 +250,9 @@ def check_lr_schedule(worker, rl_steps: int = 4) -> dict:
 
     optim = OmegaConf.create({**OmegaConf.to_container(worker.cfg.actor_rollout_ref.actor.optim),
                               "lr": 1e-3, "lr_warmup_steps_ratio": 0.25, "warmup_style": "cosine",
-                              "min_lr_ratio": 0.1, "total_training_steps": rl_steps})
+                              "min_lr_ratio": 0.1, "total_training_steps": rl_steps, "clip_grad": 1e9})
     saved = (worker.optimizer, worker.scheduler, weights(worker))
-    worker.optimizer, worker.scheduler = build_optimizer(worker.policy, optimizer_config(optim, 1e9, False))
+    worker.optimizer, worker.scheduler = build_optimizer(worker.policy, optimizer_config(optim, False))
     worker.train_engine.optimizer, worker.train_engine.scheduler = worker.optimizer, worker.scheduler
     seen, step = [], worker.optimizer.step
 
