@@ -1,6 +1,7 @@
 """The ``meshrl`` command.
 
-    meshrl train RECIPE.yaml [key=value ...]     train (same as python -m meshrl.trainer.main)
+    meshrl train RECIPE.yaml [key=value ...]     train (same as python -m meshrl.trainer.main, whose
+                                                 verl-style arguments it also takes: --config-name ...)
     meshrl plot RUN_DIR [--out FILE]             draw a run's metrics.jsonl to a PNG
     meshrl plan RECIPE.yaml [key=value ...]      per-GPU memory and FLOPs of a recipe; refuses what cannot fit
     meshrl convert hf-to-mcore|mcore-to-hf ...   checkpoint conversion (see --help)
@@ -24,7 +25,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "train":
         from meshrl.trainer.main import main as train_main
 
-        if not rest or "=" in rest[0]:
+        # A leading recipe name is meshrl's form; options and overrides (verl's forms) pass through as given.
+        if not rest or "=" in rest[0] or rest[0].startswith("-"):
             return train_main(rest)
         return train_main(["--config-name", rest[0], *rest[1:]])
     if command == "plot":

@@ -1,11 +1,19 @@
 """Build a run's configuration: schema defaults ← recipe YAML (with its ``defaults``) ← ``key=value`` overrides.
 
 Contract:
-- Every key must exist in the schema (``meshrl.config.schema``); an unknown key raises ``ConfigError``
-  naming the key, where it came from, and the closest valid keys ("did you mean ...?").
-- A value of the wrong type raises ``ConfigError`` naming the key and the expected type.
-- Overrides use verl's / Hydra's syntax: ``a.b=1``, ``a.b='[x,y]'`` (YAML values), ``+a.b=1`` and
-  ``++a.b=1`` (accepted, same as ``a.b=1``: every valid key already exists), ``~a.b`` is refused.
+- Every key must exist in the schema (``meshrl.config.schema``); an unknown key is a problem naming
+  the key, where it came from, and the closest valid keys ("did you mean ...?").
+- A value of the wrong type is a problem naming the key and the expected type.
+- Every problem of a recipe and its overrides is collected, then one ``ConfigError`` lists them all
+  (its ``keys`` name the keys), so a verl script is fixed in one pass.
+- Overrides use verl's / Hydra's syntax: ``a.b=1``, ``a.b=[x,y]`` and ``a.b="['x','y']"`` (YAML
+  values), ``+a.b=1`` and ``++a.b=1`` (accepted, same as ``a.b=1``: every valid key already exists),
+  ``~a.b`` is refused.
+- A list-of-strings key given one string holds a one-element list (verl's ``trainer.logger=console``).
+- verl's base configs as recipe names, ``ppo_trainer`` and ``ppo_megatron_trainer`` (``.yaml`` or not,
+  in any folder that has no such file), are the schema defaults: verl's tree is the schema's.
+- ``model_engine`` selects verl's training backend: megatron; verl's FSDP names load with one warning
+  (meshrl trains with its Megatron backend); any other engine is refused.
 - A recipe may list other recipes to start from: ``defaults: [base_recipe, ...]`` (names resolve in
   the recipe's folder, then in ``recipes/``), merged in order before the recipe itself.
 Semantic checks (ranges, cross-key rules) are ``meshrl.config.validate.validate_config``.
@@ -13,29 +21,54 @@ Semantic checks (ranges, cross-key rules) are ``meshrl.config.validate.validate_
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
+import warnings
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from meshrl.config.schema import MeshRLConfig
+from meshrl.config.schema import MODEL_ENGINES, MeshRLConfig
 
 _ABSENT = object()
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# verl's --config-name values for its FSDP and Megatron trainers; both trees are the schema's.
+VERL_BASE_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
 
 
 class ConfigError(ValueError):
-    """A configuration problem, with a message that says which key and how to fix it."""
+    """A configuration problem, with a message that says which key and how to fix it.
+
+    ``keys``: the config keys the problem is about (empty when it is not about given keys).
+    """
+
+    def __init__(self, message: str, keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = tuple(keys)
 
 
-def default_config() -> DictConfig:
-    """The schema's defaults as a struct-mode OmegaConf tree (unknown keys are refused)."""
+def _one_error(problems: list[ConfigError]) -> ConfigError:
+    if len(problems) == 1:
+        return problems[0]
+    lines = "\n  - ".join(str(p) for p in problems)
+    return ConfigError(f"{len(problems)} config problems:\n  - {lines}", [k for p in problems for k in p.keys])
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults_template() -> DictConfig:
     cfg = OmegaConf.structured(MeshRLConfig)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def default_config() -> DictConfig:
+    """The schema's defaults as a struct-mode OmegaConf tree (unknown keys are refused); a fresh copy."""
+    # Copying the built tree is several times faster than building it from the dataclasses again.
+    return copy.deepcopy(_defaults_template())
 
 
 def all_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
@@ -50,24 +83,33 @@ def all_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
     return keys
 
 
-def suggest(bad_key: str, cfg: DictConfig, limit: int = 3) -> list[str]:
-    """Valid keys close to ``bad_key``: same leaf name elsewhere in the tree first, then spelling."""
-    keys = all_keys(cfg)
+@functools.lru_cache(maxsize=1024)
+def suggest(bad_key: str, limit: int = 3) -> tuple[str, ...]:
+    """Schema keys close to ``bad_key``: same leaf name elsewhere in the tree first, then spelling."""
+    # Cached: a verl script's unknown keys recur across scripts, and each look-up compares every key.
+    keys = all_keys(_defaults_template())
     leaf = bad_key.rsplit(".", 1)[-1]
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
     close = difflib.get_close_matches(bad_key, keys, n=limit, cutoff=0.6)
-    by_leaf = [k for k in keys if difflib.SequenceMatcher(None, k.rsplit(".", 1)[-1], leaf).ratio() > 0.8]
+    matcher = difflib.SequenceMatcher(b=leaf)
+
+    def leaf_is_close(key: str) -> bool:
+        matcher.set_seq1(key.rsplit(".", 1)[-1])
+        # The cheap upper bounds first, as difflib.get_close_matches does: most keys fail them.
+        return matcher.real_quick_ratio() > 0.8 and matcher.quick_ratio() > 0.8 and matcher.ratio() > 0.8
+
+    by_leaf = [k for k in keys if leaf_is_close(k)]
     out: list[str] = []
     for key in same_leaf + close + by_leaf:
         if key not in out and key != bad_key:
             out.append(key)
-    return out[:limit]
+    return tuple(out[:limit])
 
 
-def _unknown_key_error(bad_key: str, cfg: DictConfig, source: str) -> ConfigError:
-    hint = suggest(bad_key, cfg)
+def _unknown_key_error(bad_key: str, source: str) -> ConfigError:
+    hint = suggest(bad_key)
     did_you_mean = f" Did you mean: {', '.join(hint)}?" if hint else ""
-    return ConfigError(f"unknown config key '{bad_key}' (from {source}).{did_you_mean}")
+    return ConfigError(f"unknown config key '{bad_key}' (from {source}).{did_you_mean}", [bad_key])
 
 
 def _flatten(tree: dict, prefix: str = "") -> Iterable[tuple[str, object]]:
@@ -92,18 +134,25 @@ def _is_free_form(cfg: DictConfig, key: str) -> bool:
     return False
 
 
+def _is_string_list(cfg: DictConfig, key: str) -> bool:
+    node = OmegaConf.select(cfg, key, default=None)
+    return isinstance(node, ListConfig) and node._metadata.element_type is str
+
+
 def _set(cfg: DictConfig, key: str, value: object, source: str) -> None:
     free_form = _is_free_form(cfg, key)
     if not free_form and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
-        raise _unknown_key_error(key, cfg, source)
+        raise _unknown_key_error(key, source)
+    if isinstance(value, str) and _is_string_list(cfg, key):
+        value = [value]
     try:
         OmegaConf.update(cfg, key, value, merge=True, force_add=free_form)
     except ConfigKeyError as exc:
-        raise _unknown_key_error(getattr(exc, "full_key", key) or key, cfg, source) from None
+        raise _unknown_key_error(getattr(exc, "full_key", key) or key, source) from None
     except ValidationError as exc:
         expected = _expected_type(cfg, key)
         raise ConfigError(f"config key '{key}' (from {source}): {str(exc).splitlines()[0]}; "
-                          f"expected {expected}.") from None
+                          f"expected {expected}.", [key]) from None
 
 
 def _expected_type(cfg: DictConfig, key: str) -> str:
@@ -123,7 +172,7 @@ def parse_override(item: str) -> tuple[str, object]:
     key, sep, raw = item.lstrip("+").partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{item}' is not of the form key=value "
-                          "(e.g. algorithm.adv_estimator=grpo).")
+                          "(e.g. algorithm.adv_estimator=grpo).", [key.strip()] if key.strip() else [])
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
@@ -131,8 +180,9 @@ def parse_override(item: str) -> tuple[str, object]:
     return key.strip(), value
 
 
-def resolve_recipe(name: str | Path, relative_to: Path | None = None) -> Path:
-    """A recipe name or path → an existing YAML file."""
+def resolve_recipe(name: str | Path, relative_to: Path | None = None) -> Path | None:
+    """A recipe name or path → an existing YAML file; ``None`` for verl's base configs (the schema
+    defaults) when no such file exists."""
     candidates = [Path(name)]
     stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
     if relative_to is not None:
@@ -141,13 +191,18 @@ def resolve_recipe(name: str | Path, relative_to: Path | None = None) -> Path:
     for path in candidates:
         if path.is_file():
             return path
+    if Path(stem).stem in VERL_BASE_CONFIGS:
+        return None
     known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
     close = difflib.get_close_matches(Path(stem).stem, known, n=3)
     hint = f" Did you mean: {', '.join(close)}?" if close else f" Known recipes: {', '.join(known)}."
     raise ConfigError(f"recipe '{name}' not found (looked in {', '.join(str(c) for c in candidates)}).{hint}")
 
 
-def _apply_recipe(cfg: DictConfig, path: Path, seen: tuple[Path, ...] = ()) -> None:
+def _apply_recipe(cfg: DictConfig, path: Path | None, problems: list[ConfigError],
+                  seen: tuple[Path, ...] = ()) -> None:
+    if path is None:
+        return
     if path in seen:
         raise ConfigError(f"recipe defaults form a cycle: {' -> '.join(map(str, seen + (path,)))}")
     try:
@@ -157,19 +212,40 @@ def _apply_recipe(cfg: DictConfig, path: Path, seen: tuple[Path, ...] = ()) -> N
     if not isinstance(tree, dict):
         raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(tree).__name__}")
     for parent in tree.pop("defaults", []) or []:
-        _apply_recipe(cfg, resolve_recipe(parent, path.parent), seen + (path,))
+        _apply_recipe(cfg, resolve_recipe(parent, path.parent), problems, seen + (path,))
     for key, value in _flatten(tree):
-        _set(cfg, key, value, source=str(path))
+        try:
+            _set(cfg, key, value, source=str(path))
+        except ConfigError as exc:
+            problems.append(exc)
+
+
+def _check_model_engine(cfg: DictConfig) -> None:
+    engine = cfg.model_engine
+    if engine not in MODEL_ENGINES:
+        raise ConfigError(f"model_engine '{engine}': meshrl trains with its Megatron backend; use "
+                          f"model_engine=megatron (one of {', '.join(MODEL_ENGINES)}).", ["model_engine"])
+    if engine != "megatron":
+        warnings.warn(f"model_engine={engine}: meshrl trains with its Megatron backend (the fsdp_config "
+                      "param_offload / optimizer_offload flags carry over to it); set model_engine=megatron "
+                      "to silence this.", stacklevel=3)
 
 
 def load_config(overrides: Sequence[str] = (), recipe: str | Path | None = None) -> DictConfig:
     """Defaults ← recipe ← overrides, checked key by key and type by type (see module docstring)."""
     cfg = default_config()
+    problems: list[ConfigError] = []
     if recipe is not None:
-        _apply_recipe(cfg, resolve_recipe(recipe))
+        _apply_recipe(cfg, resolve_recipe(recipe), problems)
     for item in overrides:
-        key, value = parse_override(item)
-        _set(cfg, key, value, source=f"override '{item}'")
+        try:
+            key, value = parse_override(item)
+            _set(cfg, key, value, source=f"override '{item}'")
+        except ConfigError as exc:
+            problems.append(exc)
+    if problems:
+        raise _one_error(problems)
+    _check_model_engine(cfg)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:

@@ -31,6 +31,9 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+# verl's training backends (``model_engine``, a Hydra config group in verl): megatron is meshrl's; verl's
+# FSDP names (dp, its own; fsdp) load with a warning that meshrl trains with Megatron.
+MODEL_ENGINES = ("megatron", "dp", "fsdp")
 
 
 @dataclass
@@ -121,6 +124,10 @@ class MegatronConfig:
     # The reference's auto is the actor's dtype, so that it starts as the policy's exact copy. verl's
     # float16 is refused (its loss scaling is not wired).
     dtype: str = "auto"
+    # verl's choice of HF<->Megatron weight bridge (mbridge, or its legacy "vanilla" one). meshrl always
+    # converts with meshrl.parallel.hf_conversion: accepted so verl scripts parse, no effect.
+    use_mbridge: bool = True
+    vanilla_mbridge: bool = False
 
 
 @dataclass
@@ -368,6 +375,21 @@ class TrainerConfig:
 
 
 @dataclass
+class RayInitConfig:
+    """verl's ``ray_kwargs.ray_init``: what meshrl's Ray start takes from it (``meshrl.workers.cluster``)."""
+
+    num_cpus: Optional[int] = None  # None: one per worker process plus two for the driver
+    # Ray's runtime_env for every worker: env_vars and py_executable apply; other fields are refused.
+    runtime_env: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RayKwargsConfig:
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    timeline_json_file: Optional[str] = None  # a finished run writes Ray's timeline (Chrome trace) here
+
+
+@dataclass
 class MeshRLConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -376,3 +398,5 @@ class MeshRLConfig:
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model_engine: str = "megatron"  # one of MODEL_ENGINES
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)

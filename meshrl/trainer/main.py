@@ -16,14 +16,22 @@ from meshrl.runtime import configure_environment
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """``[--config-name NAME] [--config-path DIR] key=value ...`` → (recipe, overrides)."""
+    """``[--config-name NAME] [--config-path DIR] key=value ...`` → (recipe, overrides).
+
+    Hydra's forms as verl's scripts write them: ``--config-name=NAME`` or ``--config-name NAME`` (also
+    ``-cn``; ``--config-path`` / ``-cp`` likewise), anywhere among the overrides. verl's own configs
+    (``--config-path=config --config-name=ppo_megatron_trainer``) name the schema defaults
+    (``meshrl.config.loader.VERL_BASE_CONFIGS``).
+    """
     parser = argparse.ArgumentParser(prog="python -m meshrl.trainer.main",
                                      description="Train a policy with RL; every verl key=value override works.")
-    parser.add_argument("--config-name", "--config", dest="config_name", default=None,
-                        help="recipe name in recipes/ or a YAML path")
-    parser.add_argument("--config-path", dest="config_path", default=None, help="folder to find --config-name in")
+    parser.add_argument("--config-name", "--config", "-cn", dest="config_name", default=None,
+                        help="recipe name in recipes/ or a YAML path (verl's ppo_trainer / ppo_megatron_trainer: "
+                             "the defaults)")
+    parser.add_argument("--config-path", "-cp", dest="config_path", default=None,
+                        help="folder to find --config-name in")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. algorithm.adv_estimator=grpo")
-    args = parser.parse_args(list(argv))
+    args = parser.parse_intermixed_args(list(argv))
     recipe = args.config_name
     if recipe is not None and args.config_path is not None:
         recipe = str(Path(args.config_path) / recipe)
@@ -42,7 +50,7 @@ def run(cfg) -> dict[str, float]:
     from meshrl.rewards.dispatch import RewardSpec
     from meshrl.rewards.pool import RewardPool
     from meshrl.trainer.checkpoint import CheckpointManager
-    from meshrl.trainer.plot import plot_run
+    from meshrl.trainer.plot import plot_finished_run
     from meshrl.trainer.rl_trainer import RLTrainer, total_training_steps
     from meshrl.trainer.tracking import Tracker
     from meshrl.workers.actor_rollout_ref import ActorRolloutRefGroup
@@ -81,7 +89,9 @@ def run(cfg) -> dict[str, float]:
                                 val_data=val_data, reward=reward, tracker=tracker,
                                 checkpoints=CheckpointManager(run_dir, cfg.trainer.max_actor_ckpt_to_keep))
             final = trainer.fit()
-        print(f"metrics: {run_dir / 'metrics.jsonl'}; curves: {plot_run(run_dir)}")
+        if cfg.ray_kwargs.timeline_json_file:
+            ray.timeline(filename=cfg.ray_kwargs.timeline_json_file)
+        print(plot_finished_run(run_dir))
         return final
     finally:
         reward.close()
@@ -96,11 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_environment()
     from meshrl.config import ConfigError, load_config
     from meshrl.config.validate import validate_config
+    from meshrl.workers.cluster import ray_init_kwargs
 
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(overrides, recipe=recipe)
         validate_config(cfg)
+        ray_init_kwargs(cfg)  # ray_kwargs that cannot map are refused before any model loads
     except ConfigError as exc:
         print(f"meshrl: {exc}", file=sys.stderr)
         return 2

@@ -233,6 +233,18 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     return out
 
 
+def plot_finished_run(run_dir: Path) -> str:
+    """Draw a finished run's curves when it logged ``metrics.jsonl``; returns the line to print about them.
+
+    A run whose ``trainer.logger`` has no ``jsonl`` (verl's usual ``['console','wandb']``) has nothing
+    to draw here: the line says so, and nothing is raised, so a run that trained ends successfully.
+    """
+    source = Path(run_dir) / METRICS_FILE
+    if not source.is_file():
+        return f"curves: none drawn (no {METRICS_FILE}: add 'jsonl' to trainer.logger to get them)"
+    return f"metrics: {source}; curves: {plot_run(run_dir)}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``meshrl plot RUN_DIR [--out FILE]``: draw a run's metrics; prints the PNG path and its panels."""
     from meshrl.runtime import configure_environment

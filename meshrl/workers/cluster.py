@@ -3,33 +3,89 @@
 On one machine: loopback only, no dashboard, temp files in the project cache, a small object store,
 and logical CPUs = one per worker process plus room for the driver. With ``RAY_ADDRESS`` set (a
 cluster started by ``launch/``), join it instead.
+
+verl's ``ray_kwargs.ray_init`` applies where it maps onto this start (``ray_init_kwargs``):
+``num_cpus`` sizes a Ray meshrl starts, ``runtime_env.env_vars`` and ``runtime_env.py_executable``
+reach every worker. Anything else is refused with a ``ConfigError`` that names the key and says why.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from meshrl.config.loader import ConfigError
 from meshrl.config.validate import world_size
-from meshrl.workers.dispatch import groups_per_rank
 from meshrl.runtime import configure_environment
+from meshrl.workers.dispatch import groups_per_rank
+
+# runtime_env fields meshrl passes to Ray. The others (pip, conda, uv, working_dir, py_modules,
+# container, ...) would give the workers another environment than the driver's, which meshrl's workers
+# do not support: they import meshrl and its engines from the driver's virtualenv.
+RUNTIME_ENV_FIELDS = ("env_vars", "py_executable")
+_DRIVER_CPUS = 2  # logical CPUs left for the driver's own Ray tasks
+
+
+def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The keyword arguments ``start_ray`` passes to ``ray.init`` for ``cfg`` (module docstring).
+
+    Raises:
+        ConfigError: a ``ray_kwargs.ray_init`` key that cannot map: a runtime_env field other than
+            ``RUNTIME_ENV_FIELDS``, ``num_cpus`` below the run's worker processes, or ``num_cpus``
+            while joining a running cluster (``RAY_ADDRESS``), whose ``ray start`` sets its CPUs.
+    """
+    configure_environment()
+    ray_init = cfg.ray_kwargs.ray_init
+    prefix = "ray_kwargs.ray_init"
+    runtime_env = OmegaConf.to_container(ray_init.runtime_env, resolve=True)
+    refused = sorted(set(runtime_env) - set(RUNTIME_ENV_FIELDS))
+    if refused:
+        raise ConfigError(
+            f"{prefix}.runtime_env.{refused[0]}: meshrl's Ray workers run in the driver's Python environment "
+            f"and take only {', '.join(RUNTIME_ENV_FIELDS)} from runtime_env; install what the run needs "
+            "into meshrl's virtualenv and drop the key.", [f"{prefix}.runtime_env.{key}" for key in refused])
+    env: dict[str, Any] = {}
+    env_vars = runtime_env.get("env_vars") or {}
+    if not isinstance(env_vars, dict):
+        raise ConfigError(f"{prefix}.runtime_env.env_vars must map names to values, got {env_vars!r}",
+                          [f"{prefix}.runtime_env.env_vars"])
+    if env_vars:
+        # Overrides parse values as YAML: `X=true` arrives as a bool, and is meant as the text "true".
+        env["env_vars"] = {str(name): str(value).lower() if isinstance(value, bool) else str(value)
+                           for name, value in env_vars.items()}
+    if runtime_env.get("py_executable") is not None:
+        env["py_executable"] = str(runtime_env["py_executable"])
+    runtime = {"runtime_env": env} if env else {}
+
+    if os.environ.get("RAY_ADDRESS"):
+        if ray_init.num_cpus is not None:
+            raise ConfigError(f"{prefix}.num_cpus sizes a Ray that meshrl starts, but RAY_ADDRESS joins a running "
+                              "cluster, whose CPUs its `ray start --num-cpus` sets; drop the key or unset RAY_ADDRESS.",
+                              [f"{prefix}.num_cpus"])
+        return {"address": os.environ["RAY_ADDRESS"], "log_to_driver": True, **runtime}
+    workers = world_size(cfg) * groups_per_rank(cfg)  # one logical CPU each (meshrl.workers.group)
+    num_cpus = workers + _DRIVER_CPUS if ray_init.num_cpus is None else ray_init.num_cpus
+    if num_cpus < workers:
+        raise ConfigError(f"{prefix}.num_cpus={num_cpus}: this run places {workers} worker processes of one logical "
+                          f"CPU each; set at least {workers} or drop the key.", [f"{prefix}.num_cpus"])
+    return {
+        "num_cpus": num_cpus,
+        "include_dashboard": False,
+        "_node_ip_address": "127.0.0.1",
+        "_temp_dir": os.environ["RAY_TMPDIR"],
+        "object_store_memory": 512 * 1024**2,
+        "log_to_driver": True,
+        **runtime,
+    }
 
 
 def start_ray(cfg: DictConfig) -> None:
-    configure_environment()
+    """Start Ray for ``cfg`` (or join ``RAY_ADDRESS``) unless this process already runs it."""
+    kwargs = ray_init_kwargs(cfg)
     import ray
 
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return
-    ray.init(
-        num_cpus=world_size(cfg) * groups_per_rank(cfg) + 2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        _temp_dir=os.environ["RAY_TMPDIR"],
-        object_store_memory=512 * 1024**2,
-        log_to_driver=True,
-    )
+    ray.init(**kwargs)

@@ -1,0 +1,141 @@
+"""Does meshrl load verl's example scripts? Classify every call in ``arguments.json``.
+
+    python tests/verl_scripts/classify.py     # rewrite classification.json from the current meshrl
+
+Each call's arguments go through what ``python -m meshrl.trainer.main`` does before training
+(``parse_args``, ``load_config``, ``validate_config``, ``ray_init_kwargs``), with the model/data paths
+and hardware sizes swapped to CPU-sized values (``CPU_SWAPS``, appended as a user's own overrides
+are). The outcome:
+
+- ``ok``: loads and validates;
+- ``load``: ``load_config`` refuses ``keys`` (unknown keys, wrong types, an engine meshrl lacks);
+- ``invalid``: loads, but ``validate_config`` or the Ray start (``ray_init_kwargs``) names ``keys``
+  (values meshrl does not support);
+- ``no call``: the script launches no trainer (it only points elsewhere).
+
+``classification.json`` keeps the outcome of every script; under ``features``, the keys that block a
+load grouped by the verl feature they belong to (``FEATURES``, first match wins), each key with the
+number of scripts it blocks. ``tests/foundation/test_verl_invocation.py`` checks the table.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ARGUMENTS = HERE / "arguments.json"
+CLASSIFICATION = HERE / "classification.json"
+
+PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+            "expert_model_parallel_size")
+CPU_SWAPS = [
+    "actor_rollout_ref.model.path=tiny:llama",
+    "critic.model.path=tiny:llama",
+    "data.train_files=embedded:gsm8k/train",
+    "data.val_files=embedded:gsm8k/test",
+    "trainer.nnodes=1",
+    "trainer.n_gpus_per_node=2",
+    "trainer.device=cpu",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    *(f"{section}.megatron.{size}=1" for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+      for size in PARALLEL),
+    *(f"{section}.megatron.virtual_pipeline_model_parallel_size=null"
+      for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
+]
+# The verl feature a key that meshrl refuses belongs to: (feature, pattern searched in the key).
+FEATURES = [
+    ("other training engines (VeOmni, Megatron Lite, Hydra config groups)", r"\.veomni\.|\.engine\.|^hydra\.|@"),
+    ("FSDP-only settings", r"fsdp_config\.|\.fsdp\.|megatron_fsdp"),
+    ("LoRA", r"lora|target_modules|exclude_modules"),
+    ("sandbox execution", r"sandbox"),
+    ("reward model / reward loop",
+     r"^reward_model\.(rollout|model|use_reward_loop|micro_batch)|^reward\.reward_model\."),
+    ("reward manager settings (DAPO overlong buffer; verl's new reward.* section)", r"^reward_model\.|^reward\."),
+    ("multi-turn rollout", r"multi_turn"),
+    ("multi-modal data (images, video)", r"image|mm_|vision"),
+    ("MoE / expert parallelism", r"expert|moe_|router|routing"),
+    ("Megatron transformer overrides (recompute, fusions, stage layout)", r"override_transformer_config"),
+    ("Megatron optimizer CPU offload", r"override_optimizer_config|optim\.optimizer$"),
+    ("Megatron distributed checkpoints", r"dist_checkpointing"),
+    ("fused kernels", r"fused_kernel"),
+    ("Ulysses sequence parallelism", r"ulysses"),
+    ("profiling", r"profiler"),
+    ("rollout correction, PF-PPO", r"rollout_correction|pf_ppo"),
+    ("rollout engine settings", r"^actor_rollout_ref\.rollout\."),
+    ("entropy memory savers", r"entropy_"),
+    ("other keys", r""),
+]
+# A validation problem is listed as "  - KEY: message" (meshrl.config.validate).
+_PROBLEM_KEY = re.compile(r"^\s*- ([\w.]+):", re.MULTILINE)
+
+
+def script_id(script: dict) -> str:
+    return f"{script['mirror']}:{script['path']}"
+
+
+def classify(args: list[str]) -> dict:
+    """The outcome of one call's arguments (module docstring): ``{"outcome": ..., "keys": [...]}``."""
+    from meshrl.config import ConfigError, load_config
+    from meshrl.config.validate import validate_config
+    from meshrl.trainer.main import parse_args
+    from meshrl.workers.cluster import ray_init_kwargs
+
+    recipe, overrides = parse_args([*args, *CPU_SWAPS])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # model_engine=dp's note, expected for verl's FSDP scripts
+            cfg = load_config(overrides, recipe=recipe)
+    except ConfigError as exc:
+        return {"outcome": "load", "keys": sorted(set(exc.keys))}
+    try:
+        validate_config(cfg)
+    except ConfigError as exc:
+        return {"outcome": "invalid", "keys": sorted(set(_PROBLEM_KEY.findall(str(exc))))}
+    try:
+        ray_init_kwargs(cfg)
+    except ConfigError as exc:
+        return {"outcome": "invalid", "keys": sorted(set(exc.keys))}
+    return {"outcome": "ok", "keys": []}
+
+
+def classify_script(script: dict) -> dict:
+    if not script["calls"]:
+        return {"outcome": "no call", "keys": []}
+    # Every script in the folders makes one trainer call (extract.py records them all).
+    (call,) = script["calls"]
+    return classify(call["args"])
+
+
+def feature_of(key: str) -> str:
+    return next(name for name, pattern in FEATURES if re.search(pattern, key))
+
+
+def classification(arguments: dict) -> dict:
+    scripts = {script_id(s): classify_script(s) for s in arguments["scripts"]}
+    blocked: dict[str, list[str]] = defaultdict(list)
+    counts: dict[str, int] = defaultdict(int)
+    for name, result in scripts.items():
+        counts[result["outcome"]] += 1
+        if result["outcome"] == "load":
+            for key in result["keys"]:
+                blocked[key].append(name)
+    features: dict[str, dict[str, int]] = {name: {} for name, _ in FEATURES}
+    for key in sorted(blocked, key=lambda k: (-len(blocked[k]), k)):
+        features[feature_of(key)][key] = len(blocked[key])
+    return {"summary": dict(sorted(counts.items())), "scripts": scripts,
+            "features": {name: keys for name, keys in features.items() if keys}}
+
+
+def main() -> int:
+    table = classification(json.loads(ARGUMENTS.read_text()))
+    CLASSIFICATION.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {CLASSIFICATION}: {table['summary']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""Extract the trainer arguments of verl's example launch scripts into ``arguments.json``.
+
+    python tests/verl_scripts/extract.py [--mirror NAME=GIT_DIR ...] [--out FILE]
+
+For every ``.sh`` under the algorithm folders of ``examples/`` (``FOLDERS``) in each verl mirror, the
+script runs under bash in a sandbox that records the argv of every ``verl.trainer.main_ppo*`` call,
+so the arguments are exactly what bash hands verl after variable substitution, arrays and branches.
+The sandbox's environment is the representative one a user launches in:
+
+- every ``${VAR:-default}`` keeps the script's default (model paths, data paths, sizes), and ``HOME``
+  is ``/home/user``, so ``$HOME/data/...`` paths read as they would on a user's machine; the few
+  variables a script needs without a default get the values in ``REQUIRED_ENV``;
+- a GPU machine (``python3 -c 'import torch_npu'`` fails, so ``DEVICE`` resolves to gpu);
+- ``VERL_USE_UV=0``: the uv branch launches verl's own ``uv.lock`` extras from verl's repo root,
+  while a meshrl run starts from meshrl's virtualenv (the scripts then set
+  ``ray_kwargs.ray_init.runtime_env.py_executable=null``).
+
+Nothing the scripts call runs: the PATH holds only text tools (awk, sed, ...) and a fixed ``date``;
+any other command (python, downloads, mkdir, ray) is a no-op, with ``python -c`` failing.
+The output lists, per script, its mirror, path and each recorded call's module and arguments; the
+mirrors' commits are recorded so a refresh is reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MIRRORS = {
+    "volcengine/verl": "/work/.mirror/volcengine+verl/repo",  # early 2026
+    "verl-project/verl": "/work/.mirror/verl-project+verl/repo",  # today
+}
+FOLDERS = ("remax_trainer", "gpg_trainer", "grpo_trainer", "ppo_trainer", "rloo_trainer",
+           "reinforce_plus_plus_trainer", "cispo_trainer")
+MODULE_PREFIX = "verl.trainer.main_ppo"
+HOME = "/home/user"
+FIXED_DATE = "20260101"
+# Variables some scripts read without a default (they exit otherwise): where the user keeps things.
+REQUIRED_ENV = {
+    "DATA_ROOT": f"{HOME}/data",
+    "HDFS_ROOT": HOME,
+    "INFER_BACKEND": "vllm",  # the scripts' own default, read before they set it in one of them
+    "KIMI_K2_6_MODEL_PATH": f"{HOME}/models/Kimi-K2.6",
+    "MLITE_ROOT": f"{HOME}/Megatron-LM",
+    "MODEL_VARIANT": "kimi_k2_6",
+    "RAY_DATA_HOME": f"{HOME}/verl",
+}
+# Real tools a script may use to compute values; none of them starts a process or writes outside cwd.
+TEXT_TOOLS = ("awk", "basename", "cat", "cut", "dirname", "expr", "grep", "head", "readlink", "realpath",
+              "sed", "seq", "sort", "tail", "tr", "uniq", "wc")
+
+# Sourced by bash before the script (BASH_ENV). Records calls of verl's trainer module (NUL-separated
+# argv, one file per call, numbered in call order); every other missing command succeeds silently,
+# except `python -c ...` which fails like a probe for an absent package. A stub reading a pipe
+# (`... | tee LOG`) drains it, so the writer is not killed by SIGPIPE before it records.
+PRELUDE = r"""
+command_not_found_handle() {
+    local arg
+    for arg in "$@"; do
+        if [[ "$arg" == MODULE_PREFIX* ]]; then
+            local calls=("$CALLS_DIR"/*)
+            [[ -e "${calls[0]}" ]] || calls=()
+            printf '%s\0' "$@" > "$CALLS_DIR/$(printf '%04d' "${#calls[@]}")"
+            return 0
+        fi
+    done
+    if [[ -p /dev/stdin ]]; then
+        cat > /dev/null
+    fi
+    if [[ "$1" == python* && "$2" == -c ]]; then
+        return 1
+    fi
+    return 0
+}
+source() {
+    if [[ -f "$1" ]]; then builtin source "$@"; fi
+}
+""".replace("MODULE_PREFIX", MODULE_PREFIX)
+
+
+def list_scripts(git_dir: str) -> list[str]:
+    names = subprocess.run(["git", "-C", git_dir, "ls-tree", "-r", "--name-only", "HEAD", "examples/"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    return sorted(n for n in names if n.endswith(".sh") and n.split("/")[1] in FOLDERS)
+
+
+def run_script(text: str, rel_path: str, sandbox: Path) -> list[dict]:
+    """Run one script in ``sandbox`` and return its recorded calls: ``{"module", "args"}`` each."""
+    root = sandbox / "verl"
+    calls_dir = sandbox / "calls"
+    for folder in (root, calls_dir):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+    script = root / rel_path
+    script.parent.mkdir(parents=True)
+    script.write_text(text)
+    env = {"PATH": str(sandbox / "bin"), "HOME": HOME, "BASH_ENV": str(sandbox / "prelude.sh"),
+           "CALLS_DIR": str(calls_dir), "VERL_USE_UV": "0", "LANG": "C.UTF-8", **REQUIRED_ENV}
+    subprocess.run(["/bin/bash", rel_path], cwd=root, env=env, capture_output=True, timeout=60)
+    calls = []
+    for path in sorted(calls_dir.iterdir()):
+        argv = path.read_bytes().decode().split("\0")[:-1]
+        # Paths a script derives from its own location point into the sandbox: name verl's root instead.
+        argv = [a.replace(str(root), "/verl") for a in argv]
+        start = next(i for i, a in enumerate(argv) if a.startswith(MODULE_PREFIX))
+        calls.append({"module": argv[start], "args": argv[start + 1:]})
+    return calls
+
+
+def make_sandbox(sandbox: Path) -> None:
+    (sandbox / "prelude.sh").write_text(PRELUDE)
+    bin_dir = sandbox / "bin"
+    bin_dir.mkdir()
+    for tool in TEXT_TOOLS:
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    date = bin_dir / "date"
+    date.write_text(f"#!/bin/bash\necho {FIXED_DATE}\n")
+    date.chmod(0o755)
+
+
+def extract(mirrors: dict[str, str]) -> dict:
+    out: dict = {"mirrors": {}, "scripts": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        sandbox = Path(tmp)
+        make_sandbox(sandbox)
+        for name, git_dir in mirrors.items():
+            commit, date = subprocess.run(["git", "-C", git_dir, "log", "-1", "--format=%H %cs", "HEAD"], check=True,
+                                          capture_output=True, text=True).stdout.split()
+            out["mirrors"][name] = {"commit": commit, "date": date}
+            for rel_path in list_scripts(git_dir):
+                text = subprocess.run(["git", "-C", git_dir, "show", f"HEAD:{rel_path}"], check=True,
+                                      capture_output=True, text=True).stdout
+                out["scripts"].append({"mirror": name, "path": rel_path,
+                                       "calls": run_script(text, rel_path, sandbox)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mirror", action="append", default=[], metavar="NAME=GIT_DIR",
+                        help="a verl git directory to read (default: the two mirrors in MIRRORS)")
+    parser.add_argument("--out", type=Path, default=HERE / "arguments.json")
+    args = parser.parse_args(argv)
+    mirrors = dict(m.split("=", 1) for m in args.mirror) or MIRRORS
+    data = extract(mirrors)
+    args.out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    empty = [f"{s['mirror']}:{s['path']}" for s in data["scripts"] if not s["calls"]]
+    print(f"wrote {args.out}: {len(data['scripts'])} scripts, {len(empty)} without a trainer call"
+          + (f" ({', '.join(empty)})" if empty else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
