@@ -119,6 +119,13 @@ class MegatronConfig:
     grad_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 42
+    # TransformerConfig fields set directly (verl's key), e.g. recompute_granularity / recompute_method /
+    # recompute_num_layers; they win over model.enable_gradient_checkpointing. Unknown fields are refused.
+    override_transformer_config: Dict[str, Any] = field(default_factory=dict)
+    # Start from a megatron distributed checkpoint instead of the HF weights: dist_checkpointing_path is a
+    # folder written by `meshrl convert hf-to-mcore` (verl's keys; the model's HF config still gives its shape).
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: Optional[str] = None
     # Parameters' dtype (verl's key): bfloat16 trains with mixed precision (fp32 main params, gradients
     # and Adam state in the optimizer), float32 throughout; auto: bfloat16 with CUDA, float32 without.
     # The reference's auto is the actor's dtype, so that it starts as the policy's exact copy. verl's

@@ -195,11 +195,16 @@ def _check_optim(p: _Problems, optim: DictConfig, key: str) -> None:
         # megatron is imported only for this check: most configs have no overrides, and loading stays fast.
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
-        known = set(MegatronOptimizerConfig.__dataclass_fields__)
-        for name in optim.override_optimizer_config:
-            close = difflib.get_close_matches(name, known, n=2)
-            p.require(name in known, f"{key}.override_optimizer_config.{name}",
-                      "megatron's OptimizerConfig has no such field" + (f"; did you mean {' or '.join(close)}?" if close else ""))
+        _check_fields(p, optim.override_optimizer_config, MegatronOptimizerConfig, f"{key}.override_optimizer_config")
+
+
+def _check_fields(p: _Problems, overrides, dataclass_type, key: str) -> None:
+    """Every name in ``overrides`` must be a field of megatron's ``dataclass_type`` (did-you-mean otherwise)."""
+    known = set(dataclass_type.__dataclass_fields__)
+    for name in overrides:
+        close = difflib.get_close_matches(name, known, n=2)
+        p.require(name in known, f"{key}.{name}", f"megatron's {dataclass_type.__name__} has no such field"
+                  + (f"; did you mean {' or '.join(close)}?" if close else ""))
 
 
 def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> None:
@@ -222,8 +227,23 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
     if mg.virtual_pipeline_model_parallel_size is not None:
         p.require(mg.pipeline_model_parallel_size > 1, f"{key}.virtual_pipeline_model_parallel_size",
                   "needs pipeline_model_parallel_size > 1")
-    p.require(not mg.sequence_parallel or mg.tensor_model_parallel_size > 1, f"{key}.sequence_parallel",
-              "needs tensor_model_parallel_size > 1")
+    p.require(not mg.sequence_parallel, f"{key}.sequence_parallel",
+              "Megatron sequence parallelism is not wired yet; set False (the numbers are the same: it only splits "
+              "activations along the sequence over the TP ranks to save memory)")
+    if mg.use_dist_checkpointing:
+        p.require(bool(mg.dist_checkpointing_path), f"{key}.dist_checkpointing_path",
+                  "must name a megatron checkpoint (from `meshrl convert hf-to-mcore --hf MODEL --out DIR`) when "
+                  "use_dist_checkpointing=True")
+    if mg.override_transformer_config:
+        # megatron is imported only for this check: most configs override nothing, and loading stays fast.
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.enums import AttnBackend
+
+        overrides = mg.override_transformer_config
+        _check_fields(p, overrides, TransformerConfig, f"{key}.override_transformer_config")
+        if "attention_backend" in overrides:
+            p.choice(overrides.attention_backend, f"{key}.override_transformer_config.attention_backend",
+                     [b.name for b in AttnBackend])
     p.require(mg.dtype in MEGATRON_DTYPES, f"{key}.dtype",
               f"'{mg.dtype}' is not one of {', '.join(MEGATRON_DTYPES)}"
               + ("; float16 needs loss scaling, which meshrl does not wire: use bfloat16"

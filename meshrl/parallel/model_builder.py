@@ -240,6 +240,10 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         calculate_per_token_loss=True,
     )
     kwargs.update(overrides)
+    if isinstance(kwargs.get("attention_backend"), str):  # verl's configs name the enum member
+        from megatron.core.transformer.enums import AttnBackend
+
+        kwargs["attention_backend"] = AttnBackend[kwargs["attention_backend"]]
     return TransformerConfig(**kwargs)
 
 
@@ -343,6 +347,10 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
     config = transformer_config(spec, parallel, dtype, **config_overrides)
     use_te = transformer_engine_available()
     layer_spec = _layer_spec(use_te)
+    if "attention_backend" in config_overrides and not use_te:
+        # Said, not silently dropped: only Transformer Engine's attention chooses among backends.
+        warnings.warn(f"attention_backend={config_overrides['attention_backend']} selects a Transformer Engine "
+                      "attention kernel; without Transformer Engine this run's attention is torch SDPA", stacklevel=2)
     vpp = parallel.virtual_pipeline
     chunks = []
     for vp_stage in range(vpp or 1):

@@ -38,8 +38,8 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return recipe, args.overrides
 
 
-def run(cfg) -> dict[str, float]:
-    """Train with a loaded, validated config; returns the final step's metrics."""
+def run(cfg, plan) -> dict[str, float]:
+    """Train with a loaded config and its run plan (``validate_config(cfg)``); returns the final step's metrics."""
     import ray
     from transformers import AutoConfig, AutoTokenizer
 
@@ -58,6 +58,8 @@ def run(cfg) -> dict[str, float]:
     from meshrl.workers.critic import CriticGroup
     from omegaconf import OmegaConf
 
+    for warning in plan.warnings:
+        print(f"meshrl: note: {warning}", file=sys.stderr)
     model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
     validate_against_model(cfg, AutoConfig.from_pretrained(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_dir)
@@ -80,12 +82,13 @@ def run(cfg) -> dict[str, float]:
                                    dict(cfg.custom_reward_function.reward_kwargs)),
                         num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s)
     try:
-        policy = ActorRolloutRefGroup(cfg, model_dir)
-        if cfg.algorithm.adv_estimator == "gae":
-            critic = CriticGroup(cfg, resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else model_dir)
+        policy = ActorRolloutRefGroup(cfg, plan, model_dir)
+        if plan.use_critic:
+            critic = CriticGroup(cfg, plan,
+                                 resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else model_dir)
         with Tracker(list(cfg.trainer.logger), run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                      OmegaConf.to_container(cfg), total_steps) as tracker:
-            trainer = RLTrainer(cfg, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
+            trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
                                 val_data=val_data, reward=reward, tracker=tracker,
                                 checkpoints=CheckpointManager(run_dir, cfg.trainer.max_actor_ckpt_to_keep))
             final = trainer.fit()
@@ -111,12 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(overrides, recipe=recipe)
-        validate_config(cfg)
+        plan = validate_config(cfg)
         ray_init_kwargs(cfg)  # ray_kwargs that cannot map are refused before any model loads
     except ConfigError as exc:
         print(f"meshrl: {exc}", file=sys.stderr)
         return 2
-    run(cfg)
+    run(cfg, plan)
     return 0
 
 

@@ -26,7 +26,7 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
   ``4h`` replicated (inputs of the two RMSNorms and of the QKV / FC1 projections) plus
   ``(2·a·d + 2·g·d + 4f) / TP`` (query, key, value, attention output; FC1's gate and up halves,
   SiLU(gate) and FC2's input — SwiGLU is unfused in meshrl's layer config). With
-  ``model.enable_gradient_checkpointing`` (full recompute, one layer per checkpoint) a layer keeps only
+  full-layer recompute (``model.enable_gradient_checkpointing`` or ``override_transformer_config``) a layer keeps only
   its ``h`` input, plus one layer's full set while it is recomputed. A micro-batch holds at most the
   token budget (``ppo_max_token_len_per_gpu``); the first pipeline stage keeps PP micro-batches in
   flight under 1F1B (``1 + (PP-1)/(PP·VPP)`` more with interleaving), the last stage one.
@@ -290,6 +290,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     from meshrl.parallel.model_builder import check_layout, model_spec
     from meshrl.parallel.state import ParallelConfig
     from meshrl.config.run_plan import build_run_plan
+    from meshrl.workers.actor_rollout_ref import transformer_overrides
 
     arr, actor, rollout, ref, critic_cfg = (cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor,
                                             cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic)
@@ -331,7 +332,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
         return _Trainer(spec=model_spec_, tp=tp, pp=pp, vpp=vpp or 1, dp=world // (tp * pp),
                         distributed_optimizer=mg.use_distributed_optimizer,
-                        recompute=model_section.enable_gradient_checkpointing,
+                        # full-layer recompute, as the workers build it (selective recompute is counted as none)
+                        recompute=transformer_overrides(model_section, mg).get("recompute_granularity") == "full",
                         param_offload=_flag(mg, section.fsdp_config, key="param_offload"),
                         grad_offload=_flag(mg, key="grad_offload"),
                         optimizer_offload=_flag(mg, section.fsdp_config, key="optimizer_offload"),

@@ -48,11 +48,27 @@ def optimizer_config(optim, distributed: bool):
     )
 
 
-def recompute_overrides(model_cfg) -> dict[str, Any]:
-    """``model.enable_gradient_checkpointing`` → megatron full-layer activation recompute."""
-    if not model_cfg.enable_gradient_checkpointing:
-        return {}
-    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+def transformer_overrides(model_cfg, megatron_cfg) -> dict[str, Any]:
+    """TransformerConfig fields from ``megatron.override_transformer_config`` (verl's Megatron key). Without
+    ``recompute_*`` fields there, ``model.enable_gradient_checkpointing`` (verl's FSDP key) means megatron's
+    full-layer recompute, one layer per checkpoint."""
+    overrides = dict(megatron_cfg.override_transformer_config)
+    if model_cfg.enable_gradient_checkpointing and not any(k.startswith("recompute_") for k in overrides):
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return overrides
+
+
+def load_initial_weights(chunks, megatron_cfg, model_dir: str, hf_config) -> None:
+    """The model's starting weights: the HF checkpoint, or with ``megatron.use_dist_checkpointing`` the megatron
+    distributed checkpoint at ``megatron.dist_checkpointing_path`` (its weights only)."""
+    if megatron_cfg.use_dist_checkpointing:
+        from meshrl.parallel.checkpoint import load_checkpoint
+
+        load_checkpoint(megatron_cfg.dist_checkpointing_path, chunks)
+    else:
+        from meshrl.parallel.hf_conversion import load_hf_weights
+
+        load_hf_weights(chunks, model_dir, hf_config)
 
 
 class ActorRolloutRefWorker(RankWorker):
@@ -60,7 +76,6 @@ class ActorRolloutRefWorker(RankWorker):
     def setup(self, address: tuple[str, int]) -> dict[str, Any]:
         from transformers import AutoConfig, AutoTokenizer
 
-        from meshrl.parallel.hf_conversion import load_hf_weights
         from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
                                                     param_dtype)
         from meshrl.parallel.offload import HostBuffers, offload
@@ -77,8 +92,9 @@ class ActorRolloutRefWorker(RankWorker):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         distributed_opt = actor.megatron.use_distributed_optimizer
         self.policy = build_model(self.hf_config, dtype=param_dtype(actor.megatron.dtype),
-                                  use_distributed_optimizer=distributed_opt, **recompute_overrides(arr.model))
-        load_hf_weights(self.policy, self.model_dir, self.hf_config)
+                                  use_distributed_optimizer=distributed_opt,
+                                  **transformer_overrides(arr.model, actor.megatron))
+        load_initial_weights(self.policy, actor.megatron, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
             self.policy, optimizer_config(actor.optim, distributed_opt))
         self.train_engine = TrainingEngine(
@@ -91,8 +107,9 @@ class ActorRolloutRefWorker(RankWorker):
         if self.plan.use_reference:
             # Forward passes only: no DDP gradient buffer (as large as the fp32 weights) for it.
             ref_dtype = arr.ref.megatron.dtype if arr.ref.megatron.dtype != "auto" else actor.megatron.dtype
-            self.ref = build_forward_only_model(self.hf_config, dtype=param_dtype(ref_dtype))
-            load_hf_weights(self.ref, self.model_dir, self.hf_config)
+            self.ref = build_forward_only_model(self.hf_config, dtype=param_dtype(ref_dtype),
+                                                **transformer_overrides(arr.model, arr.ref.megatron))
+            load_initial_weights(self.ref, arr.ref.megatron, self.model_dir, self.hf_config)
             if arr.ref.megatron.param_offload or arr.ref.fsdp_config.param_offload:
                 self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False,
                                             buffers=self.host_buffers)

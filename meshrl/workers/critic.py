@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.protocol import Batch
-from meshrl.workers.actor_rollout_ref import optimizer_config, recompute_overrides
+from meshrl.workers.actor_rollout_ref import load_initial_weights, optimizer_config, transformer_overrides
 from meshrl.workers.dispatch import DispatchGroup
 from meshrl.workers.engine import TrainingEngine
 from meshrl.workers.objectives import CriticObjective
@@ -26,7 +26,6 @@ class CriticWorker(RankWorker):
         from transformers import AutoConfig, AutoTokenizer
 
         from meshrl.parallel.forward import OutputRequest
-        from meshrl.parallel.hf_conversion import load_hf_weights
         from meshrl.parallel.model_builder import build_model, packed_sequences, param_dtype
         from meshrl.parallel.optimizer import build_optimizer
 
@@ -38,8 +37,8 @@ class CriticWorker(RankWorker):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.model = build_model(self.hf_config, critic=True, dtype=param_dtype(megatron.dtype),
                                  use_distributed_optimizer=megatron.use_distributed_optimizer,
-                                 **recompute_overrides(critic.model))
-        load_hf_weights(self.model, self.model_dir, self.hf_config)
+                                 **transformer_overrides(critic.model, megatron))
+        load_initial_weights(self.model, megatron, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, optimizer_config(critic.optim, megatron.use_distributed_optimizer))
         self.objective = CriticObjective.from_config(self.cfg)
