@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.config.loader import ConfigError
+from meshrl.config.run_plan import build_run_plan
 from meshrl.config.validate import world_size
 from meshrl.runtime import configure_environment
 from meshrl.workers.dispatch import groups_per_rank
@@ -65,7 +66,7 @@ def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
                               "cluster, whose CPUs its `ray start --num-cpus` sets; drop the key or unset RAY_ADDRESS.",
                               [f"{prefix}.num_cpus"])
         return {"address": os.environ["RAY_ADDRESS"], "log_to_driver": True, **runtime}
-    workers = world_size(cfg) * groups_per_rank(cfg)  # one logical CPU each (meshrl.workers.group)
+    workers = world_size(cfg) * groups_per_rank(build_run_plan(cfg))  # one logical CPU each (meshrl.workers.group)
     num_cpus = workers + _DRIVER_CPUS if ray_init.num_cpus is None else ray_init.num_cpus
     if num_cpus < workers:
         raise ConfigError(f"{prefix}.num_cpus={num_cpus}: this run places {workers} worker processes of one logical "

@@ -28,9 +28,9 @@ from meshrl.protocol import Batch
 from meshrl.workers.sequences import sequence_lengths
 
 
-def groups_per_rank(cfg: DictConfig) -> int:
-    """Worker processes per training rank: the policy's, plus the critic's for PPO (``gae``)."""
-    return 2 if cfg.algorithm.adv_estimator == "gae" else 1
+def groups_per_rank(plan: RunPlan) -> int:
+    """Worker processes per training rank: the policy's, plus the critic's when the run has one."""
+    return 2 if plan.use_critic else 1
 
 
 def use_cuda(cfg: DictConfig) -> bool:
@@ -57,7 +57,7 @@ class DispatchGroup:
         # On CPU the machine's cores are shared out between the ranks (Ray would pin each to 1 thread).
         threads = max(1, (os.cpu_count() or 1) // world) if not cuda else 4
         # PPO's critic group shares each device with the policy group (colocated, half a GPU each).
-        groups_per_device = groups_per_rank(cfg)
+        groups_per_device = groups_per_rank(plan)
         self.group = WorkerGroup(
             worker_cls, world, name=name, num_cpus_per_worker=1,
             num_gpus_per_worker=1 / groups_per_device if cuda else 0,
