@@ -222,6 +222,55 @@ class ValKwargsConfig:
 
 
 @dataclass
+class EngineKwargsConfig:
+    """verl's ``rollout.engine_kwargs``: extra engine arguments per inference engine. ``vllm.*`` go to vLLM's
+    ``EngineArgs`` (a None value leaves the argument unset, as in verl); meshrl refuses arguments it sets
+    from its own keys, and the other engines' sections (``meshrl.rollout.base.unsupported_rollout_features``)."""
+
+    vllm: Dict[str, Any] = field(default_factory=dict)
+    sglang: Dict[str, Any] = field(default_factory=dict)
+    trtllm: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MultiTurnConfig:
+    """verl's ``rollout.multi_turn`` (both verl versions' keys), so verl scripts parse: meshrl has no
+    multi-turn tool-calling rollout, and refuses any value other than these defaults."""
+
+    enable: bool = False
+    max_assistant_turns: Optional[int] = None
+    tool_config_path: Optional[str] = None
+    function_tool_path: Optional[str] = None
+    max_user_turns: Optional[int] = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    interaction_config_path: Optional[str] = None
+    use_inference_chat_template: bool = False
+    tokenization_sanity_check_mode: str = "strict"
+    format: str = "hermes"
+    num_repeat_rollouts: Optional[int] = None
+
+
+@dataclass
+class CustomAsyncServerConfig:
+    path: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class AgentLoopConfig:
+    """verl's ``rollout.agent`` (its agent-loop rollout), so verl scripts parse: meshrl's rollout is one
+    batched generate per engine replica, and any value other than these defaults is refused."""
+
+    num_workers: int = 8
+    default_agent_loop: str = "single_turn_agent"
+    agent_loop_config_path: Optional[str] = None
+    custom_async_server: CustomAsyncServerConfig = field(default_factory=CustomAsyncServerConfig)
+    agent_loop_manager_class: Optional[str] = None
+
+
+@dataclass
 class RolloutConfig:
     name: str = "vllm"
     mode: str = "sync"
@@ -239,12 +288,17 @@ class RolloutConfig:
     ignore_eos: bool = False
     enforce_eager: bool = True
     free_cache_engine: bool = True
-    load_format: str = "dummy_megatron"
+    # The engine's first weights (meshrl.rollout.base.LOAD_FORMATS): auto | hf | safetensors | pt read the
+    # model folder; dummy (and verl's dummy_megatron / dummy_hf / dummy_dtensor) starts from random weights
+    # that a weight sync must replace before the engine generates. verl's default is dummy; meshrl's is auto
+    # because its policy worker does not sync before the first rollout.
+    load_format: str = "auto"
     tensor_model_parallel_size: int = 1
     max_num_batched_tokens: int = 8192
     max_model_len: Optional[int] = None
     max_num_seqs: int = 1024
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # vLLM reuses the KV cache of shared prompt prefixes (same outputs)
     disable_log_stats: bool = True
     calculate_log_probs: bool = False
     # Which log-probs of the sampled tokens the engine returns (rollout_log_probs): processed_logprobs
@@ -256,6 +310,9 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: Optional[int] = None
     update_weights_bucket_megabytes: int = 512
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from meshrl.rollout.base import (
     RolloutEngine,
     SamplingConfig,
     create_engine,
+    unsupported_rollout_features,
 )
 from meshrl.rollout.weight_sync import (
     LiveBytesMeter,
@@ -41,4 +42,5 @@ __all__ = [
     "create_engine",
     "iter_buckets",
     "sync_weights",
+    "unsupported_rollout_features",
 ]

@@ -30,17 +30,26 @@ A response is the sampled tokens up to and including the first stop token (the m
 
 Weights arrive as a stream of ``(hf_name, full_tensor)`` pairs in Hugging Face naming
 (``meshrl.parallel.hf_conversion.iter_hf_weights`` or an HF model's ``named_parameters()``); see
-``meshrl.rollout.weight_sync`` for bucketing, validation and the failure semantics.
+``meshrl.rollout.weight_sync`` for bucketing, validation and the failure semantics. An engine's first
+weights follow ``EngineConfig.load_format`` (verl's ``rollout.load_format``): ``auto``, ``hf``,
+``safetensors`` or ``pt`` read them from the model folder; ``dummy`` (and verl's ``dummy_megatron``,
+``dummy_hf``, ``dummy_dtensor``) starts from random weights, faster, and ``generate`` refuses to run
+until a full weight sync has replaced them, so a rollout never samples from them.
+
+verl's ``rollout`` keys for features meshrl's rollout does not have (multi-turn tool calling, agent
+loops, SGLang's and TensorRT-LLM's engine arguments) parse, and ``unsupported_rollout_features`` names
+every one set to other than verl's default, with what to do instead.
 """
 
 from __future__ import annotations
 
 import abc
+import difflib
 import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence
 
@@ -53,6 +62,46 @@ ENGINE_NAMES = ("vllm", "hf")
 # vLLM's log-prob modes that are log-probabilities; its other two return logits (see the module doc).
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 LOGITS_MODES = ("raw_logits", "processed_logits")
+# rollout.load_format values: those that read the model folder (vLLM's names for its default loader), and
+# verl's names for random initial weights (its dummy_* variants only chose which of verl's syncs followed).
+# vLLM's other formats read other layouts (GGUF, sharded state, tensorizer) or need other packages.
+CHECKPOINT_LOAD_FORMATS = ("auto", "hf", "safetensors", "pt")
+DUMMY_LOAD_FORMATS = ("dummy", "dummy_megatron", "dummy_hf", "dummy_dtensor")
+LOAD_FORMATS = CHECKPOINT_LOAD_FORMATS + DUMMY_LOAD_FORMATS
+# vLLM engine arguments that meshrl sets itself, so rollout.engine_kwargs.vllm may not: argument -> what
+# to do instead.
+_INSTEAD = "set actor_rollout_ref.rollout.{} instead"
+OWNED_VLLM_ARGS = {
+    "model": "set actor_rollout_ref.model.path instead",
+    "tokenizer": "the trainer tokenizes and the engine takes token ids; set actor_rollout_ref.model.tokenizer_path",
+    "dtype": _INSTEAD.format("dtype"),
+    "seed": _INSTEAD.format("seed") + " (each request is seeded from it and the replica index)",
+    "tensor_parallel_size": _INSTEAD.format("tensor_model_parallel_size"),
+    "pipeline_parallel_size": "the colocated engine has no pipeline stages; use "
+                              + _INSTEAD.format("tensor_model_parallel_size"),
+    "data_parallel_size": "every actor_rollout_ref.rollout.tensor_model_parallel_size training ranks form one "
+                          "replica; remove it",
+    "max_model_len": "it is the prompt plus the response length: set data.max_prompt_length and "
+                     "data.max_response_length (or rollout.prompt_length and rollout.response_length)",
+    "max_num_seqs": _INSTEAD.format("max_num_seqs"),
+    "max_num_batched_tokens": _INSTEAD.format("max_num_batched_tokens"),
+    "enable_prefix_caching": _INSTEAD.format("enable_prefix_caching"),
+    "logprobs_mode": _INSTEAD.format("logprobs_mode"),
+    "enforce_eager": _INSTEAD.format("enforce_eager"),
+    "gpu_memory_utilization": _INSTEAD.format("gpu_memory_utilization"),
+    "kv_cache_memory_bytes": _INSTEAD.format("kv_cache_memory_bytes"),
+    "enable_sleep_mode": _INSTEAD.format("free_cache_engine"),
+    "load_format": _INSTEAD.format("load_format"),
+    "disable_log_stats": _INSTEAD.format("disable_log_stats"),
+    "enable_chunked_prefill": "off on CPU (seeded sampling cannot resume a split prompt there), vLLM's default on "
+                              "CUDA; remove it",
+    "distributed_executor_backend": "one engine worker runs in each training rank; remove it",
+    "worker_cls": "meshrl's weight sync needs vLLM's default worker; remove it",
+    "worker_extension_cls": "meshrl's weight sync is the worker extension; remove it",
+    "generation_config": "sampling comes only from the rollout's keys (temperature, top_p, top_k, ...); remove it",
+    "override_generation_config": "sampling comes only from the rollout's keys (temperature, top_p, top_k, ...); "
+                                  "remove it",
+}
 
 
 class EngineUnavailableError(RuntimeError):
@@ -156,6 +205,13 @@ class EngineConfig:
     - ``generation_threads``: torch CPU threads while generating (None: leave the process's setting).
     - ``update_weights_bucket_megabytes``: weight-sync bucket size (see ``weight_sync``).
     - ``hf_batch_size``: sequences per ``generate`` call of the HF engine.
+    - ``enable_prefix_caching``: vLLM reuses the KV cache of shared prompt prefixes (same outputs,
+      less prefill); the HF engine has none and warns when it is on.
+    - ``disable_log_stats``: vLLM's periodic throughput log off.
+    - ``load_format``: one of ``LOAD_FORMATS`` (see the module doc); ``random_init`` tells a dummy one.
+    - ``vllm_kwargs``: further vLLM engine arguments (verl's ``rollout.engine_kwargs.vllm``); None values
+      are dropped (unset, as verl does). Refused: names vLLM's ``EngineArgs`` lacks, those in
+      ``OWNED_VLLM_ARGS``, and any with ``name="hf"``.
     """
 
     name: str = "vllm"
@@ -175,6 +231,9 @@ class EngineConfig:
     generation_threads: int | None = None
     update_weights_bucket_megabytes: int = 512
     hf_batch_size: int = 64
+    disable_log_stats: bool = True
+    load_format: str = "auto"
+    vllm_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name not in ENGINE_NAMES:
@@ -195,17 +254,29 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        object.__setattr__(self, "vllm_kwargs", {key: value for key, value in _plain(self.vllm_kwargs).items()
+                                                 if value is not None})
+        problems = [f"rollout.{line}" for line in _load_format_problems(self.load_format)
+                    + _vllm_kwargs_problems(self.name, self.vllm_kwargs)]
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def bucket_bytes(self) -> int:
         return self.update_weights_bucket_megabytes << 20
 
+    @property
+    def random_init(self) -> bool:
+        """The engine starts from random weights (a dummy ``load_format``): sync before generating."""
+        return self.load_format in DUMMY_LOAD_FORMATS
+
     @classmethod
     def from_rollout(cls, rollout: Any, **overrides: Any) -> EngineConfig:
         """Take every field this class shares with a verl-style ``rollout`` section, then ``overrides``.
 
-        ``rollout.max_model_len`` None becomes ``prompt_length + response_length`` when both are set.
-        An override that is not a field raises (no silent typos).
+        ``rollout.max_model_len`` None becomes ``prompt_length + response_length`` when both are set;
+        ``vllm_kwargs`` is ``rollout.engine_kwargs.vllm``. An override that is not a field raises (no
+        silent typos).
         """
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - names)
@@ -215,6 +286,7 @@ class EngineConfig:
         values = {name: get(name) for name in names if get(name, _MISSING) not in (_MISSING, None)}
         if "max_model_len" not in values and get("prompt_length", None) and get("response_length", None):
             values["max_model_len"] = int(get("prompt_length")) + int(get("response_length"))
+        values["vllm_kwargs"] = _getter(get("engine_kwargs") or {})("vllm") or {}
         values.update(overrides)
         return cls(**values)
 
@@ -262,7 +334,8 @@ class RolloutEngine(abc.ABC):
         self.dp_rank = dp_rank
         self.eos_token_ids = eos_token_ids(self.model_path)
         self._calls = 0
-        self._weights = _WeightState()
+        self._weights = (_WeightState(False, f"load_format={config.load_format} started it from random weights")
+                         if config.random_init else _WeightState())
         self._closed = False
 
     # --- generation -------------------------------------------------------------------------
@@ -425,6 +498,93 @@ def default_dp_rank(tensor_parallel_size: int) -> int:
     return 0
 
 
+def unsupported_rollout_features(rollout: Any) -> list[str]:
+    """What a verl ``actor_rollout_ref.rollout`` section asks of meshrl's rollout that it does not do.
+
+    One ``"key: message"`` line per problem (the form of ``meshrl.config.validate``'s problems), each
+    saying what to do instead; empty when the section is fine. Checked: ``multi_turn.*`` and ``agent.*``
+    away from verl's defaults (one line per section), ``engine_kwargs.sglang.*`` /
+    ``engine_kwargs.trtllm.*``, ``engine_kwargs.vllm.*`` (as ``EngineConfig`` checks them: unknown to
+    vLLM, owned by meshrl, or given to the hf engine) and ``load_format``. ``rollout`` is an OmegaConf
+    node, a mapping or an attribute object; absent sections count as defaults.
+    """
+    from meshrl.config.schema import AgentLoopConfig, MultiTurnConfig
+
+    get = _getter(rollout)
+    lines = []
+    for section, defaults, feature in (
+            ("multi_turn", MultiTurnConfig(), "multi-turn tool-calling rollout is not built yet: meshrl samples "
+             "one response per prompt, with no tool calls or interaction turns"),
+            ("agent", AgentLoopConfig(), "agent-loop rollout is not built yet: meshrl's rollout is one batched "
+             "generate per engine replica, with no agent loops or async servers")):
+        changed = _changed_keys(_plain(get(section) or {}), _plain(defaults))
+        if changed:
+            lines.append(f"{section}: {feature} (set: {', '.join(changed)}). Remove these {section} overrides "
+                         "(verl's defaults are accepted).")
+    engine_kwargs = _plain(get("engine_kwargs") or {})
+    for engine in ("sglang", "trtllm"):
+        if engine_kwargs.get(engine):
+            lines.append(f"engine_kwargs.{engine}: meshrl's rollout engines are {' and '.join(ENGINE_NAMES)} "
+                         f"(rollout.name), so {engine}'s engine arguments ({', '.join(engine_kwargs[engine])}) "
+                         "have no engine to go to. Remove them; vLLM's go under engine_kwargs.vllm.")
+    vllm = {key: value for key, value in (engine_kwargs.get("vllm") or {}).items() if value is not None}
+    lines += _load_format_problems(get("load_format", "auto")) + _vllm_kwargs_problems(get("name", "vllm"), vllm)
+    return [f"actor_rollout_ref.rollout.{line}" for line in lines]
+
+
+def _load_format_problems(load_format: str) -> list[str]:
+    if load_format in LOAD_FORMATS:
+        return []
+    return [f"load_format: '{load_format}' is not one meshrl's engines load: {', '.join(CHECKPOINT_LOAD_FORMATS)} "
+            f"read the model folder, {', '.join(DUMMY_LOAD_FORMATS)} start from random weights that the first "
+            "weight sync replaces"]
+
+
+def _vllm_kwargs_problems(engine: str, kwargs: Mapping[str, Any]) -> list[str]:
+    """``engine_kwargs.vllm.<arg>: why`` for each vLLM engine argument meshrl cannot pass on."""
+    if not kwargs:
+        return []
+    if engine != "vllm":
+        return [f"engine_kwargs.vllm: rollout.name={engine} takes no vLLM engine arguments "
+                f"({', '.join(kwargs)}); remove them, or choose rollout.name=vllm"]
+    lines = [f"engine_kwargs.vllm.{key}: meshrl sets this vLLM argument; {OWNED_VLLM_ARGS[key]}"
+             for key in kwargs if key in OWNED_VLLM_ARGS]
+    if importlib.util.find_spec("vllm") is None:
+        return lines  # without vLLM the engine is refused anyway (create_engine)
+    from meshrl.rollout.vllm_engine import vllm_engine_arg_names
+
+    known = vllm_engine_arg_names()
+    for key in kwargs:
+        if key not in known and key not in OWNED_VLLM_ARGS:
+            close = difflib.get_close_matches(key, sorted(known - OWNED_VLLM_ARGS.keys()), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else "; remove it"
+            lines.append(f"engine_kwargs.vllm.{key}: not an argument of the installed vLLM's EngineArgs{hint}")
+    return lines
+
+
+def _plain(value: Any) -> Any:
+    """Plain dicts and lists from mappings (OmegaConf nodes), sequences and dataclass instances."""
+    if is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _changed_keys(section: Mapping[str, Any], defaults: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``key=value`` for each leaf of ``section`` that differs from (or is absent in) ``defaults``."""
+    changed = []
+    for key, value in section.items():
+        default = defaults.get(key)
+        if isinstance(value, Mapping) and isinstance(default, Mapping):
+            changed += _changed_keys(value, default, f"{prefix}{key}.")
+        elif key not in defaults or value != default:
+            changed.append(f"{prefix}{key}={value}")
+    return changed
+
+
 _MISSING = object()
 
 
@@ -437,6 +597,7 @@ def _getter(section: Any):
     return get
 
 
-__all__ = ["ENGINE_NAMES", "Completion", "EngineConfig", "EngineStateError", "EngineUnavailableError",
-           "RolloutEngine", "SamplingConfig", "create_engine", "default_dp_rank", "eos_token_ids",
-           "request_seed"]
+__all__ = ["CHECKPOINT_LOAD_FORMATS", "DUMMY_LOAD_FORMATS", "ENGINE_NAMES", "LOAD_FORMATS", "OWNED_VLLM_ARGS",
+           "Completion", "EngineConfig", "EngineStateError", "EngineUnavailableError", "RolloutEngine",
+           "SamplingConfig", "create_engine", "default_dp_rank", "eos_token_ids", "request_seed",
+           "unsupported_rollout_features"]

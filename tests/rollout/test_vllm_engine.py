@@ -66,6 +66,17 @@ def raw_engine(model_dir, engine):
 
 
 @pytest.fixture(scope="module")
+def configured_engine(model_dir, engine):
+    """An engine beside ``engine`` with verl's rollout keys away from their defaults: random initial weights
+    (load_format=dummy), no prefix cache, stats logging on, and one engine argument passed through."""
+    configured = create_engine(model_dir, dataclasses.replace(
+        ENGINE, load_format="dummy", enable_prefix_caching=False, disable_log_stats=False,
+        vllm_kwargs={"max_logprobs": 7}))
+    yield configured
+    configured.shutdown()
+
+
+@pytest.fixture(scope="module")
 def hf_engine(model_dir):
     engine = create_engine(model_dir, EngineConfig(name="hf", max_model_len=256))
     yield engine
@@ -257,3 +268,31 @@ def test_generation_leaves_process_state_alone(engine):
     engine.generate(PROMPTS, SAMPLED)
     assert torch.equal(torch.rand(3), expected_torch) and random.random() == expected_py
     assert torch.set_num_threads is torch._C.set_num_threads and torch.get_num_threads() == 1
+
+
+def test_engine_arg_names_are_vllms_engine_args_fields():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from meshrl.rollout.vllm_engine import vllm_engine_arg_names
+
+    assert vllm_engine_arg_names() == {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def test_verl_rollout_keys_reach_vllm(configured_engine, engine):
+    configured, default = configured_engine.llm.llm_engine, engine.llm.llm_engine
+    assert (configured.vllm_config.cache_config.enable_prefix_caching, default.vllm_config.cache_config.enable_prefix_caching) == (False, True)
+    assert (configured.vllm_config.load_config.load_format, default.vllm_config.load_config.load_format) == ("dummy", "auto")
+    assert (configured.log_stats, default.log_stats) == (True, False)
+    assert (configured.vllm_config.model_config.max_logprobs, default.vllm_config.model_config.max_logprobs) == (7, 20)
+
+
+def test_a_dummy_engine_serves_the_policy_after_the_first_sync(configured_engine, engine, policy):
+    """Random weights until a sync; then the same tokens and log-probs as the engine that read the checkpoint."""
+    with pytest.raises(EngineStateError, match="load_format=dummy started it from random weights"):
+        configured_engine.generate(PROMPTS, GREEDY)
+    configured_engine.load_weights(policy.named_parameters())
+    assert_engine_serves(configured_engine, policy)
+    for each in (engine, configured_engine):  # the same call index, so the same seeds
+        each.load_state_dict({"calls": 0})
+    for synced, loaded in zip(configured_engine.generate(PROMPTS, SAMPLED), engine.generate(PROMPTS, SAMPLED)):
+        assert synced.token_ids == loaded.token_ids and synced.logprobs == pytest.approx(loaded.logprobs, abs=1e-5)
