@@ -41,14 +41,19 @@ class DataConfig:
     tokenizer: Optional[str] = None  # default: the policy model's tokenizer
     train_files: Any = "~/data/gsm8k/train.parquet"  # a path or a list of paths
     val_files: Any = "~/data/gsm8k/test.parquet"
+    # -1: every row; N: N rows of the files (first N, or N drawn with data.seed when data.shuffle), chosen
+    # before filter_overlong_prompts, as verl does
+    train_max_samples: int = -1
     prompt_key: str = "prompt"
     reward_fn_key: str = "data_source"
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024
     val_batch_size: Optional[int] = None  # None: the whole validation set in one generate call
-    val_max_samples: int = -1  # -1: every validation row
-    return_raw_chat: bool = False
+    val_max_samples: int = -1  # as train_max_samples, for the validation files
+    # Each training and validation row keeps its chat messages (verl's raw_prompt) on the driver, for
+    # multi-turn and agent code; the engines still get the templated token ids.
+    return_raw_chat: bool = True
     return_raw_input_ids: bool = False
     shuffle: bool = True
     seed: int = 1
@@ -56,6 +61,8 @@ class DataConfig:
     filter_overlong_prompts_workers: int = 1
     truncation: str = "error"
     dataloader_num_workers: int = 0
+    # keyword arguments of the tokenizer's apply_chat_template, e.g. {enable_thinking: false}
+    apply_chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -433,6 +440,8 @@ class TrainerConfig:
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     max_actor_ckpt_to_keep: Optional[int] = None
     max_critic_ckpt_to_keep: Optional[int] = None
+    rollout_data_dir: Optional[str] = None  # each training step's generations as <dir>/<step>.jsonl
+    validation_data_dir: Optional[str] = None  # each validation's generations as <dir>/<step>.jsonl
     ray_wait_register_center_timeout: int = 300
     worker_timeout_s: float = 600.0  # collective/RPC timeout: a dead worker fails the step this fast
     seed: int = 1

@@ -6,9 +6,15 @@ Row layout (what :mod:`meshrl.data.preprocess` writes)::
     reward_model: {"ground_truth": str | number, ...}, extra_info: dict | None (optional)
 
 The prompt is rendered with the model's chat template,
-``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``, and tokenised without adding
-special tokens again (the template already places them). Everything is validated and tokenised at
-construction, so a bad file fails before the first rollout rather than mid-epoch.
+``tokenizer.apply_chat_template(messages, add_generation_prompt=True, **data.apply_chat_template_kwargs)``,
+and tokenised without adding special tokens again (the template already places them). Everything is
+validated and tokenised at construction, so a bad file fails before the first rollout rather than mid-epoch.
+
+``data.reward_fn_key`` names the column whose value picks the reward function (verl's reward managers
+pass it as ``data_source``); it must be a string in every row. With a key other than ``data_source`` the
+``data_source`` column may be absent (metrics then group such rows under ``unknown``, as verl's do).
+``data.train_max_samples`` / ``data.val_max_samples`` keep a subset of the rows of all files together,
+chosen before filtering (:func:`meshrl.data.sampler.max_samples_subset`).
 
 Over-long prompts (``len > max_prompt_length``) are dropped when ``filter_overlong_prompts`` (the count
 is in :attr:`RLDataset.num_filtered`); otherwise ``truncation`` decides: ``error`` raises naming the
@@ -27,7 +33,10 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow.parquet as pq
 import torch.utils.data
+from omegaconf import DictConfig, OmegaConf
 
+from meshrl.data.embedded import resolve_data_files
+from meshrl.data.sampler import max_samples_subset
 from meshrl.data.sources import read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -35,6 +44,8 @@ logger = logging.getLogger(__name__)
 Truncation = Literal["error", "left", "right", "middle"]
 TRUNCATION_MODES: tuple[str, ...] = ("error", "left", "right", "middle")
 _MAX_LISTED_ERRORS = 5
+# data_source of rows without one (allowed when data.reward_fn_key names another column), as in verl's metrics
+UNKNOWN_SOURCE = "unknown"
 _TOKENIZE_CHUNK = 1024
 
 
@@ -48,10 +59,15 @@ class PromptTooLongError(ValueError):
 
 @dataclass(frozen=True)
 class PromptSample:
-    """One prompt: its token ids and what the reward needs. ``source_file``/``row`` locate it (row 0-based)."""
+    """One prompt: its token ids and what the reward needs. ``source_file``/``row`` locate it (row 0-based).
+
+    ``reward_source`` is the row's ``data.reward_fn_key`` column, the reward function's ``data_source``
+    argument; ``data_source`` is the row's own column, which metrics group by.
+    """
 
     prompt_ids: list[int]
     data_source: str
+    reward_source: str
     ground_truth: str
     extra_info: dict[str, Any]
     messages: list[dict[str, str]]
@@ -66,8 +82,10 @@ class PromptBatch:
     indices: list[int]
     prompt_ids: list[list[int]]
     data_sources: list[str]
+    reward_sources: list[str]
     ground_truths: list[str]
     extra_infos: list[dict[str, Any]]
+    messages: list[list[dict[str, str]]]
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
@@ -80,7 +98,7 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     raise DataFormatError(f"{path}: unsupported file type {path.suffix!r}; use .parquet or .jsonl")
 
 
-def _check_row(row: Any, prompt_key: str) -> str | None:
+def _check_row(row: Any, prompt_key: str, reward_fn_key: str = "data_source") -> str | None:
     """Why ``row`` does not follow the layout, or None if it does."""
     if not isinstance(row, Mapping):
         return f"row is a {type(row).__name__}, expected an object"
@@ -90,8 +108,11 @@ def _check_row(row: Any, prompt_key: str) -> str | None:
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return f"{prompt_key}[{j}] must be {{'role': str, 'content': str}}, got {m!r:.80}"
-    if not isinstance(row.get("data_source"), str):
-        return f"field 'data_source' must be a string, got {type(row.get('data_source')).__name__}"
+    if not isinstance(row.get(reward_fn_key), str):
+        named_by = "" if reward_fn_key == "data_source" else " (data.reward_fn_key names it)"
+        return f"field {reward_fn_key!r}{named_by} must be a string, got {type(row.get(reward_fn_key)).__name__}"
+    if row.get("data_source") is not None and not isinstance(row["data_source"], str):
+        return f"field 'data_source' must be a string, got {type(row['data_source']).__name__}"
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
         return "field 'reward_model' must be an object with a 'ground_truth'"
@@ -127,7 +148,12 @@ class RLDataset(torch.utils.data.Dataset):
         filter_overlong_prompts: drop prompts longer than the budget (``data.filter_overlong_prompts``).
         truncation: what to do with the rest when not filtering (``data.truncation``).
         prompt_key: the column holding the chat messages (``data.prompt_key``).
-        chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``).
+        chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``;
+            ``data.apply_chat_template_kwargs``).
+        reward_fn_key: the column that picks the reward function (``data.reward_fn_key``).
+        max_samples: keep this many rows of all files together (-1: all; ``data.train_max_samples`` /
+            ``data.val_max_samples``), drawn with ``seed`` when ``shuffle`` (``data.shuffle`` / ``data.seed``),
+            else the first ones; chosen before filtering, as verl does.
 
     Raises:
         DataFormatError: malformed rows (file + row indices of the first few, and the total count).
@@ -144,6 +170,10 @@ class RLDataset(torch.utils.data.Dataset):
         truncation: Truncation = "error",
         prompt_key: str = "prompt",
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        reward_fn_key: str = "data_source",
+        max_samples: int = -1,
+        shuffle: bool = False,
+        seed: int | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -155,32 +185,35 @@ class RLDataset(torch.utils.data.Dataset):
         self.max_prompt_length = max_prompt_length
         self.num_filtered = 0
         self.num_truncated = 0
-        self._meta: list[tuple[str, str, dict[str, Any], list[dict[str, str]], str, int]] = []
+        self._meta: list[tuple[str, str, str, dict[str, Any], list[dict[str, str]], str, int]] = []
         token_chunks: list[np.ndarray] = []
         lengths: list[int] = []
+        located: list[tuple[Path, int, dict[str, Any]]] = []  # (file, row index, row) of all files in order
         for path in paths:
             rows = _read_rows(path)
-            self._validate(path, rows, prompt_key)
-            for start in range(0, len(rows), _TOKENIZE_CHUNK):
-                chunk = rows[start : start + _TOKENIZE_CHUNK]
-                encoded = self._encode(tokenizer, [r[prompt_key] for r in chunk], chat_template_kwargs or {})
-                for offset, (row, ids) in enumerate(zip(chunk, encoded, strict=True)):
-                    index = start + offset
-                    ids = self._fit(ids, path, index, filter_overlong_prompts, truncation)
-                    if ids is None:
-                        continue
-                    token_chunks.append(np.asarray(ids, dtype=np.int64))
-                    lengths.append(len(ids))
-                    self._meta.append(
-                        (
-                            row["data_source"],
-                            str(row["reward_model"]["ground_truth"]),
-                            dict(row.get("extra_info") or {}),
-                            [{"role": m["role"], "content": m["content"]} for m in row[prompt_key]],
-                            str(path),
-                            index,
-                        )
+            self._validate(path, rows, prompt_key, reward_fn_key)
+            located.extend((path, index, row) for index, row in enumerate(rows))
+        kept = [located[i] for i in max_samples_subset(len(located), max_samples, shuffle=shuffle, seed=seed)]
+        for start in range(0, len(kept), _TOKENIZE_CHUNK):
+            chunk = kept[start : start + _TOKENIZE_CHUNK]
+            encoded = self._encode(tokenizer, [row[prompt_key] for _, _, row in chunk], chat_template_kwargs or {})
+            for (path, index, row), ids in zip(chunk, encoded, strict=True):
+                ids = self._fit(ids, path, index, filter_overlong_prompts, truncation)
+                if ids is None:
+                    continue
+                token_chunks.append(np.asarray(ids, dtype=np.int64))
+                lengths.append(len(ids))
+                self._meta.append(
+                    (
+                        row.get("data_source") or UNKNOWN_SOURCE,
+                        row[reward_fn_key],
+                        str(row["reward_model"]["ground_truth"]),
+                        dict(row.get("extra_info") or {}),
+                        [{"role": m["role"], "content": m["content"]} for m in row[prompt_key]],
+                        str(path),
+                        index,
                     )
+                )
         if self.num_filtered:
             logger.info("dropped %d prompt(s) longer than %d tokens", self.num_filtered, max_prompt_length)
         if not self._meta:
@@ -194,15 +227,16 @@ class RLDataset(torch.utils.data.Dataset):
         self.prompt_lengths = np.asarray(lengths, dtype=np.int64)
 
     @staticmethod
-    def _validate(path: Path, rows: list[Any], prompt_key: str) -> None:
-        problems = [(i, why) for i, row in enumerate(rows) if (why := _check_row(row, prompt_key)) is not None]
+    def _validate(path: Path, rows: list[Any], prompt_key: str, reward_fn_key: str) -> None:
+        problems = [(i, why) for i, row in enumerate(rows)
+                    if (why := _check_row(row, prompt_key, reward_fn_key)) is not None]
         if not problems:
             return
         listed = "\n".join(f"  {path}, row {i}: {why}" for i, why in problems[:_MAX_LISTED_ERRORS])
         more = f"\n  ... and {len(problems) - _MAX_LISTED_ERRORS} more" if len(problems) > _MAX_LISTED_ERRORS else ""
         raise DataFormatError(
             f"{len(problems)} malformed row(s) in {path} (rows are 0-based; expected verl's layout: "
-            f"data_source, {prompt_key}=[{{role, content}}], reward_model.ground_truth, extra_info):\n{listed}{more}"
+            f"{reward_fn_key}, {prompt_key}=[{{role, content}}], reward_model.ground_truth, extra_info):\n{listed}{more}"
         )
 
     @staticmethod
@@ -240,9 +274,9 @@ class RLDataset(torch.utils.data.Dataset):
         return len(self._meta)
 
     def __getitem__(self, index: int) -> PromptSample:
-        data_source, ground_truth, extra_info, messages, source_file, row = self._meta[index]
+        data_source, reward_source, ground_truth, extra_info, messages, source_file, row = self._meta[index]
         ids = self._ids[self._offsets[index] : self._offsets[index + 1]].tolist()
-        return PromptSample(ids, data_source, ground_truth, extra_info, messages, source_file, row)
+        return PromptSample(ids, data_source, reward_source, ground_truth, extra_info, messages, source_file, row)
 
     def get_batch(self, indices: Sequence[int]) -> PromptBatch:
         """The prompts at ``indices`` (e.g. one step of :class:`meshrl.data.sampler.PromptSampler`)."""
@@ -251,6 +285,23 @@ class RLDataset(torch.utils.data.Dataset):
             indices=list(indices),
             prompt_ids=[s.prompt_ids for s in samples],
             data_sources=[s.data_source for s in samples],
+            reward_sources=[s.reward_source for s in samples],
             ground_truths=[s.ground_truth for s in samples],
             extra_infos=[s.extra_info for s in samples],
+            messages=[s.messages for s in samples],
         )
+
+
+def load_datasets(data: DictConfig, tokenizer: Any) -> tuple[RLDataset, RLDataset | None]:
+    """The training and validation prompts of the ``data`` config section (no validation set without
+    ``data.val_files``): each file list resolved (``meshrl.data.embedded``), templated with
+    ``apply_chat_template_kwargs``, and cut to ``train_max_samples`` / ``val_max_samples`` rows."""
+    common = dict(max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts,
+                  truncation=data.truncation, prompt_key=data.prompt_key,
+                  chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs, resolve=True),
+                  reward_fn_key=data.reward_fn_key,
+                  shuffle=data.shuffle, seed=data.seed)
+    train = RLDataset(resolve_data_files(data.train_files), tokenizer, max_samples=data.train_max_samples, **common)
+    if not data.val_files:
+        return train, None
+    return train, RLDataset(resolve_data_files(data.val_files), tokenizer, max_samples=data.val_max_samples, **common)

@@ -1,4 +1,5 @@
-"""Which prompts each training step sees: seeded shuffling, exact resume, and plain validation order.
+"""Which prompts each training step sees: seeded shuffling, exact resume, plain validation order, and
+the row subset of ``data.train_max_samples`` / ``data.val_max_samples``.
 
 Epoch ``e`` visits the prompts in the order ``permutation(seed, e)``, a pure function of the seed and
 the epoch number (NumPy's PCG64 seeded with ``[seed, e]``). The sampler's whole state is therefore
@@ -112,6 +113,20 @@ class PromptSampler:
         self.epoch = int(state["epoch"])
         self.offset = int(state["offset"])
         self._order = self._make_order(self.epoch)
+
+
+def max_samples_subset(total: int, max_samples: int, *, shuffle: bool, seed: int | None) -> np.ndarray:
+    """The rows ``data.train_max_samples`` / ``data.val_max_samples`` keep of ``total``, chosen as verl does.
+
+    ``max_samples <= 0`` or ``>= total``: all rows in order. Otherwise ``shuffle`` draws ``max_samples``
+    distinct rows with ``np.random.default_rng(seed).choice`` (in the drawn order), and without shuffling
+    the first ``max_samples`` rows are kept.
+    """
+    if max_samples <= 0 or max_samples >= total:
+        return np.arange(total)
+    if shuffle:
+        return np.random.default_rng(seed).choice(total, size=max_samples, replace=False)
+    return np.arange(max_samples)
 
 
 def validation_batches(num_samples: int, batch_size: int | None = None) -> Iterator[list[int]]:

@@ -1,5 +1,8 @@
 """Reward function selection: built-in rule rewards by ``data_source``, or a custom function from a file.
 
+The ``data_source`` argument is the value of the dataset column ``data.reward_fn_key`` names (verl's key;
+``data_source`` by default), so a dataset can pick its rewards by another column, e.g. ``ability``.
+
 Built-in dispatch (the ``data_source`` names verl's preprocess scripts write, plus short aliases):
 
 - GSM8K: ``openai/gsm8k``, ``gsm8k`` -> :func:`meshrl.rewards.gsm8k.compute_score` (strict "####").

@@ -4,10 +4,13 @@ Layout under ``trainer.default_local_dir`` (verl's names, so verl users find wha
 
     latest_checkpointed_iteration.txt    the step of the checkpoint written last, e.g. "120"
     global_step_120/
-        actor/ critic/ ...               written by the workers (``write_parts``)
+        actor/ critic/ ...               the parts, written by the workers (``write_parts``); with
+                                         ``hf_model`` in a role's ``checkpoint.save_contents``,
+                                         ``<role>/huggingface/`` also holds its HF export (verl's place)
         trainer_state.pt                 the driver's state dict (torch.save), authoritative
         trainer_state.json               a human-readable view of it (scalars; tensors summarised)
         COMPLETE                         written last: the folder holds a whole checkpoint
+        PRUNED                           only where rotation removed a part (it lists them): no longer resumable
 
 A save builds everything in ``global_step_N.tmp-<pid>``, fsyncs it, and renames it into place
 (``meshrl.atomic_io``), so a ``global_step_N`` folder appears whole or not at all; the ``latest``
@@ -29,7 +32,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from meshrl.atomic_io import publish_dir, write_text_atomically
+from meshrl.config.loader import ConfigError
 from meshrl.config.schema import RESUME_MODES
 
 logger = logging.getLogger(__name__)
@@ -46,6 +50,13 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "COMPLETE"
 DRIVER_STATE_PT = "trainer_state.pt"
 DRIVER_STATE_JSON = "trainer_state.json"
+PRUNED_MARKER = "PRUNED"
+HF_EXPORT_DIR = "huggingface"
+# verl's checkpoint.save_contents / load_contents values; meshrl's checkpoints always hold the first three.
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+RESUME_CONTENTS = ("model", "optimizer", "extra")
+# The checkpoint parts, with the trainer key that bounds how many of each are kept.
+KEEP_KEYS = {"actor": "trainer.max_actor_ckpt_to_keep", "critic": "trainer.max_critic_ckpt_to_keep"}
 
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 # The temporary names this module creates; nothing else in a shared run folder is touched.
@@ -83,24 +94,77 @@ def is_complete(path: Path) -> bool:
     return step_of(path) is not None and (path / COMPLETE_MARKER).is_file() and (path / DRIVER_STATE_PT).is_file()
 
 
+def pruned_parts(path: Path) -> list[str]:
+    """The parts rotation removed from checkpoint ``path`` (empty for a whole checkpoint)."""
+    marker = Path(path) / PRUNED_MARKER
+    return json.loads(marker.read_text()) if marker.is_file() else []
+
+
+def parts_to_keep(trainer: Any) -> dict[str, int | None]:
+    """How many of each checkpoint part to keep: ``trainer.max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep``."""
+    return {"actor": trainer.max_actor_ckpt_to_keep, "critic": trainer.max_critic_ckpt_to_keep}
+
+
+def hf_export_roles(cfg: Any, with_critic: bool) -> list[str]:
+    """The roles (``actor``, ``critic`` when ``with_critic``) whose saves also export HF weights (``hf_model``
+    in their ``checkpoint.save_contents``), after checking their ``save_contents`` / ``load_contents``.
+
+    verl leaves ``optimizer`` or ``extra`` (or ``model``) out of a checkpoint, and its resume then starts the
+    optimizer, LR schedule or RNG afresh. meshrl's checkpoints resume exactly, so those values are refused,
+    as are names verl does not know; ``hf_model`` in ``load_contents`` has no effect, as in verl.
+
+    Raises:
+        ConfigError: every refused value, each with its key and what to do instead.
+    """
+    sections = {"actor": ("actor_rollout_ref.actor.checkpoint", cfg.actor_rollout_ref.actor.checkpoint)}
+    if with_critic:
+        sections["critic"] = ("critic.checkpoint", cfg.critic.checkpoint)
+    problems, keys, roles = [], [], []
+    for role, (prefix, section) in sections.items():
+        for name in ("save_contents", "load_contents"):
+            values = list(section[name])
+            unknown = [v for v in values if v not in CHECKPOINT_CONTENTS]
+            missing = [v for v in RESUME_CONTENTS if v not in values]
+            if unknown:
+                problems.append(f"{prefix}.{name}: {unknown} not among verl's {list(CHECKPOINT_CONTENTS)}")
+            if missing:
+                problems.append(
+                    f"{prefix}.{name}={values} leaves out {missing}: meshrl checkpoints always hold the model, "
+                    f"the optimizer with its LR schedule, and the extra state (RNG, engine seeds), so that a resume "
+                    f"continues exactly; keep {list(RESUME_CONTENTS)}. To bound the disk used, set "
+                    f"{KEEP_KEYS[role]}; to start a new run from trained weights, add hf_model to save_contents "
+                    f"and point the model path at global_step_N/{role}/{HF_EXPORT_DIR}.")
+            if unknown or missing:
+                keys.append(f"{prefix}.{name}")
+        if "hf_model" in section.save_contents:
+            roles.append(role)
+    if problems:
+        raise ConfigError("checkpoint contents refused:\n  - " + "\n  - ".join(problems), keys)
+    return roles
+
+
 class CheckpointManager:
     """Saves, rotates and finds the checkpoints under one root folder (``trainer.default_local_dir``).
 
     Args:
         root: the checkpoint root; created if missing.
-        keep_last: how many complete checkpoints to keep (``trainer.max_actor_ckpt_to_keep``); None or 0
-            keeps all (as verl). After each save the lowest steps go first; the checkpoint just written
-            is never deleted. Incomplete folders are neither counted nor deleted.
+        keep: per part (a subfolder the workers write: ``actor``, ``critic``), how many checkpoints keep it
+            (``parts_to_keep``); None or 0 keeps all, as verl. After each save a part is removed from the
+            lowest steps beyond its count (the checkpoint just written always keeps everything); such a
+            checkpoint is marked ``PRUNED`` and is no longer resumable, and one left with no part is
+            deleted. With one count for every part (or one part) whole checkpoints simply rotate.
+            Incomplete folders are neither counted nor deleted.
 
     Starting a manager removes ``*.tmp-<pid>`` leftovers of killed saves (those of a live process other
     than this one are left alone, with a warning: two trainers are writing the same root).
     """
 
-    def __init__(self, root: Path, keep_last: int | None = None) -> None:
-        if keep_last is not None and keep_last < 0:
-            raise ValueError(f"keep_last (trainer.max_actor_ckpt_to_keep) must be None or >= 0, got {keep_last}")
+    def __init__(self, root: Path, keep: Mapping[str, int | None] | None = None) -> None:
+        for part, count in (keep or {}).items():
+            if count is not None and count < 0:
+                raise ValueError(f"{KEEP_KEYS.get(part, part)} must be None or >= 0, got {count}")
         self.root = Path(root).expanduser()
-        self.keep_last = keep_last or None
+        self.keep = {part: count for part, count in (keep or {}).items() if count}
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temporaries()
 
@@ -139,22 +203,34 @@ class CheckpointManager:
             raise
         # The default temporary name (<name>.tmp-<pid>) is one _remove_stale_temporaries knows.
         write_text_atomically(self.root / LATEST_FILE, f"{step}\n")
-        self._rotate(keep=final)
+        self._rotate(newest=final)
         logger.info("saved checkpoint %s", final)
         return final
 
-    def _rotate(self, keep: Path) -> None:
-        if self.keep_last is None:
-            return
-        complete = sorted((p for p in self.checkpoints() if p != keep), key=step_of)
-        # The newest keep_last - 1 others survive, plus the one just written.
-        doomed = complete[: max(0, len(complete) - (self.keep_last - 1))]
-        for path in doomed:
-            # Renamed before deletion so an interrupted delete never leaves a folder that looks whole.
-            trash = self.root / f"{path.name}.tmp-{os.getpid()}-deleting"
-            os.replace(path, trash)
-            shutil.rmtree(trash)
-            logger.info("removed old checkpoint %s (keep_last=%d)", path, self.keep_last)
+    def _rotate(self, newest: Path) -> None:
+        for part, count in self.keep.items():
+            holding = [p for p in self.checkpoints() if p != newest and (p / part).is_dir()]
+            # The newest count - 1 others keep the part, plus the one just written.
+            for path in holding[: max(0, len(holding) - (count - 1))]:
+                self._prune(path, part)
+                logger.info("removed %s/%s (%s=%d)", path, part, KEEP_KEYS.get(part, part), count)
+        for path in self.checkpoints():
+            if path != newest and pruned_parts(path) and not any(p.is_dir() for p in path.iterdir()):
+                self._delete(path)
+                logger.info("removed old checkpoint %s (no part left)", path)
+
+    def _prune(self, path: Path, part: str) -> None:
+        # Marked before the part goes, so a folder missing a part always says so.
+        write_text_atomically(path / PRUNED_MARKER, json.dumps(sorted({*pruned_parts(path), part})) + "\n")
+        trash = self.root / f"{path.name}.tmp-{os.getpid()}-{part}"
+        os.replace(path / part, trash)
+        shutil.rmtree(trash)
+
+    def _delete(self, path: Path) -> None:
+        # Renamed before deletion so an interrupted delete never leaves a folder that looks whole.
+        trash = self.root / f"{path.name}.tmp-{os.getpid()}-deleting"
+        os.replace(path, trash)
+        shutil.rmtree(trash)
 
     # ---------------------------------------------------------------- finding
 
@@ -166,8 +242,9 @@ class CheckpointManager:
         """The checkpoint to resume from automatically, or None when there is none.
 
         The ``latest`` pointer wins (after a resume from an earlier step it names the newest write, not
-        the highest step). Without a usable pointer (missing, unparsable, or naming a folder that is gone
-        or incomplete) the highest complete step is used, with a warning naming what was skipped.
+        the highest step). Without a usable pointer (missing, unparsable, or naming a folder that is gone,
+        incomplete or pruned) the highest complete, unpruned step is used, with a warning naming what was
+        skipped.
         """
         return _latest_in(self.root)
 
@@ -230,14 +307,14 @@ def _latest_in(root: Path) -> Path | None:
     if pointer.is_file():
         text = pointer.read_text().strip()
         target = root / f"global_step_{text}"
-        if text.isdigit() and is_complete(target):
+        if text.isdigit() and is_complete(target) and not pruned_parts(target):
             return target
         logger.warning(
-            "%s names %r, which is not a complete checkpoint (%s); falling back to the highest complete step",
+            "%s names %r, which is not a complete checkpoint or was pruned (%s); falling back to the highest whole one",
             pointer, text, target,
         )
-    complete = _complete_in(root)
-    return complete[-1] if complete else None
+    whole = [p for p in _complete_in(root) if not pruned_parts(p)]
+    return whole[-1] if whole else None
 
 
 def _require_complete(path: Path) -> None:
@@ -252,6 +329,14 @@ def _require_complete(path: Path) -> None:
         raise CheckpointError(
             f"checkpoint {path} is incomplete (missing {', '.join(missing)}): its save did not finish, it was "
             "copied partially, or another tool wrote it. Resume from another global_step_N folder."
+        )
+    pruned = pruned_parts(path)
+    if pruned:
+        latest = _latest_in(path.parent)
+        raise CheckpointError(
+            f"checkpoint {path} no longer holds its {', '.join(pruned)} part ("
+            + ", ".join(f"removed by {KEEP_KEYS.get(part, part)}" for part in pruned)
+            + "). Resume from a whole checkpoint" + (f", e.g. {latest}." if latest else ".")
         )
 
 

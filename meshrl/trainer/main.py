@@ -44,12 +44,11 @@ def run(cfg, plan) -> dict[str, float]:
     from transformers import AutoConfig, AutoTokenizer
 
     from meshrl.config.validate import validate_against_model
-    from meshrl.data.dataset import RLDataset
-    from meshrl.data.embedded import resolve_data_files
+    from meshrl.data.dataset import load_datasets
     from meshrl.models.resolve import resolve_model_path
     from meshrl.rewards.dispatch import RewardSpec
     from meshrl.rewards.pool import RewardPool
-    from meshrl.trainer.checkpoint import CheckpointManager
+    from meshrl.trainer.checkpoint import CheckpointManager, parts_to_keep
     from meshrl.trainer.plot import plot_finished_run
     from meshrl.trainer.rl_trainer import RLTrainer, total_training_steps
     from meshrl.trainer.tracking import Tracker
@@ -63,11 +62,7 @@ def run(cfg, plan) -> dict[str, float]:
     model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
     validate_against_model(cfg, AutoConfig.from_pretrained(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_dir)
-    data = cfg.data
-    dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts,
-                          truncation=data.truncation, prompt_key=data.prompt_key)
-    train_data = RLDataset(resolve_data_files(data.train_files), tokenizer, **dataset_kwargs)
-    val_data = RLDataset(resolve_data_files(data.val_files), tokenizer, **dataset_kwargs) if data.val_files else None
+    train_data, val_data = load_datasets(cfg.data, tokenizer)
     total_steps = total_training_steps(cfg, len(train_data))
     OmegaConf.update(cfg, "actor_rollout_ref.actor.optim.total_training_steps", total_steps)
     OmegaConf.update(cfg, "critic.optim.total_training_steps", total_steps)
@@ -90,7 +85,7 @@ def run(cfg, plan) -> dict[str, float]:
                      OmegaConf.to_container(cfg), total_steps) as tracker:
             trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
                                 val_data=val_data, reward=reward, tracker=tracker,
-                                checkpoints=CheckpointManager(run_dir, cfg.trainer.max_actor_ckpt_to_keep))
+                                checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)))
             final = trainer.fit()
         if cfg.ray_kwargs.timeline_json_file:
             ray.timeline(filename=cfg.ray_kwargs.timeline_json_file)

@@ -13,6 +13,7 @@
         policy.update(advantages)   if step > critic_warmup      (ppo_epochs × mini-batches, each in micro-batches;
                                                                   one LR-schedule step per RL step)
         engine ← sync(policy weights)
+        dump generations                                         (trainer.rollout_data_dir)
         validate every test_freq; checkpoint every save_freq
 """
 
@@ -27,13 +28,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms import GlobalNorm, make_kl_controller
+from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import RunPlan, UpdateSchedule
 from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
 from meshrl.protocol import Batch
 from meshrl.rewards.pool import RewardPool
 from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
-from meshrl.trainer.checkpoint import CheckpointManager
+from meshrl.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager, hf_export_roles
+from meshrl.trainer.dumps import GenerationDumps, decode_responses, set_reward_extras
 from meshrl.trainer.tracking import Timer, Tracker
 
 
@@ -58,16 +61,27 @@ class RLTrainer:
                                           target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
         self.total_steps = total_training_steps(cfg, len(train_data))
         self.step = 0
+        if cfg.trainer.val_only and val_data is None:
+            raise ConfigError("trainer.val_only=True validates and stops, but there is no validation set: set "
+                              "data.val_files", ["trainer.val_only", "data.val_files"])
+        self.hf_exports = hf_export_roles(cfg, with_critic=critic is not None)  # refuses what meshrl cannot save
+        self.dumps = GenerationDumps(cfg.trainer, Path(cfg.trainer.default_local_dir), tokenizer)
 
     # ------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
-        """Train for ``total_steps`` (resuming if a checkpoint exists); returns the last step's metrics."""
+        """Train for ``total_steps`` (resuming if a checkpoint exists); returns the last step's metrics.
+
+        ``trainer.val_only``: validate the policy (the resumed checkpoint's, if any), log, and stop, as
+        verl does; unlike verl's, it also validates when ``val_before_train`` is False.
+        """
         self.resume()
         trainer = self.cfg.trainer
         last: dict[str, float] = {}
-        if self.val_data is not None and trainer.val_before_train and self.step == 0:
+        if self.val_data is not None and (trainer.val_only or trainer.val_before_train and self.step == 0):
             last = self.validate()
-            self.tracker.log(last, step=0)
+            self.tracker.log(last, step=self.step)
+        if trainer.val_only:
+            return last
         while self.step < self.total_steps:
             self.step += 1
             last = self.train_step()
@@ -85,12 +99,12 @@ class RLTrainer:
         with timer("step"):
             with timer("gen"):
                 prompts = self.next_prompts()
-                batch = self.policy.generate(prompts, mode="train")  # rollout.n rows per prompt
+                batch = self.generate(prompts, mode="train")  # rollout.n rows per prompt
             with timer("reward"):
                 metrics.update(self.score(batch, prefix="score"))
             if plan.greedy_baseline:
                 with timer("gen_greedy"):
-                    greedy = self.policy.generate(prompts, mode="greedy")
+                    greedy = self.generate(prompts, mode="greedy")
                     metrics.update(self.score(greedy, prefix="greedy_score"))
                     baseline = greedy["token_level_scores"].sum(-1)
                 batch.set("greedy_scores", baseline[batch["uid"]])
@@ -118,6 +132,7 @@ class RLTrainer:
                     batch = batch.union(log_probs)
                 with timer("sync"):
                     metrics.update(self.policy.sync_weights())
+        self.dumps.rollouts(self.step, batch)
         metrics.update(batch_metrics(batch, plan))
         metrics.update(timer.metrics())
         metrics["perf/tokens_per_s"] = float(batch["response_mask"].sum() + sum(map(len, batch["prompt_ids"]))) \
@@ -127,17 +142,25 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------- pieces
     def next_prompts(self) -> Batch:
-        return prompts_batch(self.train_data, self.sampler.next_batch())
+        return prompts_batch(self.train_data, self.sampler.next_batch(), raw_chat=self.cfg.data.return_raw_chat)
+
+    def generate(self, prompts: Batch, mode: str) -> Batch:
+        """``policy.generate``. The prompts' chat messages (``raw_prompt``), which the engines never read, stay
+        on the driver and join the responses by ``uid``."""
+        raw = prompts["raw_prompt"] if "raw_prompt" in prompts else None
+        batch = self.policy.generate(prompts.select([k for k in prompts.keys() if k != "raw_prompt"]), mode=mode)
+        if raw is not None:
+            batch.set("raw_prompt", raw[batch["uid"].numpy()])
+        return batch
 
     def score(self, batch: Batch, prefix: str) -> dict[str, float]:
-        """Decode responses, score them, and set ``token_level_scores``; returns reward metrics."""
-        texts = self.tokenizer.batch_decode(
-            [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])],
-            skip_special_tokens=True)
-        result = self.reward.score(list(batch["data_source"]), texts, list(batch["ground_truth"]),
-                                   list(batch["extra_info"]))
+        """Decode responses, score them with the reward function their ``data.reward_fn_key`` column picks, and
+        set ``token_level_scores`` and the function's extra outputs; returns reward metrics."""
+        result = self.reward.score(list(batch["reward_source"]), decode_responses(batch, self.tokenizer),
+                                   list(batch["ground_truth"]), list(batch["extra_info"]))
         scores = torch.tensor(result.scores, dtype=torch.float32)
         batch.set("token_level_scores", outcome_to_token_scores(scores, batch["response_mask"]))
+        set_reward_extras(batch, result.extras)
         out = {f"{prefix}/mean": float(scores.mean()), f"{prefix}/std": float(scores.std()) if len(scores) > 1 else 0.0,
                f"{prefix}/accuracy": float((scores >= 1.0).float().mean())}
         out.update({k: float(v) for k, v in result.metrics.items()})  # already named reward/...
@@ -148,15 +171,17 @@ class RLTrainer:
                             stream=stream)
 
     def validate(self) -> dict[str, float]:
-        """Greedy (``rollout.val_kwargs``) generation on the validation set; mean score per data source."""
-        scores, sources = [], []
-        limit = self.cfg.data.val_max_samples
-        count = len(self.val_data) if limit <= 0 else min(limit, len(self.val_data))
-        for indices in validation_batches(count, self.cfg.data.val_batch_size):
-            batch = self.policy.generate(prompts_batch(self.val_data, indices), mode="val")
+        """Greedy (``rollout.val_kwargs``) generation on the validation set (``data.val_max_samples`` rows);
+        mean score per data source. Dumps and logs the generations (``meshrl.trainer.dumps``)."""
+        scores, sources, columns = [], [], []
+        for indices in validation_batches(len(self.val_data), self.cfg.data.val_batch_size):
+            batch = self.generate(prompts_batch(self.val_data, indices, raw_chat=self.cfg.data.return_raw_chat),
+                                  mode="val")
             self.score(batch, prefix="val_tmp")
             scores.append(batch["token_level_scores"].sum(-1))
             sources.extend(batch["data_source"])
+            columns.append(self.dumps.validation_columns(batch))
+        self.dumps.validation(self.step, columns)
         all_scores = torch.cat(scores)
         out = {"val/score": float(all_scores.mean()), "val/accuracy": float((all_scores >= 1).float().mean())}
         for source in sorted(set(sources)):
@@ -171,9 +196,15 @@ class RLTrainer:
                 "config": OmegaConf.to_container(self.cfg)}
 
     def save(self) -> Path:
-        parts = [self.policy] + ([self.critic] if self.critic is not None else [])
-        return self.checkpoints.save(self.step, self.driver_state(),
-                                     lambda folder: [p.save_checkpoint(folder, self.step) for p in parts])
+        parts = {"actor": self.policy} | ({"critic": self.critic} if self.critic is not None else {})
+
+        def write_parts(folder: Path) -> None:
+            for role, part in parts.items():
+                part.save_checkpoint(folder, self.step)
+                if role in self.hf_exports:  # hf_model in its checkpoint.save_contents
+                    part.export_hf(folder / role / HF_EXPORT_DIR)
+
+        return self.checkpoints.save(self.step, self.driver_state(), write_parts)
 
     def resume(self) -> None:
         trainer = self.cfg.trainer
@@ -181,6 +212,7 @@ class RLTrainer:
         if path is None:
             # A fresh run in a folder holding an older run's metrics must not append to them.
             self.tracker.truncate_after(0)
+            self.dumps.truncate_after(0)
             return
         state = self.checkpoints.load_driver_state(path)
         self.step = int(state["step"])
@@ -193,16 +225,20 @@ class RLTrainer:
         if self.critic is not None:
             self.critic.load_checkpoint(path)
         self.tracker.truncate_after(self.step)
+        self.dumps.truncate_after(self.step)
 
 
-def prompts_batch(dataset: RLDataset, indices) -> Batch:
-    """Prompts → a ``Batch``: ragged ``prompt_ids`` + reward metadata, and ``uid`` = position in the batch."""
+def prompts_batch(dataset: RLDataset, indices, raw_chat: bool = False) -> Batch:
+    """Prompts → a ``Batch``: ragged ``prompt_ids`` + reward metadata (``reward_source``: the reward function's
+    ``data_source`` argument), ``uid`` = position in the batch, and with ``raw_chat`` (``data.return_raw_chat``)
+    the chat messages as verl's ``raw_prompt``."""
     prompts = dataset.get_batch(list(indices))
-    return Batch(
-        tensors={"uid": torch.arange(len(prompts.indices))},
-        non_tensors={"prompt_ids": prompts.prompt_ids, "data_source": prompts.data_sources,
-                     "ground_truth": prompts.ground_truths, "extra_info": prompts.extra_infos},
-    )
+    non_tensors = {"prompt_ids": prompts.prompt_ids, "data_source": prompts.data_sources,
+                   "reward_source": prompts.reward_sources, "ground_truth": prompts.ground_truths,
+                   "extra_info": prompts.extra_infos}
+    if raw_chat:
+        non_tensors["raw_prompt"] = prompts.messages
+    return Batch(tensors={"uid": torch.arange(len(prompts.indices))}, non_tensors=non_tensors)
 
 
 def mini_batches(batch: Batch, schedule: UpdateSchedule, *, width: int, seed: list[int], stream: int = 0

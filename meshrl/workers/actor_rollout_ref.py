@@ -266,7 +266,8 @@ class ActorRolloutRefWorker(RankWorker):
     def export_hf(self, out_dir: str) -> None:
         from meshrl.parallel.hf_conversion import save_hf_checkpoint
 
-        save_hf_checkpoint(self.policy, self.hf_config, out_dir, tokenizer_dir=self.model_dir)
+        if self.layout.dp_rank == 0:  # the replicas hold the same weights; two writers would race on the folder
+            save_hf_checkpoint(self.policy, self.hf_config, out_dir, tokenizer_dir=self.model_dir)
 
     def shutdown_engine(self) -> None:
         self.engine.shutdown()

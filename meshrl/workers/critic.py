@@ -76,6 +76,12 @@ class CriticWorker(RankWorker):
 
         load_checkpoint(Path(folder) / "critic", self.model, self.optimizer, self.scheduler)
 
+    def export_hf(self, out_dir: str) -> None:
+        from meshrl.parallel.hf_conversion import save_hf_checkpoint
+
+        if self.layout.dp_rank == 0:  # the replicas hold the same weights; two writers would race on the folder
+            save_hf_checkpoint(self.model, self.hf_config, out_dir, tokenizer_dir=self.model_dir)
+
 
 class CriticGroup(DispatchGroup):
     def __init__(self, cfg, plan, model_dir) -> None:
@@ -98,3 +104,7 @@ class CriticGroup(DispatchGroup):
 
     def load_checkpoint(self, folder: Path) -> None:
         self.group.call("load_checkpoint", str(folder))
+
+    def export_hf(self, out_dir: Path) -> None:
+        """The critic as an HF ``*ForTokenClassification`` folder (value head ``score``), as verl exports it."""
+        self.group.call("export_hf", str(out_dir))

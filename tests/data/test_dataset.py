@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from meshrl.data.dataset import DataFormatError, PromptTooLongError, RLDataset, truncate
+from meshrl.data.dataset import UNKNOWN_SOURCE, DataFormatError, PromptTooLongError, RLDataset, load_datasets, truncate
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +144,72 @@ def test_tokenizer_without_chat_template(tmp_path: Path, tokenizer) -> None:
             RLDataset(tmp_path / "one.jsonl", tokenizer)
     finally:
         tokenizer.chat_template = template
+
+
+def _config(tmp_path: Path, *overrides: str):
+    from meshrl.config import load_config
+
+    return load_config([f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}",
+                        *overrides])
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_apply_chat_template_kwargs_reach_the_template(tmp_path: Path, smollm2_dir: Path) -> None:
+    """data.apply_chat_template_kwargs (verl's key) go to apply_chat_template, e.g. Qwen3's enable_thinking."""
+    from transformers import AutoTokenizer
+
+    thinking = AutoTokenizer.from_pretrained(smollm2_dir)  # its own copy: the template is changed below
+    thinking.chat_template += "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    _write(tmp_path / "train.jsonl", [_good_row(i) for i in range(3)])
+    _write(tmp_path / "val.jsonl", [_good_row(9)])
+    plain, _ = load_datasets(_config(tmp_path).data, thinking)
+    off, val = load_datasets(_config(tmp_path, "+data.apply_chat_template_kwargs.enable_thinking=false").data,
+                             thinking)
+    assert not thinking.decode(plain[0].prompt_ids).endswith("<think></think>")
+    for sample in (off[0], off[2], val[0]):
+        assert thinking.decode(sample.prompt_ids).endswith("assistant\n<think></think>")
+
+
+def test_reward_fn_key_names_the_column_that_picks_the_reward(tmp_path: Path, tokenizer) -> None:
+    rows = [{**_good_row(i), "ability": f"skill{i}"} for i in range(3)]
+    del rows[2]["data_source"]  # another reward key makes data_source optional, as in verl
+    _write(tmp_path / "train.jsonl", rows)
+    _write(tmp_path / "val.jsonl", rows[:1])
+    train, _ = load_datasets(_config(tmp_path, "data.reward_fn_key=ability").data, tokenizer)
+    batch = train.get_batch([0, 2])
+    assert batch.reward_sources == ["skill0", "skill2"] and batch.data_sources == ["openai/gsm8k", UNKNOWN_SOURCE]
+    rows[1]["ability"] = 3
+    _write(tmp_path / "train.jsonl", rows)
+    with pytest.raises(DataFormatError, match=r"row 1: field 'ability' \(data.reward_fn_key names it\) must be a "
+                                              r"string, got int"):
+        load_datasets(_config(tmp_path, "data.reward_fn_key=ability").data, tokenizer)
+    with pytest.raises(DataFormatError, match=r"row 2: field 'data_source' must be a string"):
+        load_datasets(_config(tmp_path).data, tokenizer)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_max_samples_pick_rows_as_verl(tmp_path: Path, tokenizer, shuffle: bool) -> None:
+    """train_max_samples / val_max_samples: N rows of all files together, drawn with data.seed when
+    data.shuffle (np.random.default_rng(seed).choice, in the drawn order) else the first N, before filtering."""
+    _write(tmp_path / "a.jsonl", [_good_row(i) for i in range(6)])
+    _write(tmp_path / "b.jsonl", [_good_row(i) for i in range(6, 10)])
+    _write(tmp_path / "val.jsonl", [_good_row(i) for i in range(20, 27)])
+    rows = [(f"{tmp_path / 'a.jsonl'}", i) for i in range(6)] + [(f"{tmp_path / 'b.jsonl'}", i) for i in range(4)]
+    overrides = [f"data.train_files=[{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}]", f"data.shuffle={shuffle}",
+                 "data.seed=3", "data.train_max_samples=5", "data.val_max_samples=2"]
+    train, val = load_datasets(_config(tmp_path, *overrides).data, tokenizer)
+    expected = np.random.default_rng(3).choice(10, size=5, replace=False) if shuffle else np.arange(5)
+    assert [(s.source_file, s.row) for s in (train[i] for i in range(len(train)))] == [rows[i] for i in expected]
+    expected_val = np.random.default_rng(3).choice(7, size=2, replace=False) if shuffle else np.arange(2)
+    assert [val[i].row for i in range(len(val))] == expected_val.tolist()
+    everything, _ = load_datasets(_config(tmp_path, *overrides[:3], "data.train_max_samples=-1").data, tokenizer)
+    assert len(everything) == 10
+    # The subset is chosen before over-long prompts are dropped, so fewer than N may remain.
+    rows_b = [_good_row(i) for i in range(6, 10)]
+    rows_b[0]["prompt"][0]["content"] = "long " * 600
+    _write(tmp_path / "b.jsonl", rows_b)
+    filtered, _ = load_datasets(_config(tmp_path, *overrides, "data.filter_overlong_prompts=true").data, tokenizer)
+    assert len(filtered) == 5 - int(6 in expected) and filtered.num_filtered == int(6 in expected)

@@ -1,12 +1,13 @@
-"""PromptSampler: seeded epochs, exact resume (epoch, offset), validation order."""
+"""PromptSampler: seeded epochs, exact resume (epoch, offset), validation order; the max_samples subset."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from meshrl.data.sampler import PromptSampler, epoch_permutation, validation_batches
+from meshrl.data.sampler import PromptSampler, epoch_permutation, max_samples_subset, validation_batches
 
 
 def _take(sampler: PromptSampler, steps: int) -> list[list[int]]:
@@ -66,3 +67,12 @@ def test_validation_batches() -> None:
     assert list(validation_batches(4)) == [[0, 1, 2, 3]]
     with pytest.raises(ValueError):
         list(validation_batches(4, -1))
+
+
+def test_max_samples_subset_is_verls_choice() -> None:
+    assert max_samples_subset(10, -1, shuffle=True, seed=0).tolist() == list(range(10))
+    assert max_samples_subset(10, 10, shuffle=True, seed=0).tolist() == list(range(10))
+    assert max_samples_subset(10, 3, shuffle=False, seed=0).tolist() == [0, 1, 2]
+    drawn = max_samples_subset(10, 3, shuffle=True, seed=5)
+    assert drawn.tolist() == np.random.default_rng(5).choice(10, size=3, replace=False).tolist()
+    assert len(set(drawn.tolist())) == 3

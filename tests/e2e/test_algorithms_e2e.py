@@ -5,6 +5,8 @@ reference's exactly and the KL is exactly 0; the engine's sampled-token log-prob
 trainer's recomputation. After one update the policy has moved (KL > 0, non-zero gradient).
 """
 
+import json
+
 import pytest
 from e2e_checks import non_finite
 
@@ -30,9 +32,39 @@ CASES = {
 }
 
 
+def verl_trainer_keys(tmp_path):
+    """verl's data / trainer / checkpoint keys, on the run with a critic (each one's unit test is in tests/data or
+    tests/trainer; here the real workers save, export and dump)."""
+    contents = "[model,optimizer,extra,hf_model]"
+    return ["trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=1",
+            f"actor_rollout_ref.actor.checkpoint.save_contents={contents}", f"critic.checkpoint.save_contents={contents}",
+            f"trainer.rollout_data_dir={tmp_path / 'rollouts'}", f"trainer.validation_data_dir={tmp_path / 'val'}",
+            "trainer.log_val_generations=2", "data.train_max_samples=8", "data.reward_fn_key=ability",
+            "+data.apply_chat_template_kwargs.enable_thinking=false"]
+
+
+def check_verl_trainer_keys(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    run_dir = tmp_path / "run"
+    # max_critic_ckpt_to_keep=1 took the critic from step 1, which keeps its actor (max_actor_ckpt_to_keep=2)
+    assert (run_dir / "global_step_1" / "actor").is_dir() and not (run_dir / "global_step_1" / "critic").exists()
+    assert json.loads((run_dir / "global_step_1" / "PRUNED").read_text()) == ["critic"]
+    export = run_dir / "global_step_2"
+    actor = AutoModelForCausalLM.from_pretrained(export / "actor" / "huggingface")
+    critic = AutoModelForTokenClassification.from_pretrained(export / "critic" / "huggingface")
+    assert critic.config.num_labels == 1 and actor.config.vocab_size == critic.config.vocab_size
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["1.jsonl", "2.jsonl"]
+    rollout = [json.loads(line) for line in (tmp_path / "rollouts" / "2.jsonl").read_text().splitlines()]
+    assert len(rollout) == 4 and list(rollout[0])[:5] == ["input", "output", "gts", "score", "step"]
+    assert sorted(p.name for p in (tmp_path / "val").iterdir()) == ["0.jsonl", "2.jsonl"]
+    logged = [json.loads(line) for line in (run_dir / "val_generations.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [0, 0, 2, 2]
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_two_steps(train, name):
-    _, steps = train(*ONE_MINI_BATCH, *CASES[name])
+def test_two_steps(train, tmp_path, name):
+    _, steps = train(*ONE_MINI_BATCH, *CASES[name], *(verl_trainer_keys(tmp_path) if name == "ppo" else []))
     first, second = steps[1], steps[2]
     # step-1 invariants
     assert first["actor/ref_log_prob_max_abs_diff"] == 0.0
@@ -53,6 +85,7 @@ def test_two_steps(train, name):
     if name == "ppo":
         assert first["critic/grad_norm"] > 0 and "critic/vf_loss" in second
         assert first["critic/optimizer_steps"] == 4 and first["actor/optimizer_steps"] == 1
+        check_verl_trainer_keys(tmp_path)
     if name == "remax":
         assert "greedy_score/mean" in first
 

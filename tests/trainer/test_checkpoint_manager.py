@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,8 @@ from meshrl.trainer.checkpoint import (
     LATEST_FILE,
     CheckpointError,
     CheckpointManager,
+    parts_to_keep,
+    pruned_parts,
 )
 
 DEAD_PID = 2**31 - 1  # above any pid_max: never a live process
@@ -91,22 +94,51 @@ def test_state_the_resume_could_not_load_fails_the_save(tmp_path):
 
 def test_keep_last_rotation(tmp_path):
     (tmp_path / "global_step_0").mkdir()  # incomplete: neither counted nor deleted
-    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager = CheckpointManager(tmp_path, keep={"actor": 2, "critic": 1})  # the critic part never appears
     for step in (1, 2, 3, 4):
         manager.save(step, state(step), write_actor(str(step)))
     assert [p.name for p in manager.checkpoints()] == ["global_step_3", "global_step_4"]
     assert (tmp_path / "global_step_0").is_dir()
     assert leftovers(tmp_path) == []
-    keep_all = CheckpointManager(tmp_path / "all", keep_last=None)
+    keep_all = CheckpointManager(tmp_path / "all", keep={"actor": None, "critic": 0})
     for step in (1, 2, 3):
         keep_all.save(step, state(step), write_actor(str(step)))
     assert len(keep_all.checkpoints()) == 3
     with pytest.raises(ValueError, match="max_actor_ckpt_to_keep"):
-        CheckpointManager(tmp_path, keep_last=-1)
+        CheckpointManager(tmp_path, keep={"actor": -1})
+
+
+def write_actor_and_critic(folder):
+    for part in ("actor", "critic"):
+        (folder / part).mkdir()
+        (folder / part / "model.pt").write_text(part)
+
+
+@pytest.mark.parametrize("actor, critic", [(3, 1), (1, 2)])
+def test_actor_and_critic_keep_their_own_counts(tmp_path, actor, critic):
+    """verl's max_actor_ckpt_to_keep / max_critic_ckpt_to_keep each bound their own part; a checkpoint that
+    lost a part cannot resume the run, and one with no part left is deleted."""
+    manager = CheckpointManager(tmp_path, parts_to_keep(SimpleNamespace(max_actor_ckpt_to_keep=actor,
+                                                                        max_critic_ckpt_to_keep=critic)))
+    for step in (1, 2, 3, 4):
+        manager.save(step, state(step), write_actor_and_critic)
+    holding = {part: [p.name for p in manager.checkpoints() if (p / part).is_dir()] for part in ("actor", "critic")}
+    assert holding == {"actor": [f"global_step_{s}" for s in range(5 - actor, 5)],
+                       "critic": [f"global_step_{s}" for s in range(5 - critic, 5)]}
+    assert [p.name for p in manager.checkpoints()] == [f"global_step_{s}" for s in range(5 - max(actor, critic), 5)]
+    assert leftovers(tmp_path) == []
+    partial = tmp_path / "global_step_3"
+    missing = "critic" if critic < actor else "actor"
+    assert pruned_parts(partial) == [missing]
+    with pytest.raises(CheckpointError, match=rf"no longer holds its {missing} part \(removed by "
+                                              rf"trainer.max_{missing}_ckpt_to_keep\).*global_step_4"):
+        manager.resolve("resume_path", partial)
+    (tmp_path / LATEST_FILE).unlink()  # without the pointer, the newest whole checkpoint is found
+    assert manager.resolve("auto") == tmp_path / "global_step_4"
 
 
 def test_resaving_an_existing_step_replaces_it_and_moves_latest(tmp_path):
-    manager = CheckpointManager(tmp_path, keep_last=3)
+    manager = CheckpointManager(tmp_path, keep={"actor": 3})
     for step in (1, 2, 3):
         manager.save(step, state(step), write_actor(f"old {step}"))
     manager.save(2, state(2), write_actor("new 2"))  # a run resumed from step 1 reaches step 2 again

@@ -1,0 +1,218 @@
+"""The RL loop's verl trainer keys, run in-process with fake worker groups (no Ray, no model): val_only,
+log_val_generations, rollout/validation dumps, return_raw_chat, reward_fn_key, checkpoint save_contents."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshrl.config import ConfigError, load_config
+from meshrl.config.run_plan import build_run_plan
+from meshrl.data.dataset import load_datasets
+from meshrl.protocol import Batch
+from meshrl.rewards.dispatch import RewardSpec
+from meshrl.rewards.pool import RewardPool
+from meshrl.rollout.base import Completion
+from meshrl.trainer.checkpoint import CheckpointManager, parts_to_keep
+from meshrl.trainer.dumps import VAL_GENERATIONS_FILE
+from meshrl.trainer.rl_trainer import RLTrainer
+from meshrl.trainer.tracking import Tracker, read_metrics
+from meshrl.workers.sequences import responses_batch
+
+# Scores 1 for the rows whose reward key is "skill", with an extra output per response (a dict-valued score).
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(data_source == "skill"), "acc": data_source == "skill"}
+'''
+
+
+class FakeRole:
+    """A worker group's driver-side calls, recording what it is sent; checkpoints are small files."""
+
+    def __init__(self, role: str, tokenizer, width: int) -> None:
+        self.role, self.width = role, width
+        self.response = tokenizer("The answer is 2", add_special_tokens=False)["input_ids"]
+        self.generated: list[tuple[str, list[str]]] = []  # (mode, fields sent)
+        self.updates: list[Batch] = []
+        self.exports: list[Path] = []
+
+    def generate(self, prompts: Batch, mode: str) -> Batch:
+        self.generated.append((mode, sorted(prompts.keys())))
+        n = 2 if mode == "train" else 1
+        completions = [Completion(p, s, self.response, [-0.5] * len(self.response), "stop")
+                       for p in range(len(prompts)) for s in range(n)]
+        return responses_batch(prompts, completions, n, self.width, pad_id=0)
+
+    def compute_log_probs(self, batch: Batch, model: str) -> Batch:
+        batch.set(f"{'ref' if model == 'ref' else 'old'}_log_probs", batch["rollout_log_probs"].clone())
+        return batch
+
+    def compute_values(self, batch: Batch) -> Batch:
+        batch.set("values", torch.zeros(batch["response_mask"].shape))
+        return batch
+
+    def update(self, updates, on_policy: bool = False):
+        self.updates.extend(mini for mini, _ in updates)
+        metrics = {f"{self.role}/grad_norm": 1.0}
+        return metrics if self.role == "critic" else (metrics, None)
+
+    def sync_weights(self) -> dict[str, float]:
+        return {}
+
+    def save_checkpoint(self, folder: Path, step: int) -> None:
+        (Path(folder) / self.role).mkdir()
+        (Path(folder) / self.role / "weights").write_text(str(step))
+
+    def load_checkpoint(self, folder: Path) -> None:
+        assert (Path(folder) / self.role / "weights").is_file()
+
+    def export_hf(self, out_dir: Path) -> None:
+        self.exports.append(Path(out_dir))
+        Path(out_dir).mkdir()
+        (Path(out_dir) / "config.json").write_text("{}")
+
+
+@pytest.fixture
+def run(tmp_path, smollm2_dir):
+    """``run(*overrides) -> (trainer, policy)`` after ``fit()``: the tiny recipe on a few GSM8K-style rows."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    rows = [{"data_source": "openai/gsm8k", "ability": "skill" if i % 2 else "other",
+             "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "reward_model": {"ground_truth": str(i + 1)}, "extra_info": {"index": i}} for i in range(12)]
+    for name, part in (("train", rows[:8]), ("val", rows[8:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    (tmp_path / "reward.py").write_text(REWARD_FILE)
+
+    def fit(*overrides: str):
+        cfg = load_config([f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}",
+                           f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]",
+                           f"custom_reward_function.path={tmp_path / 'reward.py'}", *overrides], recipe="cpu_tiny_grpo")
+        plan = build_run_plan(cfg)
+        policy = FakeRole("actor", tokenizer, plan.response_length)
+        critic = FakeRole("critic", tokenizer, plan.response_length) if plan.use_critic else None
+        train_data, val_data = load_datasets(cfg.data, tokenizer)
+        run_dir = Path(cfg.trainer.default_local_dir)
+        with RewardPool(RewardSpec(str(tmp_path / "reward.py")), num_workers=0) as reward, \
+                Tracker(["jsonl"], run_dir, "p", "e", {}, 2) as tracker:
+            trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
+                                val_data=val_data, reward=reward, tracker=tracker,
+                                checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)))
+            trainer.fit()
+        return trainer, policy
+
+    return fit
+
+
+def metrics_by_step(run_dir: Path) -> dict[int, dict]:
+    steps: dict[int, dict] = {}
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        steps.setdefault(record["step"], {}).update(record)
+    return steps
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_val_only_validates_logs_and_stops(run, tmp_path, before):
+    trainer, policy = run("trainer.val_only=True", f"trainer.val_before_train={before}")
+    assert [mode for mode, _ in policy.generated] == ["val"] and trainer.step == 0
+    assert list(metrics_by_step(tmp_path / "run")) == [0] and "val/score" in metrics_by_step(tmp_path / "run")[0]
+    with pytest.raises(ConfigError, match="trainer.val_only=True .* set data.val_files"):
+        run("trainer.val_only=True", "data.val_files=[]")
+
+
+def test_reward_fn_key_picks_the_reward_column(run, tmp_path):
+    run("data.reward_fn_key=ability")
+    by_ability = metrics_by_step(tmp_path / "run")
+    assert by_ability[1]["score/mean"] == 0.5 and by_ability[0]["val/score"] == 0.5  # every other row is "skill"
+    assert by_ability[1]["reward/num_acc"] == 4  # the reward's extra output: 2 "skill" prompts × 2 responses
+    run()  # data.reward_fn_key=data_source: no row's data_source is "skill"
+    assert metrics_by_step(tmp_path / "run")[1]["score/mean"] == 0.0
+
+
+@pytest.mark.parametrize("raw_chat", [True, False])
+def test_return_raw_chat_keeps_each_rows_messages_on_the_driver(run, smollm2_dir, raw_chat):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    _, policy = run(f"data.return_raw_chat={raw_chat}")
+    assert all("raw_prompt" not in fields for _, fields in policy.generated)  # the engines never get them
+    rows = Batch.concat([mini.select(["prompt_ids", *(["raw_prompt"] if raw_chat else [])])
+                         for mini in policy.updates])
+    if not raw_chat:
+        assert "raw_prompt" not in policy.updates[0]
+        return
+    for prompt_ids, messages in zip(rows["prompt_ids"], rows["raw_prompt"]):
+        assert messages[0]["role"] == "user"
+        assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False) == list(prompt_ids)
+
+
+def test_rollout_and_validation_dumps_as_verl(run, tmp_path, smollm2_dir):
+    rollouts, validations = tmp_path / "rollouts", tmp_path / "validations"
+    run("data.reward_fn_key=ability", f"trainer.rollout_data_dir={rollouts}",
+        f"trainer.validation_data_dir={validations}")
+    assert sorted(p.name for p in rollouts.iterdir()) == ["1.jsonl", "2.jsonl"]
+    assert sorted(p.name for p in validations.iterdir()) == ["0.jsonl", "2.jsonl"]  # before training, test_freq=2
+    lines = [json.loads(line) for line in (rollouts / "1.jsonl").read_text().splitlines()]
+    assert len(lines) == 8 and list(lines[0]) == ["input", "output", "gts", "score", "step", "acc"]
+    assert lines[0]["output"] == "The answer is 2" and lines[0]["step"] == 1
+    assert lines[0]["input"].startswith("system\n") and lines[0]["input"].endswith("+ 1?\nassistant\n")
+    assert {(line["gts"], line["score"], line["acc"]) for line in lines} <= {
+        (str(i + 1), float(i % 2), bool(i % 2)) for i in range(8)}
+    val = [json.loads(line) for line in (validations / "2.jsonl").read_text().splitlines()]
+    assert len(val) == 4 and list(val[0]) == ["input", "output", "gts", "score", "step", "reward", "acc"]
+    assert [v["gts"] for v in val] == ["9", "10", "11", "12"] and all(v["reward"] == v["score"] for v in val)
+
+
+def test_log_val_generations_picks_samples_as_verl(run, tmp_path):
+    trainer, _ = run("trainer.log_val_generations=3")
+    lines = [json.loads(line) for line in (tmp_path / "run" / VAL_GENERATIONS_FILE).read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 0, 0, 2, 2, 2]
+    inputs = sorted(trainer.tokenizer.batch_decode([trainer.val_data[i].prompt_ids for i in range(4)],
+                                                   skip_special_tokens=True))
+    picked = list(range(4))
+    np.random.RandomState(42).shuffle(picked)  # verl: sorted by input, shuffled with seed 42, the first N
+    assert [line["input"] for line in lines[:3]] == [inputs[i] for i in picked[:3]]
+    assert lines[:3] == [{**line, "step": 0} for line in lines[3:]]
+    assert set(lines[0]) == {"step", "input", "output", "score"}
+    trainer.dumps.truncate_after(1)  # a run resumed from step 1 forgets what came after
+    assert [json.loads(line)["step"] for line in trainer.dumps.val_log.read_text().splitlines()] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_hf_model_in_save_contents_exports_each_role(run, tmp_path, estimator):
+    contents = "[model,optimizer,extra,hf_model]"
+    trainer, policy = run(f"algorithm.adv_estimator={estimator}", "trainer.save_freq=1",
+                          f"actor_rollout_ref.actor.checkpoint.save_contents={contents}",
+                          f"critic.checkpoint.save_contents={contents}")
+    roles = ["actor", "critic"] if estimator == "gae" else ["actor"]
+    assert trainer.hf_exports == roles
+    for step in (1, 2):
+        for role in roles:
+            assert (tmp_path / "run" / f"global_step_{step}" / role / "huggingface" / "config.json").is_file()
+    assert [p.parent.name for p in policy.exports] == ["actor", "actor"]
+    trainer, policy = run(f"algorithm.adv_estimator={estimator}", "trainer.save_freq=1", "trainer.resume_mode=disable")
+    assert trainer.hf_exports == [] and policy.exports == []
+
+
+@pytest.mark.parametrize("override, refused", [
+    ("actor_rollout_ref.actor.checkpoint.save_contents=[model]", r"save_contents=\['model'\] leaves out "
+                                                                 r"\['optimizer', 'extra'\]"),
+    ("actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]", r"load_contents=.* leaves out \['optimizer'\]"),
+    ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_weights]",
+     r"\['hf_weights'\] not among verl's"),
+    ("critic.checkpoint.save_contents=[model,optimizer]", r"critic.checkpoint.save_contents=.* leaves out \['extra'\]"),
+])
+def test_checkpoint_contents_meshrl_cannot_honour_are_refused(run, override, refused):
+    with pytest.raises(ConfigError, match=refused):
+        run("algorithm.adv_estimator=gae", override)
+
+
+def test_critic_contents_are_not_checked_without_a_critic(run):
+    trainer, _ = run("critic.checkpoint.save_contents=[model]")
+    assert trainer.hf_exports == []
