@@ -23,6 +23,7 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 ROLLOUT_ENGINES = ("vllm", "hf")
+ROLLOUT_MODES = ("sync", "async")
 MEGATRON_DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")  # verl FSDP's lr_scheduler_type / warmup_style
@@ -61,6 +62,7 @@ class DataConfig:
     filter_overlong_prompts_workers: int = 1
     truncation: str = "error"
     dataloader_num_workers: int = 0
+    trust_remote_code: bool = False  # the driver's tokenizer (prompts) may run the model folder's code (verl's key)
     # keyword arguments of the tokenizer's apply_chat_template, e.g. {enable_thinking: false}
     apply_chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
 
@@ -73,7 +75,7 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     use_remove_padding: bool = True
     enable_gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # HF config and tokenizer loads may run the model folder's code (verl's key)
     use_shm: bool = False
     external_lib: Optional[str] = None
     override_config: Dict[str, Any] = field(default_factory=dict)
@@ -211,6 +213,7 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     strategy: str = "megatron"
+    use_torch_compile: bool = False  # verl's FSDP key (meshrl.config.key_policy)
     log_prob_micro_batch_size: Optional[int] = None
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: Optional[bool] = None  # None: actor.use_dynamic_bsz
@@ -297,9 +300,8 @@ class RolloutConfig:
     free_cache_engine: bool = True
     # The engine's first weights (meshrl.rollout.base.LOAD_FORMATS): auto | hf | safetensors | pt read the
     # model folder; dummy (and verl's dummy_megatron / dummy_hf / dummy_dtensor) starts from random weights
-    # that a weight sync must replace before the engine generates. verl's default is dummy; meshrl's is auto
-    # because its policy worker does not sync before the first rollout.
-    load_format: str = "auto"
+    # that the policy worker's first weight sync replaces at start-up (verl's default: no second read of the folder).
+    load_format: str = "dummy"
     tensor_model_parallel_size: int = 1
     max_num_batched_tokens: int = 8192
     max_model_len: Optional[int] = None
@@ -335,6 +337,7 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: Optional[str] = None  # None: the actor's model
     tokenizer_path: Optional[str] = None
+    trust_remote_code: bool = False  # as actor_rollout_ref.model.trust_remote_code, for the critic's model folder
     use_remove_padding: bool = True
     enable_gradient_checkpointing: bool = False
     override_config: Dict[str, Any] = field(default_factory=dict)

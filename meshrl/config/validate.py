@@ -8,14 +8,16 @@ checks that need the model's HF config (parallel sizes must divide heads and lay
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 
 from omegaconf import DictConfig
 
-from meshrl.config.loader import ConfigError
+from meshrl.config.key_policy import key_policy
+from meshrl.config.loader import ConfigError, default_config
 from meshrl.config.run_plan import RunPlan, build_run_plan, check_run_plan
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_DECAY_STYLES, LR_SCHEDULES,
-                                  MEGATRON_DTYPES, WD_INCR_STYLES, WSD_DECAY_STYLES,
+                                  MEGATRON_DTYPES, ROLLOUT_MODES, WD_INCR_STYLES, WSD_DECAY_STYLES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
 
 
@@ -42,6 +44,12 @@ class _Problems:
             raise ConfigError(f"invalid {what} ({len(self.items)} problem(s)):\n  - {lines}")
 
 
+# verl's names of its FSDP backend in *.strategy: accepted with a warning, like model_engine=fsdp
+FSDP_STRATEGIES = ("fsdp", "fsdp2", "fsdp_turbo", "dp")
+# A reference section left at the schema's defaults takes the actor's layout.
+REF_LAYOUT_DEFAULTS = dict(default_config().actor_rollout_ref.ref.megatron)
+
+
 def world_size(cfg: DictConfig) -> int:
     """Training processes: ``trainer.nnodes × trainer.n_gpus_per_node`` (processes per node on CPU)."""
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -50,6 +58,8 @@ def world_size(cfg: DictConfig) -> int:
 def validate_config(cfg: DictConfig) -> RunPlan:
     """``cfg``'s run plan; raises ``ConfigError`` listing every semantic problem (see module docstring)."""
     p = _Problems()
+    refused, notes = key_policy(cfg)
+    p.items.extend(refused)
     data, arr, trainer, algo = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
     actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
     # Method names and each phase's micro-batching; the plan says which roles the checks below concern.
@@ -82,10 +92,22 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     if rollout.kv_cache_memory_bytes is not None:
         p.positive(rollout.kv_cache_memory_bytes, "actor_rollout_ref.rollout.kv_cache_memory_bytes")
 
+    p.choice(rollout.mode, "actor_rollout_ref.rollout.mode", ROLLOUT_MODES)
+    if rollout.mode == "async":
+        notes.append("rollout.mode=async: meshrl generates with one batched call per engine replica (the samples an "
+                     "async single-turn rollout gives); the async agent-loop server is not built yet")
+
     # actor
-    p.require(actor.strategy == "megatron", "actor_rollout_ref.actor.strategy",
-              f"meshrl trains with its Megatron backend; got '{actor.strategy}'. Remove the key or set megatron "
-              "(fsdp_config.param_offload/optimizer_offload are honoured).")
+    for key, section in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", ref), ("critic", critic)):
+        p.require(section.strategy in ("megatron", *FSDP_STRATEGIES), f"{key}.strategy",
+                  f"meshrl trains with its Megatron backend; got '{section.strategy}'. Set megatron (verl's FSDP "
+                  f"names {', '.join(FSDP_STRATEGIES)} load with a warning)")
+    fsdp = [f"{key}.strategy={s.strategy}" for key, s in (("actor", actor), ("ref", ref), ("critic", critic))
+            if s.strategy in FSDP_STRATEGIES]
+    if fsdp:
+        notes.append(f"{', '.join(fsdp)}: meshrl trains with its Megatron backend (fsdp_config's param_offload / "
+                     "optimizer_offload carry over to it)")
+    _check_reference_layout(p, actor.megatron, ref.megatron)
     _check_mini_batch(p, actor.ppo_mini_batch_size, data.train_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size")
     for key in ("log_prob_max_token_len_per_gpu",):
         for section, name in ((ref, "ref"), (rollout, "rollout")):
@@ -135,6 +157,8 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     if trainer.total_training_steps is not None:
         p.positive(trainer.total_training_steps, "trainer.total_training_steps")
     p.freq(trainer.save_freq, "trainer.save_freq")
+    p.require(not trainer.val_only or bool(data.val_files), "trainer.val_only",
+              "validates and stops, but there is no validation set: set data.val_files")
     p.freq(trainer.test_freq, "trainer.test_freq")
     p.require(trainer.critic_warmup >= 0, "trainer.critic_warmup", f"must be >= 0, got {trainer.critic_warmup}")
     p.choice(trainer.resume_mode, "trainer.resume_mode", RESUME_MODES)
@@ -148,7 +172,21 @@ def validate_config(cfg: DictConfig) -> RunPlan:
               f"{rollout.tensor_model_parallel_size} must divide the {ws} training processes "
               "(trainer.nnodes × trainer.n_gpus_per_node)")
     p.raise_if_any("configuration")
-    return plan
+    return dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
+
+
+def _check_reference_layout(p: _Problems, actor: DictConfig, ref: DictConfig) -> None:
+    """The reference runs in the policy's processes, on the policy's parallel layout (verl's Megatron workers do
+    the same); its megatron section may repeat the actor's sizes, not change them."""
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                 "context_parallel_size", "expert_model_parallel_size", "sequence_parallel", "seed"):
+        p.require(ref[name] == actor[name] or ref[name] == REF_LAYOUT_DEFAULTS[name],
+                  f"actor_rollout_ref.ref.megatron.{name}",
+                  f"{ref[name]} differs from the actor's {actor[name]}; the reference shares the actor's layout: "
+                  "set them equal or drop the ref key")
+    if ref.use_dist_checkpointing:
+        p.require(bool(ref.dist_checkpointing_path), "actor_rollout_ref.ref.megatron.dist_checkpointing_path",
+                  "must name a megatron checkpoint when use_dist_checkpointing=True")
 
 
 def _check_mini_batch(p: _Problems, size: int, batch: int, key: str) -> None:

@@ -68,6 +68,12 @@ class OptimizerConfig:
         unknown = [name for name, _ in self.overrides if name not in MegatronOptimizerConfig.__dataclass_fields__]
         if unknown:
             raise ValueError(f"megatron's OptimizerConfig has no field(s) {unknown}")
+        if self.schedule != "constant" and self.decay_steps is None:
+            raise ValueError(f"schedule {self.schedule!r} needs decay_steps")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"decay_steps ({self.decay_steps}) must exceed warmup_steps ({self.warmup_steps})")
+        if not 0.0 <= self.min_lr <= self.lr or self.warmup_init_lr > self.lr:
+            raise ValueError("need 0 <= min_lr <= lr and warmup_init_lr <= lr")
 
 
 def _inner_optimizers(optimizer) -> list:

@@ -502,25 +502,14 @@ def unsupported_rollout_features(rollout: Any) -> list[str]:
     """What a verl ``actor_rollout_ref.rollout`` section asks of meshrl's rollout that it does not do.
 
     One ``"key: message"`` line per problem (the form of ``meshrl.config.validate``'s problems), each
-    saying what to do instead; empty when the section is fine. Checked: ``multi_turn.*`` and ``agent.*``
-    away from verl's defaults (one line per section), ``engine_kwargs.sglang.*`` /
+    saying what to do instead; empty when the section is fine. Checked: ``engine_kwargs.sglang.*`` /
     ``engine_kwargs.trtllm.*``, ``engine_kwargs.vllm.*`` (as ``EngineConfig`` checks them: unknown to
     vLLM, owned by meshrl, or given to the hf engine) and ``load_format``. ``rollout`` is an OmegaConf
-    node, a mapping or an attribute object; absent sections count as defaults.
+    node, a mapping or an attribute object; absent sections count as defaults. (``multi_turn.*`` and
+    ``agent.*``, features meshrl lacks, are refused with the config: ``meshrl.config.key_policy``.)
     """
-    from meshrl.config.schema import AgentLoopConfig, MultiTurnConfig
-
     get = _getter(rollout)
     lines = []
-    for section, defaults, feature in (
-            ("multi_turn", MultiTurnConfig(), "multi-turn tool-calling rollout is not built yet: meshrl samples "
-             "one response per prompt, with no tool calls or interaction turns"),
-            ("agent", AgentLoopConfig(), "agent-loop rollout is not built yet: meshrl's rollout is one batched "
-             "generate per engine replica, with no agent loops or async servers")):
-        changed = _changed_keys(_plain(get(section) or {}), _plain(defaults))
-        if changed:
-            lines.append(f"{section}: {feature} (set: {', '.join(changed)}). Remove these {section} overrides "
-                         "(verl's defaults are accepted).")
     engine_kwargs = _plain(get("engine_kwargs") or {})
     for engine in ("sglang", "trtllm"):
         if engine_kwargs.get(engine):
@@ -571,18 +560,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return [_plain(item) for item in value]
     return value
-
-
-def _changed_keys(section: Mapping[str, Any], defaults: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """``key=value`` for each leaf of ``section`` that differs from (or is absent in) ``defaults``."""
-    changed = []
-    for key, value in section.items():
-        default = defaults.get(key)
-        if isinstance(value, Mapping) and isinstance(default, Mapping):
-            changed += _changed_keys(value, default, f"{prefix}{key}.")
-        elif key not in defaults or value != default:
-            changed.append(f"{prefix}{key}={value}")
-    return changed
 
 
 _MISSING = object()

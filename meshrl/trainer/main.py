@@ -60,8 +60,11 @@ def run(cfg, plan) -> dict[str, float]:
     for warning in plan.warnings:
         print(f"meshrl: note: {warning}", file=sys.stderr)
     model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
-    validate_against_model(cfg, AutoConfig.from_pretrained(model_dir))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_dir)
+    validate_against_model(cfg, AutoConfig.from_pretrained(
+        model_dir, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code))
+    # The driver's tokenizer builds the prompts: verl trusts its remote code by data.trust_remote_code.
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_dir,
+                                              trust_remote_code=cfg.data.trust_remote_code)
     train_data, val_data = load_datasets(cfg.data, tokenizer)
     total_steps = total_training_steps(cfg, len(train_data))
     OmegaConf.update(cfg, "actor_rollout_ref.actor.optim.total_training_steps", total_steps)
@@ -100,17 +103,33 @@ def run(cfg, plan) -> dict[str, float]:
             ray.shutdown()
 
 
+def preflight(cfg):
+    """Every check that needs no model or worker, in one pass: the config (``validate_config``: its run plan),
+    the rollout engine's settings and the Ray start; raises ``ConfigError`` listing the problems."""
+    from meshrl.config import ConfigError
+    from meshrl.config.validate import validate_config
+    from meshrl.rollout.base import unsupported_rollout_features
+    from meshrl.trainer.checkpoint import hf_export_roles
+    from meshrl.workers.cluster import ray_init_kwargs
+
+    plan = validate_config(cfg)
+    hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
+    problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout)
+    if problems:
+        raise ConfigError("invalid rollout configuration ({} problem(s)):\n  - {}".format(
+            len(problems), "\n  - ".join(problems)), [line.split(":")[0] for line in problems])
+    ray_init_kwargs(cfg)  # ray_kwargs that cannot map are refused before any model loads
+    return plan
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     configure_environment()
     from meshrl.config import ConfigError, load_config
-    from meshrl.config.validate import validate_config
-    from meshrl.workers.cluster import ray_init_kwargs
 
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(overrides, recipe=recipe)
-        plan = validate_config(cfg)
-        ray_init_kwargs(cfg)  # ray_kwargs that cannot map are refused before any model loads
+        plan = preflight(cfg)
     except ConfigError as exc:
         print(f"meshrl: {exc}", file=sys.stderr)
         return 2

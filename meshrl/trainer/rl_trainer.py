@@ -28,7 +28,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms import GlobalNorm, make_kl_controller
-from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import RunPlan, UpdateSchedule
 from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
@@ -61,9 +60,6 @@ class RLTrainer:
                                           target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
         self.total_steps = total_training_steps(cfg, len(train_data))
         self.step = 0
-        if cfg.trainer.val_only and val_data is None:
-            raise ConfigError("trainer.val_only=True validates and stops, but there is no validation set: set "
-                              "data.val_files", ["trainer.val_only", "data.val_files"])
         self.hf_exports = hf_export_roles(cfg, with_critic=critic is not None)  # refuses what meshrl cannot save
         self.dumps = GenerationDumps(cfg.trainer, Path(cfg.trainer.default_local_dir), tokenizer)
 

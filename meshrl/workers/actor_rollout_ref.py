@@ -87,8 +87,9 @@ class ActorRolloutRefWorker(RankWorker):
         layout = self._init_distributed(address, actor_cfg.megatron, threads)
         cfg = self.cfg
         arr, actor = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir)
+        trust = {"trust_remote_code": arr.model.trust_remote_code}
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir, **trust)
+        tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir, **trust)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         distributed_opt = actor.megatron.use_distributed_optimizer
         self.policy = build_model(self.hf_config, dtype=param_dtype(actor.megatron.dtype),
@@ -125,6 +126,8 @@ class ActorRolloutRefWorker(RankWorker):
         self.replica = self.rank // rollout.tensor_model_parallel_size
         self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)
         self.bucket_bytes = engine_cfg.bucket_bytes
+        if not self.engine.weights_complete:  # rollout.load_format=dummy: random weights until the policy's arrive
+            self.sync_weights()
         train = SamplingConfig.from_rollout(rollout, max_response_length=self.response_length)
         self.sampling = {"train": train, "greedy": train.as_greedy(),
                          "val": SamplingConfig.from_rollout(rollout, max_response_length=self.response_length,

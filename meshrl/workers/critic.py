@@ -1,12 +1,18 @@
 """The PPO critic: a Megatron GPTModel with a scalar value head (HF ``*ForTokenClassification`` layout),
 initialised from the policy's checkpoint (value head at zero), trained on the GAE returns.
 
+With ``critic.megatron.param_offload`` / ``grad_offload`` / ``optimizer_offload`` (or ``fsdp_config``'s
+twins) the critic's state sits in host memory outside its own phases — the rollout engine and the policy
+have the device meanwhile: its parameters come back for the values pass, everything for the update and
+checkpoints. On a CPU-only machine the state is in host memory already and nothing moves.
+
 ``values[b, t]`` is the value of the state that emits response token t (see ``meshrl.parallel.forward``).
 ``CriticGroup`` is the driver-side handle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -32,8 +38,9 @@ class CriticWorker(RankWorker):
         megatron = OmegaConf.create(self.cfg_dict).critic.megatron
         self._init_distributed(address, megatron, int(os.environ.get("MESHRL_THREADS", "1")))
         critic = self.cfg.critic
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        trust = {"trust_remote_code": critic.model.trust_remote_code}
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir, **trust)
+        tokenizer = AutoTokenizer.from_pretrained(critic.model.tokenizer_path or self.model_dir, **trust)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.model = build_model(self.hf_config, critic=True, dtype=param_dtype(megatron.dtype),
                                  use_distributed_optimizer=megatron.use_distributed_optimizer,
@@ -49,11 +56,47 @@ class CriticWorker(RankWorker):
         self.train_engine = TrainingEngine("critic", self.model, self.optimizer, self.scheduler, self.pad_id,
                                            min_micro=megatron.pipeline_model_parallel_size,
                                            hint="check the rewards and returns, or lower critic.optim.lr")
+        self._init_offload()
         return {**self.layout_dict(), "num_replicas": self.layout.dp_size}
 
+    # ---------------------------------------------------------------------------------- offload
+    def _init_offload(self) -> None:
+        from meshrl.parallel.offload import HostBuffers
+
+        mg, fsdp = self.cfg.critic.megatron, self.cfg.critic.fsdp_config
+        self.offload_params = mg.param_offload or fsdp.param_offload
+        self.offload_training = {"grads": mg.grad_offload, "optimizer_state": mg.optimizer_offload or fsdp.optimizer_offload}
+        self.host_buffers = HostBuffers()  # pinned once, reused every step (pinning is the slow part)
+        self.offloaded: dict[str, Any] = {}
+        self._offload(training=True)
+
+    def _offload(self, training: bool) -> None:
+        from meshrl.parallel.offload import offload
+
+        if self.offload_params:
+            self.offloaded["params"] = offload(self.model, params=True, grads=False, optimizer_state=False,
+                                               buffers=self.host_buffers)
+        if training and any(self.offload_training.values()):
+            self.offloaded["training"] = offload(self.model, self.optimizer, params=False, buffers=self.host_buffers,
+                                                 **self.offload_training)
+
+    @contextlib.contextmanager
+    def _on_device(self, training: bool):
+        """The block runs with the parameters (and, ``training``, gradients and optimizer state) on the device."""
+        parts = ("params", "training") if training else ("params",)
+        for part in parts:
+            if part in self.offloaded:
+                self.offloaded.pop(part).restore()
+        try:
+            yield
+        finally:
+            self._offload(training)
+
+    # ---------------------------------------------------------------------------------- phases
     def compute_values(self, shard: Batch) -> Batch | None:
-        values = self.train_engine.forward(shard, self.plan.micro_batching["critic_values"], self.request, "values",
-                                           self.response_length)
+        with self._on_device(training=False):
+            values = self.train_engine.forward(shard, self.plan.micro_batching["critic_values"], self.request,
+                                               "values", self.response_length)
         return Batch(tensors={"values": values}) if self.layout.collect else None
 
     def update(self, updates: list[tuple[Batch, Any]]) -> dict[str, float]:
@@ -62,25 +105,29 @@ class CriticWorker(RankWorker):
         def loss_fn(outputs, micro, norm):
             return self.objective(response_part(outputs["values"], micro), micro, norm)
 
-        metrics, _ = self.train_engine.train(updates, self.plan.micro_batching["critic_update"], self.request,
-                                             loss_fn, ("values", "returns"))
+        with self._on_device(training=True):
+            metrics, _ = self.train_engine.train(updates, self.plan.micro_batching["critic_update"], self.request,
+                                                 loss_fn, ("values", "returns"))
         return metrics
 
     def save_checkpoint(self, folder: str, step: int) -> None:
         from meshrl.parallel.checkpoint import save_checkpoint
 
-        save_checkpoint(Path(folder) / "critic", step, self.model, self.optimizer, self.scheduler)
+        with self._on_device(training=True):
+            save_checkpoint(Path(folder) / "critic", step, self.model, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, folder: str) -> None:
         from meshrl.parallel.checkpoint import load_checkpoint
 
-        load_checkpoint(Path(folder) / "critic", self.model, self.optimizer, self.scheduler)
+        with self._on_device(training=True):
+            load_checkpoint(Path(folder) / "critic", self.model, self.optimizer, self.scheduler)
 
     def export_hf(self, out_dir: str) -> None:
         from meshrl.parallel.hf_conversion import save_hf_checkpoint
 
-        if self.layout.dp_rank == 0:  # the replicas hold the same weights; two writers would race on the folder
-            save_hf_checkpoint(self.model, self.hf_config, out_dir, tokenizer_dir=self.model_dir)
+        with self._on_device(training=False):
+            if self.layout.dp_rank == 0:  # the replicas hold the same weights; two writers would race on the folder
+                save_hf_checkpoint(self.model, self.hf_config, out_dir, tokenizer_dir=self.model_dir)
 
 
 class CriticGroup(DispatchGroup):

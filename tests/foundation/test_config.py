@@ -136,7 +136,7 @@ def test_free_form_sections_accept_new_keys():
     (["actor_rollout_ref.rollout.top_p=1.5"], "top_p"),
     (["data.train_batch_size=8"], "ppo_mini_batch_size"),
     (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], "TP×PP×CP"),
-    (["actor_rollout_ref.actor.strategy=fsdp"], "actor_rollout_ref.actor.strategy"),
+    (["actor_rollout_ref.actor.strategy=veomni"], "actor_rollout_ref.actor.strategy"),
     (["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], "leave-one-out"),
     (["trainer.logger=[console,wandbb]"], "trainer.logger"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),

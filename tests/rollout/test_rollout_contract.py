@@ -156,8 +156,9 @@ def test_verl_engine_keys_reach_the_engine_config():
     assert config.vllm_kwargs == {"max_logprobs": 7, "compilation_config": {"cudagraph_capture_sizes": [4, 8]}}
     assert type(config.vllm_kwargs["compilation_config"]["cudagraph_capture_sizes"]) is list  # not OmegaConf's
     defaults = EngineConfig.from_rollout(rollout_section())
+    # verl's default: the engine starts from random weights and the policy worker's first sync replaces them
     assert (defaults.enable_prefix_caching, defaults.load_format, defaults.random_init, defaults.vllm_kwargs) == (
-        True, "auto", False, {})
+        True, "dummy", True, {})
 
 
 def test_engine_arguments_meshrl_sets_are_refused_with_the_key_to_set():
@@ -209,25 +210,14 @@ def test_a_dummy_load_format_generates_only_after_a_full_sync(tmp_path):
 
 def test_unsupported_rollout_features_one_line_per_feature():
     assert unsupported_rollout_features(rollout_section()) == []
-    # verl's defaults, typed out as verl scripts do, are accepted.
-    assert unsupported_rollout_features(rollout_section("multi_turn.format=hermes", "agent.num_workers=8",
-                                                        "multi_turn.enable=False")) == []
     lines = unsupported_rollout_features(rollout_section(
-        "multi_turn.enable=True", "multi_turn.tool_config_path=tools.yaml", "multi_turn.max_assistant_turns=5",
-        "agent.default_agent_loop=tool_agent", "engine_kwargs.sglang.attention_backend=triton",
-        "engine_kwargs.trtllm.batch_wait_timeout_iters=32", "engine_kwargs.vllm.max_model_len=4096",
-        "load_format=gguf"))
+        "engine_kwargs.sglang.attention_backend=triton", "engine_kwargs.trtllm.batch_wait_timeout_iters=32",
+        "engine_kwargs.vllm.max_model_len=4096", "load_format=gguf"))
     keys = [line.split(":")[0] for line in lines]
-    assert keys == [f"{ROLLOUT}{k}" for k in ("multi_turn", "agent", "engine_kwargs.sglang", "engine_kwargs.trtllm",
-                                               "load_format", "engine_kwargs.vllm.max_model_len")]
-    assert lines[0] == (f"{ROLLOUT}multi_turn: multi-turn tool-calling rollout is not built yet: meshrl samples one "
-                        "response per prompt, with no tool calls or interaction turns (set: enable=True, "
-                        "max_assistant_turns=5, tool_config_path=tools.yaml). Remove these multi_turn overrides "
-                        "(verl's defaults are accepted).")
-    assert "agent-loop rollout is not built yet" in lines[1] and "default_agent_loop=tool_agent" in lines[1]
-    assert "engines are vllm and hf" in lines[2] and "(attention_backend)" in lines[2]
+    assert keys == [f"{ROLLOUT}{k}" for k in ("engine_kwargs.sglang", "engine_kwargs.trtllm", "load_format",
+                                               "engine_kwargs.vllm.max_model_len")]
+    assert "engines are vllm and hf" in lines[0] and "(attention_backend)" in lines[0]
     # Mappings and attribute objects work as OmegaConf nodes do.
-    assert unsupported_rollout_features({"multi_turn": {"enable": True}})[0].startswith(f"{ROLLOUT}multi_turn: ")
     assert unsupported_rollout_features(SimpleNamespace(name="hf", engine_kwargs={"vllm": {"max_logprobs": 7}})) == [
         f"{ROLLOUT}engine_kwargs.vllm: rollout.name=hf takes no vLLM engine arguments (max_logprobs); remove them, "
         "or choose rollout.name=vllm"]

@@ -12,6 +12,7 @@ import torch
 
 from meshrl.config import ConfigError, load_config
 from meshrl.config.run_plan import build_run_plan
+from meshrl.config.validate import validate_config
 from meshrl.data.dataset import load_datasets
 from meshrl.protocol import Batch
 from meshrl.rewards.dispatch import RewardSpec
@@ -121,8 +122,9 @@ def test_val_only_validates_logs_and_stops(run, tmp_path, before):
     trainer, policy = run("trainer.val_only=True", f"trainer.val_before_train={before}")
     assert [mode for mode, _ in policy.generated] == ["val"] and trainer.step == 0
     assert list(metrics_by_step(tmp_path / "run")) == [0] and "val/score" in metrics_by_step(tmp_path / "run")[0]
-    with pytest.raises(ConfigError, match="trainer.val_only=True .* set data.val_files"):
-        run("trainer.val_only=True", "data.val_files=[]")
+    # without validation data it stops at config time, before any model or worker
+    with pytest.raises(ConfigError, match="trainer.val_only: .* set data.val_files"):
+        validate_config(load_config(["trainer.val_only=True", "data.val_files=[]"], recipe="cpu_tiny_grpo"))
 
 
 def test_reward_fn_key_picks_the_reward_column(run, tmp_path):

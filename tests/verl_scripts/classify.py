@@ -3,13 +3,13 @@
     python tests/verl_scripts/classify.py     # rewrite classification.json from the current meshrl
 
 Each call's arguments go through what ``python -m meshrl.trainer.main`` does before training
-(``parse_args``, ``load_config``, ``validate_config``, ``ray_init_kwargs``), with the model/data paths
+(``parse_args``, ``load_config``, ``preflight``), with the model/data paths
 and hardware sizes swapped to CPU-sized values (``CPU_SWAPS``, appended as a user's own overrides
 are). The outcome:
 
 - ``ok``: loads and validates;
 - ``load``: ``load_config`` refuses ``keys`` (unknown keys, wrong types, an engine meshrl lacks);
-- ``invalid``: loads, but ``validate_config`` or the Ray start (``ray_init_kwargs``) names ``keys``
+- ``invalid``: loads, but ``preflight`` (config checks, rollout engine settings, the Ray start) names ``keys``
   (values meshrl does not support);
 - ``no call``: the script launches no trainer (it only points elsewhere).
 
@@ -80,9 +80,7 @@ def script_id(script: dict) -> str:
 def classify(args: list[str]) -> dict:
     """The outcome of one call's arguments (module docstring): ``{"outcome": ..., "keys": [...]}``."""
     from meshrl.config import ConfigError, load_config
-    from meshrl.config.validate import validate_config
-    from meshrl.trainer.main import parse_args
-    from meshrl.workers.cluster import ray_init_kwargs
+    from meshrl.trainer.main import parse_args, preflight
 
     recipe, overrides = parse_args([*args, *CPU_SWAPS])
     try:
@@ -92,13 +90,9 @@ def classify(args: list[str]) -> dict:
     except ConfigError as exc:
         return {"outcome": "load", "keys": sorted(set(exc.keys))}
     try:
-        validate_config(cfg)
+        preflight(cfg)
     except ConfigError as exc:
-        return {"outcome": "invalid", "keys": sorted(set(_PROBLEM_KEY.findall(str(exc))))}
-    try:
-        ray_init_kwargs(cfg)
-    except ConfigError as exc:
-        return {"outcome": "invalid", "keys": sorted(set(exc.keys))}
+        return {"outcome": "invalid", "keys": sorted(set(_PROBLEM_KEY.findall(str(exc))) | set(exc.keys))}
     return {"outcome": "ok", "keys": []}
 
 
