@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from meshrl.data.dynamic_batching import plan_micro_batches
-from meshrl.data.packing import pad_multiple_for
+from meshrl.parallel.packing import pad_multiple_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_SEQ_LEN = 512 + 1024  # data.max_prompt_length + data.max_response_length of the seed recipe

@@ -235,7 +235,7 @@ class ValKwargsConfig:
 class EngineKwargsConfig:
     """verl's ``rollout.engine_kwargs``: extra engine arguments per inference engine. ``vllm.*`` go to vLLM's
     ``EngineArgs`` (a None value leaves the argument unset, as in verl); meshrl refuses arguments it sets
-    from its own keys, and the other engines' sections (``meshrl.rollout.base.unsupported_rollout_features``)."""
+    from its own keys, and the other engines' sections (``meshrl.rollout.engines.unsupported_rollout_features``)."""
 
     vllm: Dict[str, Any] = field(default_factory=dict)
     sglang: Dict[str, Any] = field(default_factory=dict)

@@ -6,7 +6,6 @@
 - :mod:`meshrl.data.dataset` — :class:`~meshrl.data.dataset.RLDataset`: chat-templated prompt ids + reward metadata.
 - :mod:`meshrl.data.sampler` — seeded, exactly resumable prompt order.
 - :mod:`meshrl.data.dynamic_batching` — token-budget micro-batches (Karmarkar–Karp) and ``balance_batch``.
-- :mod:`meshrl.data.packing` — packing without padding (THD) and its inverse.
 
 Submodules are imported explicitly (nothing here), so the preprocessing CLI does not pay for torch.
 """

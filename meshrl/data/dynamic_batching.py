@@ -140,7 +140,7 @@ def agree_num_micro_batches(k: int, group: Any = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from meshrl.parallel.state import collective_device
+    from meshrl.collectives import collective_device
 
     value = torch.tensor([k], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)

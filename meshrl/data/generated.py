@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from meshrl.rewards.dispatch import DATA_SOURCE_PREFIX  # the reward that scores these tasks names their source
+
 GENERATOR_PACKAGE = "reasoning-gym"
-DATA_SOURCE_PREFIX = "reasoning_gym/"
 
 
 @dataclass(frozen=True)

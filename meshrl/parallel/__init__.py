@@ -8,6 +8,7 @@ package does not import megatron, which costs seconds):
 - ``model_builder``: ``GPTModel`` chunks (policy or critic) from a Hugging Face config.
 - ``hf_conversion``: streamed HF safetensors -> shard loading, ``iter_hf_weights`` (full HF tensors for
   export and rollout weight sync), HF folder export.
+- ``packing``: sequences packed without padding (THD, ``use_remove_padding``) and back.
 - ``forward`` / ``schedule``: per-token log-probs, entropy (vocab-parallel) and values; forward-only
   and training passes through megatron's pipeline schedules, with globally normalised losses.
 - ``optimizer``: megatron AdamW, clipping, LR schedule, ``train_step``.

@@ -23,7 +23,7 @@ response). The model sees them in one of two layouts (:func:`model_inputs`), bot
   trimmed to its longest row, a plain causal mask (valid tokens never see padding, which sits after
   them). Computes ``rows x longest row`` positions.
 - packed THD (:func:`pack_thd`, ``use_remove_padding``): every sequence laid end to end in one row
-  (``meshrl.data.packing``: slots padded to a multiple of TP), run with megatron's
+  (``meshrl.parallel.packing``: slots padded to a multiple of TP), run with megatron's
   ``PackedSeqParams(qkv_format="thd")``, so RoPE positions restart in every slot and attention stays
   inside it. Computes about the real token count.
 
@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from meshrl.data.packing import pad_multiple_for, pack_padded
+from meshrl.parallel.packing import pad_multiple_for, pack_padded
 
 MicroBatch = dict[str, Any]
 LossFn = Callable[[dict[str, torch.Tensor], MicroBatch], tuple[torch.Tensor, dict[str, Any]]]

@@ -163,14 +163,6 @@ def dp_group() -> dist.ProcessGroup:
     return parallel_state.get_data_parallel_group()
 
 
-def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where a tensor given to a collective on ``group`` must live: NCCL reduces only CUDA tensors
-    (on this process's current device), gloo CPU ones."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def is_pipeline_last_stage() -> bool:
     from megatron.core import parallel_state
 

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshrl.data.generated import DATA_SOURCE_PREFIX
 from meshrl.rewards import gsm8k
 from meshrl.rewards import math as math_reward
 
@@ -45,6 +44,9 @@ RewardFn = Callable[..., RewardOutput]
 
 GSM8K_SOURCES = frozenset({"openai/gsm8k", "gsm8k"})
 MAWPS_SOURCES = frozenset({"mawps"})
+# Tasks generated with reasoning-gym (meshrl.data.generated) name their source with this prefix; scored
+# like MAWPS, on the response's last number.
+DATA_SOURCE_PREFIX = "reasoning_gym/"
 MATH_SOURCES = frozenset(
     {"DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500", "math", "math500"}
 )

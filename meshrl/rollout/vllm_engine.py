@@ -65,7 +65,7 @@ sampler on the first call (identical outputs).
 vLLM's ``dummy`` (random weights, no checkpoint read; the engine refuses to generate until a sync), the
 others read the model folder. ``enable_prefix_caching`` and ``disable_log_stats`` go to vLLM as they are,
 and ``vllm_kwargs`` (verl's ``rollout.engine_kwargs.vllm``) join the engine arguments after
-``EngineConfig`` has refused names vLLM's ``EngineArgs`` lacks (``vllm_engine_arg_names``) and those
+``EngineConfig`` has refused names vLLM's ``EngineArgs`` lacks (``meshrl.rollout.base.vllm_engine_arg_names``) and those
 meshrl sets itself (``base.OWNED_VLLM_ARGS``).
 
 **GPU path (untested here: no GPU with vLLM on this project's machines).** ``enable_sleep_mode`` with
@@ -76,10 +76,7 @@ lets the trainer free its memory, then wakes the KV cache.
 
 from __future__ import annotations
 
-import ast
-import functools
 import gc
-import importlib.util
 import os
 import pickle
 import random
@@ -169,25 +166,6 @@ def _scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-@functools.lru_cache(maxsize=1)
-def vllm_engine_arg_names() -> frozenset[str]:
-    """The fields of the installed vLLM's ``EngineArgs`` (what ``LLM(**kwargs)`` accepts beyond its own).
-
-    Read from vLLM's source, not imported: config checks run in the driver, where importing vLLM would
-    cost seconds and export environment variables (``LD_LIBRARY_PATH`` among them) to every worker it
-    starts. ``EngineArgs`` is a plain dataclass, so its fields are its annotated class attributes.
-    """
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise EngineUnavailableError("vLLM is not installed: its engine arguments cannot be checked")
-    source = Path(next(iter(spec.submodule_search_locations)), "engine", "arg_utils.py")
-    tree = ast.parse(source.read_text())
-    engine_args = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineArgs")
-    return frozenset(node.target.id for node in engine_args.body
-                     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                     and "ClassVar" not in ast.unparse(node.annotation))
 
 
 def _resolve_dtype(dtype: str, cuda: bool) -> str:

@@ -33,14 +33,24 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from meshrl.rollout.base import RolloutEngine
-
 WeightStream = Iterable[tuple[str, torch.Tensor]]
+
+
+class WeightReceiver(Protocol):
+    """What the sync asks of an engine (``meshrl.rollout.base.RolloutEngine`` implements it): the weights
+    it expects, an update in buckets, and the memory hand-off around generation."""
+
+    def expected_weights(self) -> Mapping[str, torch.Size]: ...
+    def begin_weight_update(self) -> None: ...
+    def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+    def finish_weight_update(self, complete: bool, reason: str = "") -> None: ...
+    def load_weights(self, weights: WeightStream, *, bucket_bytes: int | None = None) -> "SyncStats": ...
+    def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
+    def sleep(self) -> None: ...
 
 
 class WeightSyncError(ValueError):
@@ -119,7 +129,7 @@ def _name_hint(name: str, expected: Mapping[str, torch.Size]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def sync_weights(engine: RolloutEngine, weights: WeightStream, *, bucket_bytes: int) -> SyncStats:
+def sync_weights(engine: WeightReceiver, weights: WeightStream, *, bucket_bytes: int) -> SyncStats:
     """Load a full set of weights into ``engine`` in place; see the module docstring for guarantees.
 
     Raises ``WeightSyncError`` (bad, duplicate or missing tensor) or whatever the stream raises; in
@@ -202,10 +212,10 @@ class LiveBytesMeter:
 
 
 @contextmanager
-def colocated_rollout(engine: RolloutEngine, weights: WeightStream | None = None, *,
+def colocated_rollout(engine: WeightReceiver, weights: WeightStream | None = None, *,
                       offload_trainer: Callable[[], None] | None = None,
                       onload_trainer: Callable[[], None] | None = None,
-                      bucket_bytes: int | None = None) -> Iterator[RolloutEngine]:
+                      bucket_bytes: int | None = None) -> Iterator[WeightReceiver]:
     """The memory hand-off around one rollout phase; generate inside the ``with`` block.
 
     Entering: wake the engine's weights, sync ``weights`` into them (if given), ``offload_trainer()``

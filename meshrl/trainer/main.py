@@ -108,7 +108,7 @@ def preflight(cfg):
     the rollout engine's settings and the Ray start; raises ``ConfigError`` listing the problems."""
     from meshrl.config import ConfigError
     from meshrl.config.validate import validate_config
-    from meshrl.rollout.base import unsupported_rollout_features
+    from meshrl.rollout.engines import unsupported_rollout_features
     from meshrl.trainer.checkpoint import hf_export_roles
     from meshrl.workers.cluster import ray_init_kwargs
 

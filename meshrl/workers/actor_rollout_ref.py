@@ -80,7 +80,8 @@ class ActorRolloutRefWorker(RankWorker):
                                                     param_dtype)
         from meshrl.parallel.offload import HostBuffers, offload
         from meshrl.parallel.optimizer import build_optimizer
-        from meshrl.rollout.base import EngineConfig, SamplingConfig, create_engine
+        from meshrl.rollout.base import EngineConfig, SamplingConfig
+        from meshrl.rollout.engines import create_engine
 
         actor_cfg = self._cfg_section("actor_rollout_ref.actor")
         threads = int(os.environ.get("MESHRL_THREADS", "1"))

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from meshrl.collectives import collective_device
 from meshrl.config.micro_batching import MicroBatching
 from meshrl.protocol import Batch
 from meshrl.workers.objectives import sum_metrics
@@ -102,7 +103,7 @@ class TrainingEngine:
             shares = sum_metrics(result["metrics"])
             # Metric shares of this DP rank's micro-batches add up to the mini-batch value over ranks.
             values = torch.tensor(list(shares.values()), dtype=torch.float64,
-                                  device=state.collective_device(state.dp_group()))
+                                  device=collective_device(state.dp_group()))
             dist.all_reduce(values, group=state.dp_group())
             metrics = dict(zip(shares, values.tolist()))
             grad_norm = result["grad_norm"] if result["grad_norm"] is not None else float("nan")

@@ -21,7 +21,8 @@ from meshrl.rollout import (
     create_engine,
     iter_buckets,
 )
-from meshrl.rollout.base import OWNED_VLLM_ARGS, request_seed, unsupported_rollout_features
+from meshrl.rollout.base import OWNED_VLLM_ARGS, request_seed
+from meshrl.rollout.engines import unsupported_rollout_features
 
 KIB = 1 << 10
 
@@ -342,3 +343,11 @@ def test_colocated_rollout_restores_the_trainer_when_generation_fails(engine):
                                onload_trainer=lambda: calls.append("on")):
             raise KeyError("boom")
     assert calls == ["off", "on"] and engine.events[-1] == "sleep"
+
+
+def test_every_engine_name_has_an_engine():
+    """rollout.name's choices (EngineConfig) and the engine table (create_engine) name the same engines."""
+    from meshrl.rollout.base import ENGINE_NAMES
+    from meshrl.rollout.engines import ENGINES
+
+    assert tuple(ENGINES) == ENGINE_NAMES

@@ -273,7 +273,7 @@ def test_generation_leaves_process_state_alone(engine):
 def test_engine_arg_names_are_vllms_engine_args_fields():
     from vllm.engine.arg_utils import EngineArgs
 
-    from meshrl.rollout.vllm_engine import vllm_engine_arg_names
+    from meshrl.rollout.base import vllm_engine_arg_names
 
     assert vllm_engine_arg_names() == {f.name for f in dataclasses.fields(EngineArgs)}
 

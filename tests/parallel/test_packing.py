@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshrl.data.packing import pack_padded, pack_sequences, pad_multiple_for, unpack_sequences, unpack_to_padded
+from meshrl.parallel.packing import pack_padded, pack_sequences, pad_multiple_for, unpack_sequences, unpack_to_padded
 
 
 def test_pack_sequences_layout() -> None:
