@@ -10,10 +10,15 @@ Every key of the schema (``meshrl.config.schema``) is one of:
 - **inert** (``INERT``): keys whose value cannot change a meshrl run, for the reason given; named in the same
   warning when set to something other than the default;
 - **refused** (``REFUSED``): keys of features meshrl does not have. Any value other than the default stops the
-  run at config time with one message naming the missing feature and what to do instead.
+  run at config time with one message per missing feature (keys that share a message are listed together),
+  naming the feature and what to do instead. A free-form dict key (``override_transformer_config``) is also
+  refused when one of its entries matches a rule (``override_transformer_config.moe_*``).
+
+``ALIASES`` are verl's newer names of keys meshrl reads: the read key follows its alias (an interpolation in
+the schema) unless set itself, and the two set to different values are refused.
 
 Patterns are ``fnmatch`` patterns over dotted keys. Keys whose behaviour depends on other keys (the reference's
-layout must be the actor's, ``strategy`` names) are checked in ``meshrl.config.validate``.
+layout must be the actor's, ``strategy`` names, ``critic.enable``) are checked in ``meshrl.config.validate``.
 """
 
 from __future__ import annotations
@@ -24,18 +29,29 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshrl.config.loader import default_config
 
-FSDP_CONFIG = ("actor_rollout_ref.actor.fsdp_config.*", "actor_rollout_ref.ref.fsdp_config.*", "critic.fsdp_config.*")
+# verl's critic FSDP section has had three places: critic.fsdp_config, critic.model.fsdp_config, critic.fsdp.
+CRITIC_FSDP = ("critic.fsdp_config", "critic.model.fsdp_config", "critic.fsdp")
+FSDP_CONFIG = ("actor_rollout_ref.actor.fsdp_config.*", "actor_rollout_ref.ref.fsdp_config.*",
+               *(f"{section}.*" for section in CRITIC_FSDP))
 # fsdp_config's offload flags mean for the Megatron backend what they mean for FSDP: they are read.
 FSDP_READ = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
-             "actor_rollout_ref.ref.fsdp_config.param_offload", "critic.fsdp_config.param_offload",
-             "critic.fsdp_config.optimizer_offload")
+             "actor_rollout_ref.ref.fsdp_config.param_offload",
+             *(f"{section}.{flag}" for section in CRITIC_FSDP for flag in ("param_offload", "optimizer_offload")))
 
 FSDP_ONLY = FSDP_CONFIG + (
     "actor_rollout_ref.actor.grad_clip",  # Megatron clips at optim.clip_grad
     "critic.grad_clip",
     "actor_rollout_ref.actor.use_torch_compile",  # verl compiles its FSDP entropy with it
     "actor_rollout_ref.ref.use_torch_compile",
+    "*.ulysses_sequence_parallel_size",  # Megatron's counterpart is context_parallel_size
+    "actor_rollout_ref.*.entropy_checkpointing",
+    "actor_rollout_ref.actor.pad_to_length",
+    "actor_rollout_ref.model.enable_activation_offload",
 )
+
+FUSED_KERNELS = ("meshrl computes log-probs and entropy from vocab-parallel logits of the response tokens only; the "
+                 "chunked fused kernel is not built (same numbers)")
+PROFILER = "verl's profiler hooks; meshrl's profiling lives in bench/"
 
 INERT = {
     "data.filter_overlong_prompts_workers": "meshrl filters prompts in one process; the result is the same",
@@ -50,16 +66,60 @@ INERT = {
                                                     "(the step-1 rollout/log_prob_max_abs_diff check reads them)",
     "reward_model.strategy": "it names a learned reward model's backend; meshrl has none (reward_model.enable)",
     "trainer.ray_wait_register_center_timeout": "meshrl's worker start and calls time out at trainer.worker_timeout_s",
+    "trainer.use_legacy_worker_impl": "it picks between verl's two worker generations; meshrl has one",
+    "actor_rollout_ref.model.use_fused_kernels": FUSED_KERNELS,
+    "actor_rollout_ref.model.fused_kernel_options.*": FUSED_KERNELS,
+    "actor_rollout_ref.*.entropy_from_logits_with_chunking": "meshrl's entropy is computed from vocab-parallel logits "
+                                                             "of the response tokens only, without verl's chunked "
+                                                             "pass over the full vocabulary (same numbers)",
+    "*.megatron.use_remove_padding": "verl's workers overwrite it with the role's model.use_remove_padding, which "
+                                     "meshrl reads",
+    "actor_rollout_ref.rollout.data_parallel_size": "meshrl runs one engine replica per "
+                                                    "rollout.tensor_model_parallel_size training processes, so every "
+                                                    "process generates, as verl's replicas x data_parallel_size do",
+    "actor_rollout_ref.rollout.layered_summon": "it collects LoRA weights layer by layer under verl's FSDP; meshrl "
+                                                "has no LoRA, and its engine keeps the weights on the host asleep",
+    "actor_rollout_ref.rollout.multi_stage_wake_up": "meshrl's engine always wakes in stages: the weights, the "
+                                                     "sync, then the KV cache",
+    "reward_model.use_reward_loop": "verl's reward loop and its in-trainer reward function give the same rule "
+                                    "scores; meshrl scores in its own process pool (reward_model.num_workers)",
+    "global_profiler.*": PROFILER,
+    "*.profiler.*": PROFILER,
 }
 
+LORA = "LoRA is not built yet (meshrl trains every weight of the policy); leave the LoRA keys at their defaults"
+REWARD_MODEL = ("learned reward models (verl's reward model workers and reward loop engines) are not built yet; score "
+                "with rule rewards or custom_reward_function.path, and set reward_model.enable=False")
+REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' manager (one score per response, dispatched by data source); "
+                  "other managers and their reward_kwargs (e.g. DAPO's overlong buffer) are not built yet")
+SANDBOX = ("executing generated code in verl's sandbox (sandbox_fusion) is not built yet; score with rule rewards or "
+           "custom_reward_function.path")
+MOE = ("mixture-of-experts models (expert parallelism, router replay, MoE settings) are not built yet: meshrl builds "
+       "dense Llama / Qwen2 models; leave the expert and MoE keys at their defaults")
+MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
+PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_pf_ppo=False"
+VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "
+          "model_engine=megatron and the *.megatron.* keys")
+
 REFUSED = {
-    "reward_model.enable": "learned reward models are not built yet; score with rule rewards or "
-                           "custom_reward_function.path, and set reward_model.enable=False",
-    "reward_model.reward_manager": "meshrl's reward pool is verl's 'naive' manager (one score per response, "
-                                   "dispatched by data source); other managers are not built yet",
+    "reward_model.enable": REWARD_MODEL,
+    "reward_model.model": REWARD_MODEL,
+    "reward_model.micro_batch_size*": REWARD_MODEL,
+    "reward_model.max_length": REWARD_MODEL,
+    "reward_model.rollout.*": REWARD_MODEL,
+    "reward.reward_model.*": REWARD_MODEL,
+    "reward_model.reward_manager": REWARD_MANAGER,
+    "reward_model.reward_kwargs": REWARD_MANAGER,
+    "reward.reward_manager.*": REWARD_MANAGER,
+    "reward.reward_kwargs": REWARD_MANAGER,
+    "*.sandbox_fusion.*": SANDBOX,
     "reward_model.launch_reward_fn_async": "rewards are scored in a process pool after generation; overlapping them "
                                            "with the next phase is not built yet: set False",
-    "algorithm.use_pf_ppo": "PF-PPO's reweighting of the batch is not built yet; set False",
+    "algorithm.use_pf_ppo": PF_PPO,
+    "algorithm.pf_ppo.*": PF_PPO,
+    "algorithm.rollout_correction.*": "rollout correction (importance sampling and rejection against the rollout "
+                                      "engine's log-probs) is not built yet; leave algorithm.rollout_correction at "
+                                      "its defaults",
     "actor_rollout_ref.actor.policy_loss.clip_cov_*": "these configure verl's clip_cov / kl_cov policy losses, which "
                                                       "meshrl does not register; leave them at their defaults",
     "actor_rollout_ref.actor.policy_loss.kl_cov_ratio": "it configures verl's kl_cov policy loss, which meshrl does "
@@ -76,6 +136,41 @@ REFUSED = {
                                          "generate per engine replica); leave rollout.agent at its defaults",
     "*.model.override_config": "HF config overrides would change the model meshrl builds but not the vLLM "
                                  "engine's copy; edit the model folder's config.json instead",
+    "actor_rollout_ref.model.lora_*": LORA,
+    "actor_rollout_ref.model.target_modules": LORA,
+    "actor_rollout_ref.model.exclude_modules": LORA,
+    "actor_rollout_ref.model.lora.*": LORA,
+    "*.megatron.expert_model_parallel_size": MOE,
+    "*.megatron.expert_tensor_parallel_size": MOE,
+    "*.megatron.router_replay.*": MOE,
+    "*.megatron.override_transformer_config.moe_*": MOE,
+    "actor_rollout_ref.rollout.expert_parallel_size": MOE,
+    "actor_rollout_ref.rollout.moe_tensor_parallel_size": MOE,
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": MOE,
+    "*.megatron.use_megatron_fsdp": "Megatron's own FSDP is not wired: meshrl shards with Megatron's DDP and "
+                                    "use_distributed_optimizer; set False",
+    "data.image_patch_size": MULTI_MODAL,
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.*mm_*": MULTI_MODAL,  # vLLM's multi-modal processor arguments
+    "actor_rollout_ref.actor.freeze_vision_tower": MULTI_MODAL,
+    "data.custom_cls.*": "custom dataset classes are not built: meshrl reads verl's row layout (prompt messages, "
+                         "data_source, reward_model.ground_truth) from parquet / jsonl files; convert the data",
+    "actor_rollout_ref.*.veomni": VEOMNI,
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": "meshrl syncs weights in process to its colocated engine "
+                                                           "(verl's naive checkpoint engine); other backends are not "
+                                                           "built yet: set naive",
+    "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs": "it configures verl's other checkpoint engines; "
+                                                                 "meshrl's is the naive one: leave it empty",
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": "custom checkpoint engines are not built; "
+                                                                         "leave it unset",
+}
+
+# verl's newer name -> the key meshrl reads, which follows it unless set itself (see the module docstring)
+ALIASES = {
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+    "reward.num_workers": "reward_model.num_workers",
+    "reward.custom_reward_function.path": "custom_reward_function.path",
+    "reward.custom_reward_function.name": "custom_reward_function.name",
 }
 
 
@@ -108,31 +203,51 @@ def classify(key: str) -> str:
     return "read"
 
 
+_DEFAULT = object()
+
+
+def _set_away_from_default(cfg: DictConfig, defaults: DictConfig, key: str):
+    """``key``'s value in ``cfg`` (plain containers for dicts), or ``_DEFAULT`` when it is the schema's default."""
+    value, default = OmegaConf.select(cfg, key), OmegaConf.select(defaults, key, default=None)
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value)
+        default = OmegaConf.to_container(default) if isinstance(default, DictConfig) else default
+    return _DEFAULT if value == default else value
+
+
 def key_policy(cfg: DictConfig) -> tuple[list[str], list[str]]:
     """(problems, warnings) of ``cfg``'s keys set away from their defaults under the rules above."""
     defaults = default_config()
-    refused: dict[str, list[str]] = {}  # rule -> the keys set under it: one message per missing feature
-    fsdp, inert = [], []
+    refused: dict[str, list[str]] = {}  # message -> the keys set under it: one message per missing feature
+    inert: dict[str, list[str]] = {}  # reason -> the keys set under it
+    fsdp = []
     for key in leaf_keys(cfg):
         kind = classify(key)
-        if kind == "read":
+        if kind == "read" and not isinstance(OmegaConf.select(cfg, key), DictConfig):
             continue
-        value, default = OmegaConf.select(cfg, key), OmegaConf.select(defaults, key, default=None)
-        if isinstance(value, DictConfig):
-            value = OmegaConf.to_container(value)
-            default = OmegaConf.to_container(default) if isinstance(default, DictConfig) else default
-        if value == default:
+        value = _set_away_from_default(cfg, defaults, key)
+        if value is _DEFAULT:
             continue
-        if kind == "refused":
-            refused.setdefault(_match(key, REFUSED), []).append(f"{key}={value}")
+        if kind == "read":  # a free-form dict: its entries may name a missing feature
+            for entry, item in value.items():
+                if rule := _match(f"{key}.{entry}", REFUSED):
+                    refused.setdefault(REFUSED[rule], []).append(f"{key}.{entry}={item}")
+        elif kind == "refused":
+            refused.setdefault(REFUSED[_match(key, REFUSED)], []).append(f"{key}={value}")
         elif kind == "fsdp_only":
             fsdp.append(f"{key}={value}")
-        else:
-            inert.append(f"{key}={value} ({INERT[_match(key, INERT)]})")
-    problems = [f"{', '.join(keys)}: {REFUSED[rule]}" for rule, keys in refused.items()]
+        elif kind == "inert":
+            inert.setdefault(INERT[_match(key, INERT)], []).append(f"{key}={value}")
+    problems = [f"{', '.join(keys)}: {message}" for message, keys in refused.items()]
+    for alias, key in ALIASES.items():
+        alias_value = _set_away_from_default(cfg, defaults, alias)
+        if alias_value is not _DEFAULT and alias_value != OmegaConf.select(cfg, key):
+            problems.append(f"{alias}={alias_value}, {key}={OmegaConf.select(cfg, key)}: verl's two names of one "
+                            "setting disagree; set one of them")
     warnings = []
     if fsdp:
         warnings.append("verl's FSDP-only keys have no effect on meshrl's Megatron backend: " + ", ".join(fsdp))
     if inert:
-        warnings.append("keys with no effect on this run: " + "; ".join(inert))
+        warnings.append("keys with no effect on this run: "
+                        + "; ".join(f"{', '.join(keys)} ({reason})" for reason, keys in inert.items()))
     return problems, warnings

@@ -9,6 +9,9 @@ Contract:
 - Overrides use verl's / Hydra's syntax: ``a.b=1``, ``a.b=[x,y]`` and ``a.b="['x','y']"`` (YAML
   values), ``+a.b=1`` and ``++a.b=1`` (accepted, same as ``a.b=1``: every valid key already exists),
   ``~a.b`` is refused.
+- Hydra's config-group selections (``actor@actor_rollout_ref.actor=mlite_actor``) and search path
+  (``hydra.searchpath=[...]``) load configs from outside verl's tree, such as another training engine's:
+  they are refused in one message, without the unknown keys of the configs they would have loaded.
 - A list-of-strings key given one string holds a one-element list (verl's ``trainer.logger=console``).
 - verl's base configs as recipe names, ``ppo_trainer`` and ``ppo_megatron_trainer`` (``.yaml`` or not,
   in any folder that has no such file), are the schema defaults: verl's tree is the schema's.
@@ -231,8 +234,23 @@ def _check_model_engine(cfg: DictConfig) -> None:
                       "to silence this.", stacklevel=3)
 
 
+def _config_group_error(overrides: Sequence[str]) -> ConfigError | None:
+    """One problem for Hydra's config-group selections and search path among ``overrides``, or None."""
+    groups = [item.lstrip("+") for item in overrides
+              if "@" in item.partition("=")[0] or item.lstrip("+").startswith("hydra.searchpath=")]
+    if not groups:
+        return None
+    return ConfigError(
+        f"{', '.join(groups)}: Hydra config-group selections and search paths load configs from outside verl's own "
+        "tree (verl's Megatron Lite engine is chosen this way); meshrl has one config tree and trains with its "
+        "Megatron backend: drop them, and use the actor_rollout_ref.actor.megatron.* keys instead of the selected "
+        "config's", [item.partition("=")[0] for item in groups])
+
+
 def load_config(overrides: Sequence[str] = (), recipe: str | Path | None = None) -> DictConfig:
     """Defaults ← recipe ← overrides, checked key by key and type by type (see module docstring)."""
+    if (error := _config_group_error(overrides)) is not None:
+        raise error
     cfg = default_config()
     problems: list[ConfigError] = []
     if recipe is not None:

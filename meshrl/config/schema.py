@@ -4,7 +4,9 @@ Users arrive from verl and type its keys (``algorithm.adv_estimator=remax``,
 ``actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000``, ``trainer.n_gpus_per_node=8``), so the
 tree mirrors verl's ``ppo_trainer`` config. Keys verl has for its FSDP backend (``fsdp_config.*``)
 are accepted so that verl scripts parse unchanged; ``param_offload`` / ``optimizer_offload`` there
-mean the same thing for meshrl's Megatron backend.
+mean the same thing for meshrl's Megatron backend. Keys of verl features meshrl lacks (LoRA, MoE,
+learned reward models, multi-modal data, ...) are here with verl's defaults, so that a script which
+sets them to those loads; ``meshrl.config.key_policy`` refuses any other value, naming the feature.
 
 Defaults differ from verl's where meshrl's design says so: dynamic token-budget micro-batches are
 on by default, and ``trainer.device="auto"`` picks CUDA when present, CPU otherwise.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
+
+from omegaconf import II
 
 # Values a few string keys may take; validate.py checks them and names the alternatives.
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -35,6 +39,14 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # verl's training backends (``model_engine``, a Hydra config group in verl): megatron is meshrl's; verl's
 # FSDP names (dp, its own; fsdp) load with a warning that meshrl trains with Megatron.
 MODEL_ENGINES = ("megatron", "dp", "fsdp")
+
+
+@dataclass
+class CustomDatasetClassConfig:
+    """verl's ``data.custom_cls``: a dataset class of the user's; meshrl reads verl's row layout only (refused)."""
+
+    path: Optional[str] = None
+    name: Optional[str] = None
 
 
 @dataclass
@@ -65,6 +77,39 @@ class DataConfig:
     trust_remote_code: bool = False  # the driver's tokenizer (prompts) may run the model folder's code (verl's key)
     # keyword arguments of the tokenizer's apply_chat_template, e.g. {enable_thinking: false}
     apply_chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # verl's multi-modal columns: meshrl trains text-only policies, and the dataset refuses rows that carry
+    # images or videos under these keys (verl's defaults, which every verl script sets).
+    image_key: str = "images"
+    video_key: str = "videos"
+    image_patch_size: int = 14
+    custom_cls: CustomDatasetClassConfig = field(default_factory=CustomDatasetClassConfig)
+
+
+@dataclass
+class FusedKernelOptionsConfig:
+    impl_backend: str = "torch"
+
+
+@dataclass
+class LoraConfig:
+    """verl's ``model.lora`` (its Megatron LoRA), so verl scripts parse; LoRA is refused."""
+
+    type: str = "lora"
+    merge: bool = False
+    rank: int = 0
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    exclude_modules: List[str] = field(default_factory=list)
+    dropout_position: str = "pre"
+    lora_A_init_method: str = "xavier"
+    lora_B_init_method: str = "zero"
+    a2a_experimental: bool = False
+    dtype: Optional[str] = None
+    adapter_path: Optional[str] = None
+    freeze_vision_model: bool = True
+    freeze_vision_projection: bool = True
+    freeze_language_model: bool = True
 
 
 @dataclass
@@ -79,6 +124,16 @@ class ModelConfig:
     use_shm: bool = False
     external_lib: Optional[str] = None
     override_config: Dict[str, Any] = field(default_factory=dict)
+    use_fused_kernels: bool = False  # inert: meshrl's log-probs never build full-vocabulary logits (key_policy)
+    fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
+    enable_activation_offload: bool = False  # verl's FSDP activation offload
+    # verl's LoRA keys (its FSDP names, then its Megatron section): meshrl trains every weight; refused.
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    exclude_modules: Any = None
+    lora_adapter_path: Optional[str] = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -116,6 +171,15 @@ class OptimConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """verl's MoE router replay (the rollout's expert choices replayed in training); refused."""
+
+    mode: str = "disabled"
+    record_file: Optional[str] = None
+    replay_file: Optional[str] = None
+
+
+@dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -144,6 +208,13 @@ class MegatronConfig:
     # converts with meshrl.parallel.hf_conversion: accepted so verl scripts parse, no effect.
     use_mbridge: bool = True
     vanilla_mbridge: bool = False
+    # verl's packing switch of its Megatron engine; verl's workers overwrite it with the role's
+    # model.use_remove_padding, which meshrl reads (inert).
+    use_remove_padding: bool = True
+    use_megatron_fsdp: bool = False  # Megatron's own FSDP; refused
+    # verl's mixture-of-experts keys (None: the tensor-parallel size); refused, as expert_model_parallel_size > 1 is
+    expert_tensor_parallel_size: Optional[int] = None
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 @dataclass
@@ -158,6 +229,30 @@ class FSDPCompatConfig:
     forward_prefetch: bool = False
     model_dtype: Optional[str] = None
     wrap_policy: Dict[str, Any] = field(default_factory=dict)
+    use_orig_params: bool = False
+    ulysses_sequence_parallel_size: int = 1
+    entropy_from_logits_with_chunking: bool = False
+    entropy_checkpointing: bool = False
+    mixed_precision: Dict[str, Any] = field(default_factory=dict)  # param_dtype / reduce_dtype / buffer_dtype
+    turbo_config: Dict[str, Any] = field(default_factory=dict)  # verl's fsdp_turbo settings
+
+
+def _profiler_tool_config() -> Dict[str, Any]:
+    return {"npu": {"contents": [], "level": "level0", "analysis": True, "discrete": False},
+            "torch": {"contents": [], "discrete": False}}
+
+
+@dataclass
+class ProfilerConfig:
+    """verl's per-role profiler hooks (``actor.profiler`` ...), so verl scripts parse; inert (meshrl's
+    profiling lives in bench/)."""
+
+    tool: Optional[str] = None
+    enable: bool = False
+    all_ranks: bool = False
+    ranks: List[int] = field(default_factory=list)
+    save_path: Optional[str] = None
+    tool_config: Dict[str, Any] = field(default_factory=_profiler_tool_config)
 
 
 @dataclass
@@ -203,6 +298,15 @@ class ActorConfig:
     # mini-batch, no KL in the reward) skip the old-log-prob forward pass and use logπ_θ.detach() in
     # its place (ratio 1, same gradient); False always recomputes (see run_plan.on_policy_update).
     skip_on_policy_old_log_prob: bool = True
+    # verl's memory savers of its FSDP actor (Ulysses sequence parallelism, entropy recompute, fixed-length
+    # padding) and its entropy chunking: no effect on meshrl's numbers (key_policy)
+    ulysses_sequence_parallel_size: int = 1
+    entropy_from_logits_with_chunking: bool = False
+    entropy_checkpointing: bool = False
+    pad_to_length: bool = False
+    freeze_vision_tower: bool = False  # multi-modal; refused
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    veomni: Dict[str, Any] = field(default_factory=dict)  # verl's VeOmni engine section; refused
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -218,6 +322,11 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: Optional[bool] = None  # None: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None  # None: actor.ppo_max_token_len_per_gpu
+    ulysses_sequence_parallel_size: int = 1
+    entropy_from_logits_with_chunking: bool = False
+    entropy_checkpointing: bool = False
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    veomni: Dict[str, Any] = field(default_factory=dict)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
 
@@ -281,6 +390,19 @@ class AgentLoopConfig:
 
 
 @dataclass
+class CheckpointEngineConfig:
+    """verl's ``rollout.checkpoint_engine``: how weights reach the rollout engine. meshrl syncs them in
+    process to its colocated engine (verl's ``naive`` backend); the other backends are refused."""
+
+    backend: str = "naive"
+    # verl's newer name of rollout.update_weights_bucket_megabytes, which follows it; meshrl's default
+    # (verl's is 2048).
+    update_weights_bucket_megabytes: int = 512
+    engine_kwargs: Dict[str, Any] = field(default_factory=dict)
+    custom_backend_module: Optional[str] = None
+
+
+@dataclass
 class RolloutConfig:
     name: str = "vllm"
     mode: str = "sync"
@@ -317,20 +439,38 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: Optional[bool] = None
     log_prob_max_token_len_per_gpu: Optional[int] = None
-    update_weights_bucket_megabytes: int = 512
+    update_weights_bucket_megabytes: int = 512  # follows checkpoint_engine's in a loaded config (_rollout_section)
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+    data_parallel_size: int = 1  # inert: every training process hosts rollout (key_policy)
+    layered_summon: bool = False  # verl's FSDP LoRA weight collection; inert
+    multi_stage_wake_up: bool = False  # meshrl always wakes weights, syncs, then the KV cache; inert
+    # verl's mixture-of-experts rollout keys; refused
+    expert_parallel_size: int = 1
+    moe_tensor_parallel_size: int = 1
+    enable_rollout_routing_replay: bool = False
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
 
 
+def _rollout_section() -> RolloutConfig:
+    # The bucket size meshrl reads follows verl's newer name unless set itself (key_policy.ALIASES refuses
+    # the two set apart). Here rather than in RolloutConfig's default: that section is also built alone.
+    return RolloutConfig(update_weights_bucket_megabytes=II(".checkpoint_engine.update_weights_bucket_megabytes"))
+
+
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
+    # The torch.distributed timeout (seconds) of the workers' process groups, policy and critic (verl's key;
+    # verl's critic has its own): a collective that waits longer on a dead or stuck peer fails. The driver
+    # waits trainer.worker_timeout_s for each worker call, so a hung step fails after the smaller of the two.
+    nccl_timeout: int = 600
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = field(default_factory=_rollout_section)
 
 
 @dataclass
@@ -341,11 +481,16 @@ class CriticModelConfig:
     use_remove_padding: bool = True
     enable_gradient_checkpointing: bool = False
     override_config: Dict[str, Any] = field(default_factory=dict)
+    # verl's critic FSDP section (its older place); the offload flags are the critic's offload
+    fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
 
 
 @dataclass
 class CriticConfig:
     strategy: str = "megatron"
+    # verl's explicit critic switch; None: the estimator decides (gae trains one). A value that disagrees
+    # with the estimator is refused.
+    enable: Optional[bool] = None
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     ppo_mini_batch_size: Optional[int] = None  # None: actor's
@@ -360,9 +505,46 @@ class CriticConfig:
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
     loss_agg_mode: Optional[str] = None  # None: actor's
+    ulysses_sequence_parallel_size: int = 1
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
+    fsdp: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)  # verl-project's name of the critic's FSDP section
     checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+
+
+@dataclass
+class RewardModelRolloutConfig:
+    """verl's ``reward_model.rollout``: the inference engine serving a learned reward model (refused)."""
+
+    name: Optional[str] = None
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    free_cache_engine: bool = True
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    tensor_model_parallel_size: int = 2
+    max_num_batched_tokens: int = 8192
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 1024
+    load_format: str = "auto"
+    engine_kwargs: Dict[str, Any] = field(default_factory=dict)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    disable_log_stats: bool = True
+    skip_tokenizer_init: bool = False
+    prompt_length: int = 2048
+    response_length: int = 2048
+
+
+@dataclass
+class SandboxFusionConfig:
+    """verl's sandbox for executing generated code in rewards (refused)."""
+
+    url: Optional[str] = None
+    max_concurrent: int = 64
+    memory_limit_mb: int = 1024
 
 
 @dataclass
@@ -370,16 +552,70 @@ class RewardModelConfig:
     enable: bool = False  # a learned reward model; meshrl scores with rule-based rewards
     reward_manager: str = "naive"
     launch_reward_fn_async: bool = False
-    num_workers: int = 2  # processes for rule-based scoring of big batches
+    num_workers: int = II("reward.num_workers")  # processes for rule-based scoring of big batches
     timeout_s: float = 10.0  # per response; a timeout scores 0 and is counted
     strategy: str = "megatron"
     model: Dict[str, Any] = field(default_factory=dict)
+    # verl's reward loop scores in workers beside the rollout, its legacy path in the trainer: the
+    # same rule scores, which meshrl computes in its own process pool (inert)
+    use_reward_loop: bool = True
+    micro_batch_size: Optional[int] = None
+    micro_batch_size_per_gpu: Optional[int] = None
+    max_length: Optional[int] = None
+    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
+    reward_kwargs: Dict[str, Any] = field(default_factory=dict)  # a reward manager's arguments (DAPO's overlong buffer)
 
 
 @dataclass
 class CustomRewardFunctionConfig:
+    # path and name follow verl's newer reward.custom_reward_function unless set themselves
+    path: Optional[str] = II("reward.custom_reward_function.path")
+    name: str = II("reward.custom_reward_function.name")
+    reward_kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardFunctionConfig:
     path: Optional[str] = None
     name: str = "compute_score"
+
+
+@dataclass
+class RewardManagerModuleConfig:
+    path: Optional[str] = None
+    name: str = "custom_reward_manager"
+
+
+@dataclass
+class RewardManagerConfig:
+    source: str = "register"
+    name: str = "naive"
+    module: RewardManagerModuleConfig = field(default_factory=RewardManagerModuleConfig)
+
+
+@dataclass
+class LearnedRewardModelConfig:
+    enable: bool = False
+    enable_resource_pool: bool = False
+    n_gpus_per_node: int = 8
+    nnodes: int = 0
+    model_path: Optional[str] = None
+    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
+
+
+@dataclass
+class RewardConfig:
+    """verl-project's ``reward`` section, its newer home of the reward keys. ``num_workers`` and
+    ``custom_reward_function`` are the older keys' other names (``reward_model.num_workers``,
+    ``custom_reward_function.*`` follow them); reward managers other than naive, learned reward models
+    and the sandbox are refused."""
+
+    num_workers: int = 2  # meshrl's default (verl's is 8)
+    custom_reward_function: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)
+    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
+    reward_model: LearnedRewardModelConfig = field(default_factory=LearnedRewardModelConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -408,6 +644,25 @@ class ReMaxConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's importance sampling / rejection of samples against the rollout engine's log-probs (refused)."""
+
+    rollout_is: Optional[str] = None
+    rollout_is_threshold: Any = 2.0  # a number, or verl's "low_high" string
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Any = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+    rollout_is_batch_normalize: bool = False
+
+
+@dataclass
+class PFPPOConfig:
+    reweight_method: str = "pow"
+    weight_pow: float = 2.0
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -417,6 +672,8 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     use_pf_ppo: bool = False
+    pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     gpg: GPGConfig = field(default_factory=GPGConfig)
     remax: ReMaxConfig = field(default_factory=ReMaxConfig)
 
@@ -446,7 +703,10 @@ class TrainerConfig:
     rollout_data_dir: Optional[str] = None  # each training step's generations as <dir>/<step>.jsonl
     validation_data_dir: Optional[str] = None  # each validation's generations as <dir>/<step>.jsonl
     ray_wait_register_center_timeout: int = 300
-    worker_timeout_s: float = 600.0  # collective/RPC timeout: a dead worker fails the step this fast
+    use_legacy_worker_impl: str = "auto"  # verl's choice between its worker generations; inert
+    # the driver's wait for each worker call: a dead worker fails the step this fast (collectives time out at
+    # actor_rollout_ref.nccl_timeout)
+    worker_timeout_s: float = 600.0
     seed: int = 1
 
 
@@ -465,6 +725,21 @@ class RayKwargsConfig:
     timeline_json_file: Optional[str] = None  # a finished run writes Ray's timeline (Chrome trace) here
 
 
+def _global_tool_config() -> Dict[str, Any]:
+    return {"nsys": {"discrete": False}, "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32}}
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """verl's ``global_profiler``, so verl scripts parse; inert (meshrl's profiling lives in bench/)."""
+
+    tool: Optional[str] = None
+    steps: Optional[List[int]] = None
+    profile_continuous_steps: bool = False
+    save_path: str = "outputs/profile"
+    global_tool_config: Dict[str, Any] = field(default_factory=_global_tool_config)
+
+
 @dataclass
 class MeshRLConfig:
     data: DataConfig = field(default_factory=DataConfig)
@@ -472,7 +747,9 @@ class MeshRLConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model_engine: str = "megatron"  # one of MODEL_ENGINES
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)

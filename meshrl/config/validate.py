@@ -128,6 +128,8 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.choice(ref.megatron.dtype, "actor_rollout_ref.ref.megatron.dtype", MEGATRON_DTYPES)
 
     # critic (when the estimator takes values: PPO's gae)
+    if plan is not None and critic.enable is not None and critic.enable != use_critic:
+        p.items.append(_critic_switch_problem(critic.enable, algo.adv_estimator))
     if use_critic:
         if critic.ppo_mini_batch_size is not None:
             _check_mini_batch(p, critic.ppo_mini_batch_size, data.train_batch_size, "critic.ppo_mini_batch_size")
@@ -167,12 +169,22 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     for name in trainer.logger:
         p.choice(name, "trainer.logger", LOGGERS)
     p.positive(trainer.worker_timeout_s, "trainer.worker_timeout_s")
+    p.positive(arr.nccl_timeout, "actor_rollout_ref.nccl_timeout")
     ws = world_size(cfg)
     p.require(ws % rollout.tensor_model_parallel_size == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",
               f"{rollout.tensor_model_parallel_size} must divide the {ws} training processes "
               "(trainer.nnodes × trainer.n_gpus_per_node)")
     p.raise_if_any("configuration")
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
+
+
+def _critic_switch_problem(enable: bool, estimator: str) -> str:
+    """verl's critic.enable set against the estimator: meshrl's critic is the estimator's (the run plan's)."""
+    if enable:
+        return (f"critic.enable: True, but {estimator} takes no values, so meshrl trains no critic for it; set "
+                "algorithm.adv_estimator=gae for a critic, or drop critic.enable (null: the estimator decides)")
+    return (f"critic.enable: False, but {estimator}'s advantages need the critic's values; pick an estimator without "
+            "a critic (e.g. grpo, rloo, reinforce_plus_plus), or drop critic.enable (null: the estimator decides)")
 
 
 def _check_reference_layout(p: _Problems, actor: DictConfig, ref: DictConfig) -> None:
@@ -253,9 +265,6 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
     p.require(mg.context_parallel_size <= 1, f"{key}.context_parallel_size",
               f"context parallelism is not supported yet (got {mg.context_parallel_size}); set 1 and shorten "
               "ppo_max_token_len_per_gpu, or raise tensor_model_parallel_size, to fit long sequences")
-    p.require(mg.expert_model_parallel_size <= 1, f"{key}.expert_model_parallel_size",
-              f"expert parallelism needs a mixture-of-experts model, which meshrl does not build yet (got "
-              f"{mg.expert_model_parallel_size}); set 1")
     model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
     ws = world_size(cfg)
     if model_parallel > 0:

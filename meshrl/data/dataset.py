@@ -20,6 +20,10 @@ Over-long prompts (``len > max_prompt_length``) are dropped when ``filter_overlo
 is in :attr:`RLDataset.num_filtered`); otherwise ``truncation`` decides: ``error`` raises naming the
 file, row and length; ``left`` keeps the last ``max_prompt_length`` tokens, ``right`` the first,
 ``middle`` the first ``ceil(max/2)`` and the last ``floor(max/2)``.
+
+Multi-modal rows are refused: a row with images or videos under ``data.image_key`` / ``data.video_key``
+(verl's columns, ``images`` / ``videos`` by default) raises :class:`MultiModalDataError` rather than
+training on its text alone.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ _TOKENIZE_CHUNK = 1024
 
 class DataFormatError(ValueError):
     """A data file has rows that do not follow the expected layout (file and row indices in the message)."""
+
+
+class MultiModalDataError(DataFormatError):
+    """A data file's rows carry images or videos; meshrl trains text-only policies (file and rows in the message)."""
 
 
 class PromptTooLongError(ValueError):
@@ -124,6 +132,16 @@ def _check_row(row: Any, prompt_key: str, reward_fn_key: str = "data_source") ->
     return None
 
 
+def _has_media(value: Any) -> bool:
+    """A multi-modal column's cell holds something (rows of text datasets may have the column empty)."""
+    if value is None:
+        return False
+    try:
+        return len(value) > 0
+    except TypeError:
+        return True
+
+
 def truncate(ids: list[int], max_length: int, mode: Truncation) -> list[int]:
     """``ids`` cut to ``max_length`` tokens by ``mode`` ('left', 'right' or 'middle'; see the module docstring)."""
     if len(ids) <= max_length:
@@ -151,12 +169,14 @@ class RLDataset(torch.utils.data.Dataset):
         chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``;
             ``data.apply_chat_template_kwargs``).
         reward_fn_key: the column that picks the reward function (``data.reward_fn_key``).
+        media_keys: columns of images / videos (``data.image_key``, ``data.video_key``); a row with any is refused.
         max_samples: keep this many rows of all files together (-1: all; ``data.train_max_samples`` /
             ``data.val_max_samples``), drawn with ``seed`` when ``shuffle`` (``data.shuffle`` / ``data.seed``),
             else the first ones; chosen before filtering, as verl does.
 
     Raises:
         DataFormatError: malformed rows (file + row indices of the first few, and the total count).
+        MultiModalDataError: rows with images or videos under ``media_keys``.
         PromptTooLongError: ``truncation='error'`` and a prompt is too long.
     """
 
@@ -171,6 +191,7 @@ class RLDataset(torch.utils.data.Dataset):
         prompt_key: str = "prompt",
         chat_template_kwargs: Mapping[str, Any] | None = None,
         reward_fn_key: str = "data_source",
+        media_keys: Sequence[str] = ("images", "videos"),
         max_samples: int = -1,
         shuffle: bool = False,
         seed: int | None = None,
@@ -192,6 +213,7 @@ class RLDataset(torch.utils.data.Dataset):
         for path in paths:
             rows = _read_rows(path)
             self._validate(path, rows, prompt_key, reward_fn_key)
+            self._refuse_media(path, rows, media_keys)
             located.extend((path, index, row) for index, row in enumerate(rows))
         kept = [located[i] for i in max_samples_subset(len(located), max_samples, shuffle=shuffle, seed=seed)]
         for start in range(0, len(kept), _TOKENIZE_CHUNK):
@@ -238,6 +260,18 @@ class RLDataset(torch.utils.data.Dataset):
             f"{len(problems)} malformed row(s) in {path} (rows are 0-based; expected verl's layout: "
             f"{reward_fn_key}, {prompt_key}=[{{role, content}}], reward_model.ground_truth, extra_info):\n{listed}{more}"
         )
+
+    @staticmethod
+    def _refuse_media(path: Path, rows: list[Mapping[str, Any]], media_keys: Sequence[str]) -> None:
+        rows_with = [i for i, row in enumerate(rows) if any(_has_media(row.get(key)) for key in media_keys)]
+        if not rows_with:
+            return
+        more = ", ..." if len(rows_with) > _MAX_LISTED_ERRORS else ""
+        listed = ", ".join(map(str, rows_with[:_MAX_LISTED_ERRORS])) + more
+        raise MultiModalDataError(
+            f"{path}: {len(rows_with)} row(s) carry multi-modal data under {' / '.join(map(repr, media_keys))} "
+            f"(data.image_key / data.video_key; rows {listed}, 0-based): multi-modal training (images, video) is not "
+            "built yet, and meshrl trains text-only policies; use a text-only dataset")
 
     @staticmethod
     def _encode(
@@ -299,7 +333,7 @@ def load_datasets(data: DictConfig, tokenizer: Any) -> tuple[RLDataset, RLDatase
     common = dict(max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts,
                   truncation=data.truncation, prompt_key=data.prompt_key,
                   chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs, resolve=True),
-                  reward_fn_key=data.reward_fn_key,
+                  reward_fn_key=data.reward_fn_key, media_keys=(data.image_key, data.video_key),
                   shuffle=data.shuffle, seed=data.seed)
     train = RLDataset(resolve_data_files(data.train_files), tokenizer, max_samples=data.train_max_samples, **common)
     if not data.val_files:

@@ -63,9 +63,11 @@ class CriticWorker(RankWorker):
     def _init_offload(self) -> None:
         from meshrl.parallel.offload import HostBuffers
 
-        mg, fsdp = self.cfg.critic.megatron, self.cfg.critic.fsdp_config
-        self.offload_params = mg.param_offload or fsdp.param_offload
-        self.offload_training = {"grads": mg.grad_offload, "optimizer_state": mg.optimizer_offload or fsdp.optimizer_offload}
+        mg, critic = self.cfg.critic.megatron, self.cfg.critic
+        fsdp = (critic.fsdp_config, critic.model.fsdp_config, critic.fsdp)  # verl's three places of the section
+        self.offload_params = mg.param_offload or any(f.param_offload for f in fsdp)
+        self.offload_training = {"grads": mg.grad_offload,
+                                 "optimizer_state": mg.optimizer_offload or any(f.optimizer_offload for f in fsdp)}
         self.host_buffers = HostBuffers()  # pinned once, reused every step (pinning is the slow part)
         self.offloaded: dict[str, Any] = {}
         self._offload(training=True)

@@ -3,8 +3,9 @@ Megatron parallel state, and report where it sits in the layout so the driver ca
 
 Two-phase start: the constructor only stores arguments (Ray builds actors concurrently); rank 0's
 ``address()`` names the rendezvous; ``setup(address)`` then forms the ``torch.distributed`` group
-(gloo on CPU, NCCL on GPU, with ``trainer.worker_timeout_s`` as the collective timeout, so a dead
-peer fails a step in bounded time) and builds the rank's models.
+(gloo on CPU, NCCL on GPU, with verl's ``actor_rollout_ref.nccl_timeout`` as the collective timeout, so a
+dead peer fails a step in bounded time) and builds the rank's models. The driver's wait for each call is
+``trainer.worker_timeout_s``: a hung step fails after the smaller of the two.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class RankWorker:
             torch.cuda.set_device(0)  # Ray exposes one GPU per worker as device 0
         os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        timeout = timedelta(seconds=self.cfg.trainer.worker_timeout_s)
+        # verl times out its policy workers at this key; meshrl applies it to the critic workers as well
+        timeout = timedelta(seconds=self.cfg.actor_rollout_ref.nccl_timeout)
         dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size,
                                 timeout=timeout)
         parallel = state.ParallelConfig(
@@ -72,7 +74,7 @@ class RankWorker:
             pipeline_parallel=megatron_cfg.pipeline_model_parallel_size,
             virtual_pipeline=megatron_cfg.virtual_pipeline_model_parallel_size,
             context_parallel=megatron_cfg.context_parallel_size,
-            timeout_s=self.cfg.trainer.worker_timeout_s,
+            timeout_s=self.cfg.actor_rollout_ref.nccl_timeout,
             seed=megatron_cfg.seed,
         )
         state.initialize(parallel)

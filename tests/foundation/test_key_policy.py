@@ -37,6 +37,8 @@ def test_every_schema_key_is_read_refused_or_warned():
 
 def other_value(key: str):
     """A value of the key's type other than its default."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(default_config(), parent)._get_node(leaf)
     default = OmegaConf.select(default_config(), key)
     if isinstance(default, bool):
         return not default
@@ -44,10 +46,10 @@ def other_value(key: str):
         return default + 1
     if isinstance(default, str):
         return default + "_other"
+    if "List" in str(node._metadata.ref_type):  # also an Optional[List[...]] left at None
+        return [7] if node._metadata.element_type in (int, float) else ["other"]
     if default is None:
         return 7
-    if OmegaConf.is_list(default):
-        return ["other"]
     return {"other": 1}
 
 
@@ -55,7 +57,7 @@ def overrides_for(key: str) -> list[str]:
     value = other_value(key)
     if isinstance(value, dict):
         return [f"+{key}.other=1"]
-    return [f"{key}={value if not isinstance(value, list) else '[other]'}"]
+    return [f"{key}={value if not isinstance(value, list) else '[' + ','.join(map(str, value)) + ']'}"]
 
 
 @pytest.mark.parametrize("key", [k for k in KEYS if classify(k) == "refused"])

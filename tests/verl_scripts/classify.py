@@ -3,9 +3,9 @@
     python tests/verl_scripts/classify.py     # rewrite classification.json from the current meshrl
 
 Each call's arguments go through what ``python -m meshrl.trainer.main`` does before training
-(``parse_args``, ``load_config``, ``preflight``), with the model/data paths
-and hardware sizes swapped to CPU-sized values (``CPU_SWAPS``, appended as a user's own overrides
-are). The outcome:
+(``parse_args``, ``load_config``, ``preflight``), with the model/data paths (the Megatron checkpoint
+folders too: the scripts name them by environment variables) and hardware sizes swapped to CPU-sized
+values (``CPU_SWAPS``, appended as a user's own overrides are). The outcome:
 
 - ``ok``: loads and validates;
 - ``load``: ``load_config`` refuses ``keys`` (unknown keys, wrong types, an engine meshrl lacks);
@@ -15,7 +15,8 @@ are). The outcome:
 
 ``classification.json`` keeps the outcome of every script; under ``features``, the keys that block a
 load grouped by the verl feature they belong to (``FEATURES``, first match wins), each key with the
-number of scripts it blocks. ``tests/foundation/test_verl_invocation.py`` checks the table.
+number of scripts it blocks; under ``invalid_features``, likewise the keys that validation refuses.
+``tests/foundation/test_verl_invocation.py`` checks the table.
 """
 
 from __future__ import annotations
@@ -45,18 +46,23 @@ CPU_SWAPS = [
       for size in PARALLEL),
     *(f"{section}.megatron.virtual_pipeline_model_parallel_size=null"
       for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
+    *(f"{section}.megatron.dist_checkpointing_path=/models/mcore"
+      for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
 ]
 # The verl feature a key that meshrl refuses belongs to: (feature, pattern searched in the key).
 FEATURES = [
-    ("other training engines (VeOmni, Megatron Lite, Hydra config groups)", r"\.veomni\.|\.engine\.|^hydra\.|@"),
-    ("FSDP-only settings", r"fsdp_config\.|\.fsdp\.|megatron_fsdp"),
+    ("other training engines (VeOmni, Megatron Lite, Hydra config groups)",
+     r"\.veomni\.|\.engine\.|^hydra\.|@|^model_engine$"),
+    ("Megatron FSDP", r"megatron_fsdp"),
+    ("FSDP-only settings", r"fsdp_config\.|\.fsdp\."),
     ("LoRA", r"lora|target_modules|exclude_modules"),
     ("sandbox execution", r"sandbox"),
     ("reward model / reward loop",
-     r"^reward_model\.(rollout|model|use_reward_loop|micro_batch)|^reward\.reward_model\."),
+     r"^reward_model\.(enable|rollout|model|use_reward_loop|micro_batch|max_length)|^reward\.reward_model\."),
     ("reward manager settings (DAPO overlong buffer; verl's new reward.* section)", r"^reward_model\.|^reward\."),
     ("multi-turn rollout", r"multi_turn"),
     ("multi-modal data (images, video)", r"image|mm_|vision"),
+    ("custom dataset classes", r"custom_cls"),
     ("MoE / expert parallelism", r"expert|moe_|router|routing"),
     ("Megatron transformer overrides (recompute, fusions, stage layout)", r"override_transformer_config"),
     ("Megatron optimizer CPU offload", r"override_optimizer_config|optim\.optimizer$"),
@@ -69,8 +75,10 @@ FEATURES = [
     ("entropy memory savers", r"entropy_"),
     ("other keys", r""),
 ]
-# A validation problem is listed as "  - KEY: message" (meshrl.config.validate).
+# A validation problem is listed as "  - KEY: message" (meshrl.config.validate), a refused feature's as
+# "  - KEY=VALUE, KEY=VALUE: message" (meshrl.config.key_policy).
 _PROBLEM_KEY = re.compile(r"^\s*- ([\w.]+):", re.MULTILINE)
+_REFUSED_KEY = re.compile(r"(?:^\s*- |, )((?:\w+\.)+\w+)=", re.MULTILINE)
 
 
 def script_id(script: dict) -> str:
@@ -92,7 +100,8 @@ def classify(args: list[str]) -> dict:
     try:
         preflight(cfg)
     except ConfigError as exc:
-        return {"outcome": "invalid", "keys": sorted(set(_PROBLEM_KEY.findall(str(exc))) | set(exc.keys))}
+        found = _PROBLEM_KEY.findall(str(exc)) + _REFUSED_KEY.findall(str(exc))
+        return {"outcome": "invalid", "keys": sorted(set(found) | set(exc.keys))}
     return {"outcome": "ok", "keys": []}
 
 
@@ -110,18 +119,24 @@ def feature_of(key: str) -> str:
 
 def classification(arguments: dict) -> dict:
     scripts = {script_id(s): classify_script(s) for s in arguments["scripts"]}
-    blocked: dict[str, list[str]] = defaultdict(list)
     counts: dict[str, int] = defaultdict(int)
-    for name, result in scripts.items():
+    for result in scripts.values():
         counts[result["outcome"]] += 1
-        if result["outcome"] == "load":
+    return {"summary": dict(sorted(counts.items())), "scripts": scripts,
+            "features": _by_feature(scripts, "load"), "invalid_features": _by_feature(scripts, "invalid")}
+
+
+def _by_feature(scripts: dict[str, dict], outcome: str) -> dict[str, dict[str, int]]:
+    """The keys named by the scripts of ``outcome``, grouped by feature, each with its number of scripts."""
+    blocked: dict[str, list[str]] = defaultdict(list)
+    for name, result in scripts.items():
+        if result["outcome"] == outcome:
             for key in result["keys"]:
                 blocked[key].append(name)
     features: dict[str, dict[str, int]] = {name: {} for name, _ in FEATURES}
     for key in sorted(blocked, key=lambda k: (-len(blocked[k]), k)):
         features[feature_of(key)][key] = len(blocked[key])
-    return {"summary": dict(sorted(counts.items())), "scripts": scripts,
-            "features": {name: keys for name, keys in features.items() if keys}}
+    return {name: keys for name, keys in features.items() if keys}
 
 
 def main() -> int:

@@ -1,0 +1,174 @@
+"""verl scripts that need a feature meshrl lacks stop at config time with one message naming it; verl's keys
+that meshrl honours under other names (aliases, critic.enable, nccl_timeout, the critic's FSDP offload flags)
+do what verl's do.
+
+The scripts' arguments are the vendored ``tests/verl_scripts/arguments.json``, with classify.py's CPU swaps.
+"""
+
+import json
+import warnings
+
+import pytest
+from omegaconf import OmegaConf
+
+from meshrl.config import ConfigError, load_config
+from meshrl.config.validate import validate_config
+from meshrl.data.dataset import MultiModalDataError, RLDataset
+from meshrl.trainer.main import parse_args, preflight
+from verl_scripts import classify
+
+SCRIPTS = {classify.script_id(s): s["calls"][0]["args"]
+           for s in json.loads(classify.ARGUMENTS.read_text())["scripts"] if s["calls"]}
+
+
+def problems(args: list[str]) -> list[str]:
+    """The problems ``python -m meshrl.trainer.main`` reports for a verl script's arguments before training."""
+    recipe, overrides = parse_args([*args, *classify.CPU_SWAPS])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # model_engine=dp's note
+            preflight(load_config(overrides, recipe=recipe))
+    except ConfigError as exc:
+        lines = [line for line in str(exc).splitlines() if line.startswith("  - ")]
+        return lines or [str(exc)]
+    return []
+
+
+@pytest.mark.parametrize("script, feature", [
+    ("volcengine/verl:examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh", "LoRA is not built"),
+    ("volcengine/verl:examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh", "LoRA is not built"),
+    ("volcengine/verl:examples/ppo_trainer/run_qwen2-7b_rm.sh", "learned reward models"),
+    ("verl-project/verl:examples/grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh", "learned reward models"),
+    ("verl-project/verl:examples/grpo_trainer/run_qwen3_5_35b_megatron.sh", "mixture-of-experts"),
+    ("verl-project/verl:examples/grpo_trainer/run_qwen3_235b_a22b_megatron.sh", "mixture-of-experts"),
+    ("volcengine/verl:examples/grpo_trainer/run_qwen2_5_vl-7b_freeze_vision.sh", "multi-modal"),
+    ("volcengine/verl:examples/grpo_trainer/run_qwen2_5_vl-7b.sh", "multi-modal"),
+    ("verl-project/verl:examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh", "multi-modal"),
+    ("verl-project/verl:examples/grpo_trainer/run_qwen3_vl_30b_a3b_fsdp.sh", "rollout correction"),
+    ("verl-project/verl:examples/grpo_trainer/run_qwen2-7b_math_megatron_fsdp.sh", "Megatron's own FSDP"),
+    ("volcengine/verl:examples/grpo_trainer/run_minicpmo2_6.sh", "custom dataset classes"),
+    ("verl-project/verl:examples/grpo_trainer/run_qwen3_30b_veomni.sh", "model_engine 'veomni'"),
+    ("verl-project/verl:examples/grpo_trainer/run_qwen3_5_35b_megatron_lite.sh", "Megatron Lite"),
+    ("volcengine/verl:examples/grpo_trainer/run_qwen2-7b_seq_balance.sh", "'sglang'"),
+])
+def test_a_script_needing_a_missing_feature_stops_with_one_message_naming_it(script, feature):
+    found = problems(SCRIPTS[script])
+    assert len(found) == 1 and feature in found[0], found
+
+
+@pytest.mark.parametrize("script, features", [
+    # each missing feature in one message of its own
+    ("volcengine/verl:examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh", ["'naive' manager", "sandbox"]),
+    ("verl-project/verl:examples/grpo_trainer/run_deepseek_v3_671b_megatron.sh",
+     ["mixture-of-experts", "DAPO's overlong buffer"]),
+])
+def test_a_script_needing_several_features_gets_one_message_per_feature(script, features):
+    found = problems(SCRIPTS[script])
+    assert len(found) == len(features)
+    assert all(sum(feature in line for line in found) == 1 for feature in features), found
+
+
+def test_pf_ppo_is_refused_in_one_message():
+    # The script's `reweight_method=pow \  # ...` line continues with an escaped space: drop that argument.
+    args = [a for a in SCRIPTS["volcengine/verl:examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh"] if a.strip()]
+    found = problems(args)
+    assert len(found) == 1 and "PF-PPO" in found[0] and "algorithm.use_pf_ppo=True" in found[0], found
+
+
+def test_keys_without_effect_are_named_in_one_warning_per_reason():
+    cfg = load_config(["actor_rollout_ref.model.use_fused_kernels=True", "global_profiler.tool=nsys",
+                       "global_profiler.steps=[1,2]", "actor_rollout_ref.actor.profiler.enable=True",
+                       "actor_rollout_ref.rollout.data_parallel_size=4", "reward_model.use_reward_loop=False"],
+                      recipe="cpu_tiny_grpo")
+    (inert,) = [w for w in validate_config(cfg).warnings if w.startswith("keys with no effect")]
+    assert inert.count("meshrl's profiling lives in bench/") == 1
+    for key in ("use_fused_kernels=True", "global_profiler.tool=nsys", "profiler.enable=True", "data_parallel_size=4",
+                "use_reward_loop=False"):
+        assert key in inert
+
+
+def test_verl_defaults_of_refused_keys_load_silently():
+    cfg = load_config(["data.image_key=images", "actor_rollout_ref.model.lora_rank=0", "reward_model.use_reward_loop=True",
+                       "algorithm.rollout_correction.rollout_is_threshold=2.0", "reward.reward_manager.name=naive",
+                       "actor_rollout_ref.rollout.expert_parallel_size=1", "critic.enable=null"], recipe="cpu_tiny_grpo")
+    assert validate_config(cfg).warnings == ()
+
+
+def test_moe_transformer_overrides_are_refused_as_moe():
+    cfg = load_config(["+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True",
+                       "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+                       "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"], recipe="cpu_tiny_grpo")
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert "1 problem" in str(err.value) and "mixture-of-experts" in str(err.value)
+    assert "override_transformer_config.moe_grouped_gemm=True" in str(err.value)
+    assert "recompute_granularity" not in str(err.value)
+
+
+@pytest.mark.parametrize("alias, key, value", [
+    ("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
+     "actor_rollout_ref.rollout.update_weights_bucket_megabytes", 4096),
+    ("reward.num_workers", "reward_model.num_workers", 8),
+    ("reward.custom_reward_function.path", "custom_reward_function.path", "/rewards/mine.py"),
+    ("reward.custom_reward_function.name", "custom_reward_function.name", "score"),
+])
+def test_verl_newer_names_are_honoured_and_may_not_disagree(alias, key, value):
+    cfg = load_config([f"{alias}={value}"], recipe="cpu_tiny_grpo")
+    assert OmegaConf.select(cfg, key) == value
+    validate_config(cfg)
+    assert OmegaConf.select(load_config([f"{key}={value}"], recipe="cpu_tiny_grpo"), key) == value
+    other = value * 2 if isinstance(value, int) else f"{value}2"
+    validate_config(load_config([f"{alias}={value}", f"{key}={value}"], recipe="cpu_tiny_grpo"))
+    with pytest.raises(ConfigError, match="two names of one setting disagree") as err:
+        validate_config(load_config([f"{alias}={value}", f"{key}={other}"], recipe="cpu_tiny_grpo"))
+    assert alias in str(err.value) and key in str(err.value)
+
+
+@pytest.mark.parametrize("estimator, enable, refused", [
+    ("grpo", None, False), ("grpo", False, False), ("grpo", True, True),
+    ("gae", None, False), ("gae", True, False), ("gae", False, True),
+])
+def test_critic_enable_follows_or_agrees_with_the_estimator(estimator, enable, refused):
+    cfg = load_config([f"algorithm.adv_estimator={estimator}", f"critic.enable={'null' if enable is None else enable}"],
+                      recipe="cpu_tiny_grpo")
+    if not refused:
+        assert validate_config(cfg).use_critic == (estimator == "gae")
+        return
+    with pytest.raises(ConfigError, match="critic.enable: ") as err:
+        validate_config(cfg)
+    assert "1 problem" in str(err.value) and "drop critic.enable" in str(err.value)
+
+
+def test_nccl_timeout_must_be_positive():
+    assert load_config(["actor_rollout_ref.nccl_timeout=7200"]).actor_rollout_ref.nccl_timeout == 7200
+    with pytest.raises(ConfigError, match="actor_rollout_ref.nccl_timeout"):
+        validate_config(load_config(["actor_rollout_ref.nccl_timeout=0"], recipe="cpu_tiny_grpo"))
+
+
+class _Tokenizer:
+    """Just enough of a chat tokenizer for RLDataset."""
+
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, conversations, **_):
+        return [str(c) for c in conversations]
+
+    def __call__(self, texts, add_special_tokens):
+        return {"input_ids": [[1, 2, 3] for _ in texts]}
+
+
+def _rows(path, **media):
+    row = {"data_source": "geo3k", "prompt": [{"role": "user", "content": "<image> Find x."}],
+           "reward_model": {"ground_truth": "3"}}
+    path.write_text("\n".join(json.dumps({**row, **{k: v[i] for k, v in media.items()}}) for i in range(2)) + "\n")
+    return path
+
+
+def test_the_dataset_refuses_rows_with_images_or_videos(tmp_path):
+    with pytest.raises(MultiModalDataError, match=r"2 row\(s\) carry multi-modal data.*rows 0, 1"):
+        RLDataset(_rows(tmp_path / "a.jsonl", images=[[{"bytes": "..."}], [{"bytes": "..."}]]), _Tokenizer())
+    with pytest.raises(MultiModalDataError, match=r"1 row\(s\).*'pictures'"):
+        RLDataset(_rows(tmp_path / "b.jsonl", pictures=[None, ["a.png"]]), _Tokenizer(),
+                  media_keys=("pictures", "videos"))
+    # text rows with the columns present but empty are text
+    assert len(RLDataset(_rows(tmp_path / "c.jsonl", images=[[], None], videos=[None, []]), _Tokenizer())) == 2
