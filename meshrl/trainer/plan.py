@@ -330,13 +330,15 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
             name = "critic" if is_critic else "actor_rollout_ref.actor"
             raise PlanError(f"{name}.megatron: {exc}") from None
         tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+        # verl's FSDP sections whose offload flags the workers read (the critic's has three places)
+        fsdp = (section.fsdp_config,) + ((section.model.fsdp_config, section.fsdp) if is_critic else ())
         return _Trainer(spec=model_spec_, tp=tp, pp=pp, vpp=vpp or 1, dp=world // (tp * pp),
                         distributed_optimizer=mg.use_distributed_optimizer,
                         # full-layer recompute, as the workers build it (selective recompute is counted as none)
                         recompute=transformer_overrides(model_section, mg).get("recompute_granularity") == "full",
-                        param_offload=_flag(mg, section.fsdp_config, key="param_offload"),
+                        param_offload=_flag(mg, *fsdp, key="param_offload"),
                         grad_offload=_flag(mg, key="grad_offload"),
-                        optimizer_offload=_flag(mg, section.fsdp_config, key="optimizer_offload"),
+                        optimizer_offload=_flag(mg, *fsdp, key="optimizer_offload"),
                         critic=is_critic)
 
     policy = trainer_of(actor, arr.model, spec, False)
