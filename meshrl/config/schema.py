@@ -707,6 +707,9 @@ class TrainerConfig:
     # the driver's wait for each worker call: a dead worker fails the step this fast (collectives time out at
     # actor_rollout_ref.nccl_timeout)
     worker_timeout_s: float = 600.0
+    # SIGTERM (a scheduler's preemption): finish and save the step in progress, then stop, exit code 143; without
+    # it SIGTERM stops at once, as Ctrl-C does (meshrl.trainer.interrupts). verl has no such key.
+    save_on_preempt: bool = False
     seed: int = 1
 
 

@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from meshrl.config.key_policy import key_policy
 from meshrl.config.loader import ConfigError, default_config
-from meshrl.config.run_plan import RunPlan, build_run_plan, check_run_plan
+from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS
+from meshrl.config.run_plan import RunPlan, build_run_plan, check_run_plan, estimator_inputs
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_DECAY_STYLES, LR_SCHEDULES,
                                   MEGATRON_DTYPES, ROLLOUT_MODES, WD_INCR_STYLES, WSD_DECAY_STYLES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
@@ -147,9 +148,8 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.positive(algo.kl_ctrl.horizon, "algorithm.kl_ctrl.horizon")
     p.positive(algo.kl_ctrl.target_kl, "algorithm.kl_ctrl.target_kl")
     p.choice(algo.gpg.alpha_mode, "algorithm.gpg.alpha_mode", ("paper", "verl"))
-    if algo.adv_estimator == "rloo":
-        p.require(rollout.n >= 2, "actor_rollout_ref.rollout.n",
-                  f"rloo needs at least 2 responses per prompt for a leave-one-out baseline, got {rollout.n}")
+    if plan is not None and "uid" in estimator_inputs(plan.adv_estimator):
+        p.require(rollout.n >= 2, "actor_rollout_ref.rollout.n", _group_size_problem(plan.adv_estimator, rollout.n))
 
     # trainer
     p.choice(trainer.device, "trainer.device", DEVICES)
@@ -176,6 +176,15 @@ def validate_config(cfg: DictConfig) -> RunPlan:
               "(trainer.nnodes × trainer.n_gpus_per_node)")
     p.raise_if_any("configuration")
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
+
+
+def _group_size_problem(estimator: str, n: int) -> str:
+    """A group estimator (one taking ``uid``) at ``rollout.n`` < 2: one response per prompt is a group with
+    nothing to compare against (GRPO's advantages would all be 0, and the run would train on nothing)."""
+    without_groups = [name for name in ADVANTAGE_ESTIMATORS.names() if "uid" not in estimator_inputs(name)]
+    return (f"{estimator} baselines each response against the other responses to the same prompt (its group), so it "
+            f"needs at least 2 responses per prompt, got {n}: a group of one has nothing to compare with. Set "
+            f"actor_rollout_ref.rollout.n=2 or more, or pick an estimator without groups: {', '.join(without_groups)}")
 
 
 def _critic_switch_problem(enable: bool, estimator: str) -> str:

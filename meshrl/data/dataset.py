@@ -250,6 +250,12 @@ class RLDataset(torch.utils.data.Dataset):
 
     @staticmethod
     def _validate(path: Path, rows: list[Any], prompt_key: str, reward_fn_key: str) -> None:
+        if rows and all(isinstance(row, Mapping) for row in rows):
+            # A key naming a column the file lacks: said once, not once per row.
+            for key, name in ((prompt_key, "data.prompt_key"), (reward_fn_key, "data.reward_fn_key")):
+                if not any(key in row for row in rows):
+                    raise DataFormatError(f"{path}: no row has the field {key!r} that {name} names; the rows have "
+                                          f"{', '.join(dict.fromkeys(k for row in rows for k in row))}")
         problems = [(i, why) for i, row in enumerate(rows)
                     if (why := _check_row(row, prompt_key, reward_fn_key)) is not None]
         if not problems:

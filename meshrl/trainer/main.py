@@ -1,18 +1,26 @@
 """Entry point: ``python -m meshrl.trainer.main [--config-name RECIPE] key=value ...`` (verl's syntax).
 
-``meshrl train RECIPE.yaml key=value ...`` (``meshrl.cli``) lands in ``run`` too. ``run`` builds every
-part from the config — model, data, reward, Ray worker groups, tracker, checkpoints — hands them to
-``RLTrainer.fit`` and shuts the workers down whatever happens (and Ray, unless the caller had started it).
+``meshrl train RECIPE.yaml key=value ...`` (``meshrl.cli``) lands here too. Every check that can fail
+before training runs before any worker starts, and a problem is one message and exit code 2:
+``load_config`` (the keys), ``preflight`` (the values, the model's sizes, the engine, the Ray start) and
+``load_inputs`` (the tokenizer and the prompts: a bad file's name and rows, a batch larger than the data).
+``run`` then builds the rest from the config — Ray worker groups, reward, tracker, checkpoints — hands
+them to ``RLTrainer.fit`` and shuts the workers down whatever happens (and Ray, unless the caller had
+started it). Ctrl-C and SIGTERM end a run with one line and exit code 130 / 143 (``meshrl.trainer.interrupts``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from meshrl.runtime import configure_environment
+
+if TYPE_CHECKING:
+    from meshrl.data.dataset import RLDataset
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -38,17 +46,63 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return recipe, args.overrides
 
 
-def run(cfg, plan) -> dict[str, float]:
-    """Train with a loaded config and its run plan (``validate_config(cfg)``); returns the final step's metrics."""
-    import ray
-    from transformers import AutoConfig, AutoTokenizer
+@dataclass(frozen=True)
+class RunInputs:
+    """What the driver loads before Ray or any worker starts (``load_inputs``)."""
 
-    from meshrl.config.validate import validate_against_model
+    model_dir: Path
+    tokenizer: Any
+    train_data: RLDataset
+    val_data: RLDataset | None
+
+
+def load_inputs(cfg) -> RunInputs:
+    """The tokenizer and the prompts of ``cfg``, loaded on the driver before any worker starts.
+
+    Raises:
+        ConfigError: a data file is missing or unreadable, or has malformed rows (the message names the file
+            and the rows), or the (filtered) training set holds fewer prompts than ``data.train_batch_size``.
+    """
+    from transformers import AutoTokenizer
+
+    from meshrl.config import ConfigError
     from meshrl.data.dataset import load_datasets
+    from meshrl.models.resolve import resolve_model_path
+
+    model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    # The driver's tokenizer builds the prompts: verl trusts its remote code by data.trust_remote_code.
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_dir,
+                                              trust_remote_code=cfg.data.trust_remote_code)
+    try:
+        train_data, val_data = load_datasets(cfg.data, tokenizer)
+    except (OSError, ValueError) as exc:  # meshrl.data.dataset's errors name the file and the rows
+        raise ConfigError(f"cannot load the prompts: {exc}", ["data.train_files", "data.val_files"]) from None
+    batch, available = cfg.data.train_batch_size, len(train_data)
+    if available < batch:
+        why = [f"{train_data.num_filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} dropped"
+               ] if train_data.num_filtered else []
+        why += [f"data.train_max_samples={cfg.data.train_max_samples}"] if cfg.data.train_max_samples > 0 else []
+        raise ConfigError(
+            f"data.train_batch_size: {batch} prompts per step, but data.train_files holds only {available}"
+            f"{' (' + '; '.join(why) + ')' if why else ''}: no full batch exists. Set data.train_batch_size={available}"
+            " or less, or add prompts", ["data.train_batch_size"])
+    return RunInputs(model_dir, tokenizer, train_data, val_data)
+
+
+def run(cfg, plan, inputs: RunInputs | None = None) -> dict[str, float]:
+    """Train with a loaded config, its run plan (``preflight(cfg)``) and its inputs (``load_inputs(cfg)``, loaded
+    here when not given); returns the final step's metrics.
+
+    Raises:
+        Interrupted: SIGINT or SIGTERM stopped the run (``meshrl.trainer.interrupts``), after the workers stopped.
+    """
+    import ray
+
     from meshrl.models.resolve import resolve_model_path
     from meshrl.rewards.dispatch import RewardSpec
     from meshrl.rewards.pool import RewardPool
     from meshrl.trainer.checkpoint import CheckpointManager, parts_to_keep
+    from meshrl.trainer.interrupts import Interrupts
     from meshrl.trainer.plot import plot_finished_run
     from meshrl.trainer.rl_trainer import RLTrainer, total_training_steps
     from meshrl.trainer.tracking import Tracker
@@ -59,60 +113,67 @@ def run(cfg, plan) -> dict[str, float]:
 
     for warning in plan.warnings:
         print(f"meshrl: note: {warning}", file=sys.stderr)
-    model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
-    validate_against_model(cfg, AutoConfig.from_pretrained(
-        model_dir, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code))
-    # The driver's tokenizer builds the prompts: verl trusts its remote code by data.trust_remote_code.
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_dir,
-                                              trust_remote_code=cfg.data.trust_remote_code)
-    train_data, val_data = load_datasets(cfg.data, tokenizer)
-    total_steps = total_training_steps(cfg, len(train_data))
+    if inputs is None:
+        inputs = load_inputs(cfg)
+    total_steps = total_training_steps(cfg, len(inputs.train_data))
     OmegaConf.update(cfg, "actor_rollout_ref.actor.optim.total_training_steps", total_steps)
     OmegaConf.update(cfg, "critic.optim.total_training_steps", total_steps)
 
     run_dir = Path(cfg.trainer.default_local_dir)
+    checkpoints = CheckpointManager(run_dir, parts_to_keep(cfg.trainer))
     # A caller that already runs Ray (a notebook, a test running several trainings) keeps its session:
     # only a session this call started is shut down at the end.
     owns_ray = not ray.is_initialized()
     start_ray(cfg)
-    policy = critic = None
+    policy = critic = trainer = None
     reward = RewardPool(RewardSpec(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
                                    dict(cfg.custom_reward_function.reward_kwargs)),
                         num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s)
-    try:
-        policy = ActorRolloutRefGroup(cfg, plan, model_dir)
-        if plan.use_critic:
-            critic = CriticGroup(cfg, plan,
-                                 resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else model_dir)
-        with Tracker(list(cfg.trainer.logger), run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                     OmegaConf.to_container(cfg), total_steps) as tracker:
-            trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
-                                val_data=val_data, reward=reward, tracker=tracker,
-                                checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)))
-            final = trainer.fit()
-        if cfg.ray_kwargs.timeline_json_file:
-            ray.timeline(filename=cfg.ray_kwargs.timeline_json_file)
-        print(plot_finished_run(run_dir))
-        return final
-    finally:
-        reward.close()
-        for group in (policy, critic):
-            if group is not None:
-                group.shutdown()
-        if owns_ray:
-            ray.shutdown()
+    # Installed after ray.init, which sets a SIGTERM handler of its own.
+    with Interrupts(cfg.trainer.save_on_preempt) as interrupts:
+        try:
+            policy = ActorRolloutRefGroup(cfg, plan, inputs.model_dir)
+            if plan.use_critic:
+                critic = CriticGroup(cfg, plan, resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path
+                                     else inputs.model_dir)
+            with Tracker(list(cfg.trainer.logger), run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                         OmegaConf.to_container(cfg), total_steps) as tracker:
+                trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=inputs.tokenizer,
+                                    train_data=inputs.train_data, val_data=inputs.val_data, reward=reward,
+                                    tracker=tracker, checkpoints=checkpoints,
+                                    stop_requested=interrupts.stop_requested)
+                final = trainer.fit()
+            if not interrupts.stop_requested():
+                if cfg.ray_kwargs.timeline_json_file:
+                    ray.timeline(filename=cfg.ray_kwargs.timeline_json_file)
+                print(plot_finished_run(run_dir))
+                return final
+        except KeyboardInterrupt:
+            pass  # the workers stop below; then the line that says where the run stopped
+        finally:
+            interrupts.stopping = True
+            reward.close()
+            for group in (policy, critic):
+                if group is not None:
+                    group.shutdown()
+            if owns_ray:
+                ray.shutdown()
+    raise interrupts.interrupted(trainer.step if trainer is not None else 0, checkpoints.latest(),
+                                 cfg.trainer.resume_mode)
 
 
 def preflight(cfg):
-    """Every check that needs no model or worker, in one pass: the config (``validate_config``: its run plan),
-    the rollout engine's settings and the Ray start; raises ``ConfigError`` listing the problems."""
+    """Every check before any data or worker loads, in one pass: the config (``validate_config``: its run
+    plan), the model's HF config against the parallel sizes, the rollout engine's settings, the checkpoint
+    contents and the Ray start; raises ``ConfigError`` listing the problems."""
     from meshrl.config import ConfigError
-    from meshrl.config.validate import validate_config
+    from meshrl.config.validate import validate_against_model, validate_config
     from meshrl.rollout.engines import unsupported_rollout_features
     from meshrl.trainer.checkpoint import hf_export_roles
     from meshrl.workers.cluster import ray_init_kwargs
 
     plan = validate_config(cfg)
+    validate_against_model(cfg, model_config(cfg))
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
     problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout)
     if problems:
@@ -122,18 +183,42 @@ def preflight(cfg):
     return plan
 
 
+def model_config(cfg):
+    """The policy model's Hugging Face config (its config.json only: no weights load); a ``ConfigError`` naming
+    ``actor_rollout_ref.model.path`` when there is none."""
+    from transformers import AutoConfig
+
+    from meshrl.config import ConfigError
+    from meshrl.models.resolve import resolve_model_path
+
+    model = cfg.actor_rollout_ref.model
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(model.path), trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as exc:  # no folder or config.json, an unknown model type, remote code not trusted
+        raise ConfigError(f"actor_rollout_ref.model.path: {exc}", ["actor_rollout_ref.model.path"]) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command: 0 when the run finishes, 2 for a config or data problem (one message, before any worker
+    starts), 130 / 143 when SIGINT / SIGTERM stopped it (``meshrl.trainer.interrupts``)."""
     configure_environment()
     from meshrl.config import ConfigError, load_config
+    from meshrl.trainer.interrupts import Interrupted
 
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(overrides, recipe=recipe)
         plan = preflight(cfg)
+        run(cfg, plan, load_inputs(cfg))
     except ConfigError as exc:
         print(f"meshrl: {exc}", file=sys.stderr)
         return 2
-    run(cfg, plan)
+    except Interrupted as exc:
+        print(exc, file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:  # before the workers started: nothing to stop or resume
+        print("meshrl: interrupted by SIGINT before training started", file=sys.stderr)
+        return 130
     return 0
 
 

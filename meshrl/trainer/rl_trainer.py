@@ -15,11 +15,13 @@
         engine ← sync(policy weights)
         dump generations                                         (trainer.rollout_data_dir)
         validate every test_freq; checkpoint every save_freq
+        stop when asked (SIGTERM with trainer.save_on_preempt): checkpoint this step first
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ from meshrl.trainer.tracking import Timer, Tracker
 class RLTrainer:
     def __init__(self, cfg: DictConfig, plan: RunPlan, *, policy, critic, tokenizer, train_data: RLDataset,
                  val_data: RLDataset | None, reward: RewardPool, tracker: Tracker,
-                 checkpoints: CheckpointManager) -> None:
+                 checkpoints: CheckpointManager, stop_requested: Callable[[], bool] = lambda: False) -> None:
         self.cfg = cfg
         self.plan = plan  # roles, methods, widths, schedules: decided once (meshrl.config.run_plan)
         self.policy = policy  # ActorRolloutRefGroup: generate / log-probs / update / sync / save
@@ -53,6 +55,7 @@ class RLTrainer:
         self.reward = reward
         self.tracker = tracker
         self.checkpoints = checkpoints
+        self.stop_requested = stop_requested  # a SIGTERM under trainer.save_on_preempt (meshrl.trainer.interrupts)
         algo = cfg.algorithm
         self.sampler = PromptSampler(len(train_data), cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                      seed=cfg.data.seed)
@@ -68,7 +71,8 @@ class RLTrainer:
         """Train for ``total_steps`` (resuming if a checkpoint exists); returns the last step's metrics.
 
         ``trainer.val_only``: validate the policy (the resumed checkpoint's, if any), log, and stop, as
-        verl does; unlike verl's, it also validates when ``val_before_train`` is False.
+        verl does; unlike verl's, it also validates when ``val_before_train`` is False. When
+        ``stop_requested()`` turns true, the step in progress finishes, is saved, and ``fit`` returns.
         """
         self.resume()
         trainer = self.cfg.trainer
@@ -85,8 +89,11 @@ class RLTrainer:
                     self.step % trainer.test_freq == 0 or self.step == self.total_steps):
                 last.update(self.validate())
             self.tracker.log(last, step=self.step)
-            if trainer.save_freq > 0 and (self.step % trainer.save_freq == 0 or self.step == self.total_steps):
+            stop = self.stop_requested()
+            if stop or trainer.save_freq > 0 and (self.step % trainer.save_freq == 0 or self.step == self.total_steps):
                 self.save()
+            if stop:
+                break
         return last
 
     def train_step(self) -> dict[str, float]:
@@ -222,6 +229,7 @@ class RLTrainer:
             self.critic.load_checkpoint(path)
         self.tracker.truncate_after(self.step)
         self.dumps.truncate_after(self.step)
+        print(f"meshrl: resumed from step {self.step}, {path}", flush=True)
 
 
 def prompts_batch(dataset: RLDataset, indices, raw_chat: bool = False) -> Batch:

@@ -12,7 +12,8 @@ Backends, any combination:
 
 Resuming: the trainer calls :meth:`Tracker.truncate_after` with the step it restarts from (0 for a
 fresh start). The JSONL file is appended to, so that call drops the lines a crashed run wrote after its
-last checkpoint, and the resumed run never shows a step twice; TensorBoard purges the same steps.
+last checkpoint (at 0: every line, an older run's step 0 included), and the resumed run never shows a
+step twice; TensorBoard purges the same steps.
 Several lines may share a step (e.g. validation logged in its own call); readers merge them.
 """
 
@@ -137,9 +138,10 @@ class Tracker:
 
     def truncate_after(self, step: int) -> None:
         """Continue a run after ``step``: drop records with a higher step (JSONL lines, TensorBoard
-        events) and move the progress bar to ``step``. Call it once at start with the resumed step (0 for
-        a fresh start, which also clears an old run's file in the same folder). W&B keeps its history;
-        it ignores re-logged steps with a warning."""
+        events) and move the progress bar to ``step``. Call it once at start with the resumed step, or 0
+        for a fresh start, which drops every record, step 0's too (no checkpoint is ever of step 0, so
+        records of step 0 in the folder are an older run's). W&B keeps its history; it ignores re-logged
+        steps with a warning."""
         for backend in self._backends:
             backend.truncate_after(step)
 
@@ -268,7 +270,7 @@ class _Jsonl(_Backend):
 
     def truncate_after(self, step: int) -> None:
         self._file.close()
-        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        kept = [r for r in read_metrics(self.path) if r["step"] <= step] if step > 0 else []
         tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
@@ -312,7 +314,7 @@ class _TensorBoard(_Backend):
         # purge_step makes TensorBoard discard events of steps >= purge_step written before this point.
         self.close()
         self._writer = None
-        self._purge_step = step + 1
+        self._purge_step = step + 1 if step > 0 else 0
 
     def close(self) -> None:
         if self._writer is not None:

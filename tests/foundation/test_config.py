@@ -137,7 +137,7 @@ def test_free_form_sections_accept_new_keys():
     (["data.train_batch_size=8"], "ppo_mini_batch_size"),
     (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], "TP×PP×CP"),
     (["actor_rollout_ref.actor.strategy=veomni"], "actor_rollout_ref.actor.strategy"),
-    (["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], "leave-one-out"),
+    (["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], "rloo baselines each response against"),
     (["trainer.logger=[console,wandbb]"], "trainer.logger"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
     (["actor_rollout_ref.actor.use_dynamic_bsz=False"], "ppo_micro_batch_size_per_gpu"),
@@ -150,6 +150,24 @@ def test_impossible_values_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)
     assert key in str(err.value)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "grpo_passk", "gpg", "opo", "reinforce_plus_plus_baseline"])
+def test_group_estimators_refuse_one_response_per_prompt(estimator):
+    # Each response's baseline is its prompt's other responses: with n=1, GRPO trains on all-zero advantages.
+    cfg = load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"])
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    message = str(err.value)
+    assert f"actor_rollout_ref.rollout.n: {estimator} baselines each response against the other responses" in message
+    assert "actor_rollout_ref.rollout.n=2 or more" in message
+    assert message.endswith("pick an estimator without groups: gae, reinforce_plus_plus, remax")
+    validate_config(load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=2"]))
+
+
+@pytest.mark.parametrize("estimator", ["gae", "remax", "reinforce_plus_plus"])
+def test_estimators_without_groups_take_one_response_per_prompt(estimator):
+    validate_config(load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"]))
 
 
 def test_all_problems_reported_at_once():

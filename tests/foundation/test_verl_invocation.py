@@ -131,7 +131,8 @@ def test_ray_kwargs_that_cannot_map_are_refused(monkeypatch, overrides, address,
 def test_main_refuses_before_training(monkeypatch, capsys):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     verl = ["--config-path=config", "--config-name=ppo_trainer", "data.train_batch_size=8",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=grpo"]
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.n=2"]
     assert train_main([*verl, "actor_rollout_ref.model.torch_dtype=bf16"]) == 2
     assert "unknown config key 'actor_rollout_ref.model.torch_dtype'" in capsys.readouterr().err
     assert train_main([*verl, "actor_rollout_ref.model.lora_rank=8"]) == 2

@@ -37,7 +37,7 @@ def test_jsonl_lines_are_valid_json_with_nan_and_inf(tmp_path):
 def test_resume_drops_steps_after_checkpoint_and_partial_line(tmp_path):
     path = tmp_path / METRICS_FILE
     with Tracker(["jsonl"], tmp_path, "p", "e", {}, 10) as tracker:
-        for step in range(1, 6):
+        for step in range(0, 6):
             tracker.log({"x": float(step)}, step)
     with open(path, "a") as f:
         f.write('{"step": 6, "x": ')  # the writer was killed mid-line
@@ -46,8 +46,8 @@ def test_resume_drops_steps_after_checkpoint_and_partial_line(tmp_path):
         tracker.log({"x": 40.0}, 4)
         tracker.log({"x": 50.0}, 5)
     records = strict_lines(path)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    assert [r["x"] for r in records] == [1.0, 2.0, 3.0, 40.0, 50.0]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]  # step 0 (validation before training) stays
+    assert [r["x"] for r in records] == [0.0, 1.0, 2.0, 3.0, 40.0, 50.0]
 
 
 def test_partial_last_line_is_cut_before_appending(tmp_path):
@@ -59,13 +59,21 @@ def test_partial_last_line_is_cut_before_appending(tmp_path):
 
 
 def test_fresh_start_clears_an_old_run_in_the_same_folder(tmp_path):
-    with Tracker(["jsonl"], tmp_path, "p", "e", {}, 3) as tracker:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with Tracker(["jsonl", "tensorboard"], tmp_path, "p", "e", {}, 3) as tracker:
+        tracker.log({"val/score": 0.5}, 0)  # validation before training
         tracker.log({"x": 1.0}, 1)
         tracker.log({"x": 2.0}, 2)
-    with Tracker(["jsonl"], tmp_path, "p", "e", {}, 3) as tracker:
+    with Tracker(["jsonl", "tensorboard"], tmp_path, "p", "e", {}, 3) as tracker:
         tracker.truncate_after(0)
+        tracker.log({"val/score": 0.25}, 0)
         tracker.log({"x": 9.0}, 1)
-    assert read_metrics(tmp_path / METRICS_FILE) == [{"step": 1, "x": 9.0}]
+    assert read_metrics(tmp_path / METRICS_FILE) == [{"step": 0, "val/score": 0.25}, {"step": 1, "x": 9.0}]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("val/score")] == [(0, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [(1, 9.0)]
 
 
 def test_bad_metrics_and_logger_names_are_named(tmp_path):

@@ -1,5 +1,6 @@
 """The RL loop's verl trainer keys, run in-process with fake worker groups (no Ray, no model): val_only,
-log_val_generations, rollout/validation dumps, return_raw_chat, reward_fn_key, checkpoint save_contents."""
+log_val_generations, rollout/validation dumps, return_raw_chat, reward_fn_key, checkpoint save_contents;
+what a resume says and keeps, and a stop request (a SIGTERM under trainer.save_on_preempt)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def run(tmp_path, smollm2_dir):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     (tmp_path / "reward.py").write_text(REWARD_FILE)
 
-    def fit(*overrides: str):
+    def fit(*overrides: str, stop_requested=lambda: False):
         cfg = load_config([f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}",
                            f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]",
                            f"custom_reward_function.path={tmp_path / 'reward.py'}", *overrides], recipe="cpu_tiny_grpo")
@@ -103,7 +104,8 @@ def run(tmp_path, smollm2_dir):
                 Tracker(["jsonl"], run_dir, "p", "e", {}, 2) as tracker:
             trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
                                 val_data=val_data, reward=reward, tracker=tracker,
-                                checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)))
+                                checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)),
+                                stop_requested=stop_requested)
             trainer.fit()
         return trainer, policy
 
@@ -218,3 +220,20 @@ def test_checkpoint_contents_meshrl_cannot_honour_are_refused(run, override, ref
 def test_critic_contents_are_not_checked_without_a_critic(run):
     trainer, _ = run("critic.checkpoint.save_contents=[model]")
     assert trainer.hf_exports == []
+
+
+def test_resume_says_where_it_starts_and_a_fresh_start_forgets_the_old_run(run, tmp_path, capsys):
+    run("trainer.save_freq=1")
+    assert "resumed" not in capsys.readouterr().out
+    run("trainer.total_training_steps=3")
+    assert f"meshrl: resumed from step 2, {tmp_path / 'run' / 'global_step_2'}\n" in capsys.readouterr().out
+    run("trainer.resume_mode=disable")  # a fresh run in the used folder: its own step 0 only
+    assert [record["step"] for record in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_a_stop_request_saves_the_step_in_progress_and_stops(run, tmp_path):
+    trainer, _ = run("trainer.total_training_steps=5", stop_requested=lambda: True)
+    assert trainer.step == 1
+    manager = CheckpointManager(tmp_path / "run")
+    assert manager.latest() == tmp_path / "run" / "global_step_1"
+    assert manager.load_driver_state(manager.latest())["step"] == 1
