@@ -105,10 +105,11 @@ class GenerationDumps:
                 f.writelines(lines)
 
     def truncate_after(self, step: int) -> None:
-        """Continue a run after ``step``: drop the validation samples logged after it (0: a fresh start)."""
+        """Continue a run after ``step``: drop the validation samples logged after it; 0 is a fresh start,
+        which drops an older run's step-0 samples too."""
         if not self.val_log.is_file():
             return
-        kept = [r for r in read_metrics(self.val_log) if r["step"] <= step]
+        kept = [r for r in read_metrics(self.val_log) if r["step"] <= step] if step > 0 else []
         write_text_atomically(self.val_log, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
 
     def columns(self, batch: Batch, with_reward: bool = False) -> dict[str, list[Any]]:

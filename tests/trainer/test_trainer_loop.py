@@ -186,6 +186,8 @@ def test_log_val_generations_picks_samples_as_verl(run, tmp_path):
     assert set(lines[0]) == {"step", "input", "output", "score"}
     trainer.dumps.truncate_after(1)  # a run resumed from step 1 forgets what came after
     assert [json.loads(line)["step"] for line in trainer.dumps.val_log.read_text().splitlines()] == [0, 0, 0]
+    trainer.dumps.truncate_after(0)  # a fresh run in the same folder keeps nothing of the old one, step 0 included
+    assert trainer.dumps.val_log.read_text() == ""
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
