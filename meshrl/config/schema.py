@@ -35,6 +35,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse_square_root", "WSD")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 RESUME_MODES = ("auto", "disable", "resume_path")
+NONFINITE_ACTIONS = ("skip", "stop")  # what a NaN / inf score, loss or gradient norm does (see the keys)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # verl's training backends (``model_engine``, a Hydra config group in verl): megatron is meshrl's; verl's
 # FSDP names (dp, its own; fsdp) load with a warning that meshrl trains with Megatron.
@@ -552,8 +553,17 @@ class RewardModelConfig:
     enable: bool = False  # a learned reward model; meshrl scores with rule-based rewards
     reward_manager: str = "naive"
     launch_reward_fn_async: bool = False
-    num_workers: int = II("reward.num_workers")  # processes for rule-based scoring of big batches
-    timeout_s: float = 10.0  # per response; a timeout scores 0 and is counted
+    num_workers: int = II("reward.num_workers")  # reward processes; 0: in the driver, where no timeout cuts in
+    timeout_s: float = 10.0  # per response, in batches of every size; a timeout scores 0 and is counted
+    # A score that is NaN, infinite or beyond float32 (where the trainer holds scores): skip scores it 0, counts
+    # it (reward/num_nonfinite) and warns naming the function and the value; stop ends the run with that message.
+    on_nonfinite_score: str = "skip"
+    # Stop after this many scored batches in a row in which every reward call failed (raised, timed out or
+    # returned a non-finite score): the run would train on all-zero scores. A training step scores one batch
+    # (ReMax two), validation one per val batch; a systematic failure (a broken reward file) fails every batch
+    # and costs two wasted steps, while one failed batch can be transient (a busy machine timing out a few
+    # responses). 0: never stop.
+    max_failed_batches: int = 3
     strategy: str = "megatron"
     model: Dict[str, Any] = field(default_factory=dict)
     # verl's reward loop scores in workers beside the rollout, its legacy path in the trainer: the
@@ -695,6 +705,14 @@ class TrainerConfig:
     resume_from_path: Optional[str] = None
     test_freq: int = -1
     critic_warmup: int = 0
+    # A policy or critic update whose loss is NaN / inf: stop at once (before backward, nothing applied), or
+    # skip the update (counted in <role>/skipped_updates and <role>/nonfinite_losses). A non-finite loss means
+    # broken inputs (advantages, log-probs) or weights, which the next update would meet again.
+    on_nonfinite_loss: str = "stop"
+    # An update whose gradient norm is NaN / inf (over the whole model, so every rank agrees): skip it, as
+    # megatron does under a loss scale (counted in <role>/skipped_updates; the LR schedule still advances), or
+    # stop with the weights as they were.
+    on_nonfinite_grad_norm: str = "skip"
     val_before_train: bool = True
     val_only: bool = False
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"

@@ -18,7 +18,7 @@ from meshrl.config.loader import ConfigError, default_config
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS
 from meshrl.config.run_plan import RunPlan, build_run_plan, check_run_plan, estimator_inputs
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_DECAY_STYLES, LR_SCHEDULES,
-                                  MEGATRON_DTYPES, ROLLOUT_MODES, WD_INCR_STYLES, WSD_DECAY_STYLES,
+                                  MEGATRON_DTYPES, NONFINITE_ACTIONS, ROLLOUT_MODES, WD_INCR_STYLES, WSD_DECAY_STYLES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
 
 
@@ -169,6 +169,11 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     for name in trainer.logger:
         p.choice(name, "trainer.logger", LOGGERS)
     p.positive(trainer.worker_timeout_s, "trainer.worker_timeout_s")
+    p.choice(trainer.on_nonfinite_loss, "trainer.on_nonfinite_loss", NONFINITE_ACTIONS)
+    p.choice(trainer.on_nonfinite_grad_norm, "trainer.on_nonfinite_grad_norm", NONFINITE_ACTIONS)
+    p.choice(cfg.reward_model.on_nonfinite_score, "reward_model.on_nonfinite_score", NONFINITE_ACTIONS)
+    p.require(cfg.reward_model.max_failed_batches >= 0, "reward_model.max_failed_batches",
+              f"must be >= 0 (0: never stop), got {cfg.reward_model.max_failed_batches}")
     p.positive(arr.nccl_timeout, "actor_rollout_ref.nccl_timeout")
     ws = world_size(cfg)
     p.require(ws % rollout.tensor_model_parallel_size == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",

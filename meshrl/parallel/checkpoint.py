@@ -13,6 +13,11 @@ publishes it as ``step_00000042`` (fsync, rename) and only then replaces ``lates
 crash at any point leaves ``latest`` naming the previous complete checkpoint; leftovers are removed by
 the next save.
 
+A checkpoint holds finite numbers only: before anything is written every rank checks its weights and
+optimizer state (main parameters, Adam moments), and a NaN or inf anywhere makes every rank raise
+``NonFiniteCheckpointError`` naming the tensors, with ``latest`` untouched. Loading checks the same, so a
+diverged checkpoint written before this check existed is named at resume rather than failing later.
+
 Entry scripts must be guarded by ``if __name__ == "__main__":``: the first save starts a helper
 process that re-imports ``__main__``.
 """
@@ -31,6 +36,7 @@ import torch.distributed as dist
 from meshrl.atomic_io import publish_dir, write_text_atomically
 from meshrl.parallel import state
 from meshrl.parallel.model_builder import unwrap
+from meshrl.parallel.offload import _optimizer_tensors
 from meshrl.parallel.optimizer import initialize_state
 
 LATEST = "latest"
@@ -44,6 +50,35 @@ _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+class NonFiniteCheckpointError(FloatingPointError):
+    """Weights or optimizer state hold NaN or inf: the checkpoint is refused (saving) or unusable (loading)."""
+
+
+def _nonfinite_tensors(chunks: list[torch.nn.Module], optimizer) -> list[str]:
+    """Names of the weights, then optimizer tensors, holding NaN or inf on any rank; the same list on every rank."""
+    named = [((f"chunk{index}." if len(chunks) > 1 else "") + name, param)
+             for index, chunk in enumerate(chunks) for name, param in unwrap(chunk).named_parameters()]
+    weights = {id(param) for _, param in named}
+    if optimizer is not None:
+        # fp32 training steps the weights themselves: those main parameters are checked once.
+        named += [("optimizer state", t) for t in _optimizer_tensors(optimizer) if id(t) not in weights]
+    named = [(name, t.detach()) for name, t in named if t.numel()]
+    # min and max propagate NaN: no tensor-sized temporary, and one device sync for all tensors.
+    flags = torch.stack([torch.isfinite(torch.stack(t.aminmax())).all() for _, t in named]).tolist() if named else []
+    local = [name for (name, _), ok in zip(named, flags) if not ok]
+    per_rank: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(per_rank, local)
+    return [f"{name} (rank {rank})" for rank, names in enumerate(per_rank) for name in names]
+
+
+def _describe_nonfinite(names: list[str]) -> str:
+    weights = [n for n in names if not n.startswith("optimizer state")]
+    shown = ", ".join(weights[:4]) + (f" and {len(weights) - 4} more" if len(weights) > 4 else "")
+    state = len(names) - len(weights)
+    return ", ".join(part for part in ((f"{len(weights)} weight tensor(s): {shown}" if weights else ""),
+                                       (f"{state} optimizer state tensor(s)" if state else "")) if part)
 
 
 def _sharded_state(chunks: list[torch.nn.Module], optimizer, scheduler, extra: Any, is_loading: bool) -> dict:
@@ -70,10 +105,20 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks: list[torch.nn.Mo
 
     ``keep_last`` deletes older ``step_*`` folders beyond the newest ``keep_last`` after the save.
     Returns the checkpoint folder.
+
+    Raises:
+        NonFiniteCheckpointError: on every rank, before anything is written, when a weight or optimizer
+            tensor on any rank holds NaN or inf.
     """
     from megatron.core import dist_checkpointing
 
     root = Path(root)
+    bad = _nonfinite_tensors(chunks, optimizer)
+    if bad:
+        raise NonFiniteCheckpointError(
+            f"refusing to save step {step} of the {root.name}: {_describe_nonfinite(bad)} hold NaN or inf, so "
+            "the training diverged. Nothing was written and the previous checkpoint stays the latest; resume "
+            "from it with a lower learning rate (or check the rewards).")
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
     rank0 = dist.get_rank() == 0
@@ -160,6 +205,11 @@ def load_checkpoint(path: str | os.PathLike, chunks: list[torch.nn.Module], opti
         unwrap(chunk).load_state_dict(loaded["model"][f"chunk{index}"], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+    bad = _nonfinite_tensors(chunks, optimizer)
+    if bad:
+        raise NonFiniteCheckpointError(
+            f"checkpoint {folder} holds NaN or inf ({_describe_nonfinite(bad)}): it was saved after the training "
+            "diverged. Resume from an earlier checkpoint (trainer.resume_mode=resume_path).")
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     return {"step": meta["step"], "extra": loaded.get("extra")}

@@ -7,6 +7,8 @@ distributed optimizer): fp32 main params, gradients and Adam state, the updated 
 into the bf16 params. fp16 params are not supported: they need a loss scale wired into the schedule.
 ``use_distributed_optimizer`` shards optimizer state over data-parallel ranks (the model must have been
 built with the same flag). Weight decay is megatron's standard: none for biases and 1-D parameters (norms).
+An update whose loss or gradient norm is NaN or infinite is never applied (``train_step``); the caller
+decides whether that stops the run.
 
 The schedule is megatron's ``OptimizerParamScheduler``: linear warmup from ``warmup_init_lr`` over
 ``warmup_steps``, then ``constant`` / ``cosine`` / ``linear`` / ``inverse-square-root`` / ``WSD`` decay to
@@ -19,6 +21,7 @@ training passes none and advances once per RL step, so every mini-batch of RL st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,15 +231,35 @@ def advance_schedule(scheduler) -> None:
 
 
 def optimizer_step(optimizer) -> dict[str, Any]:
-    """Clip (``clip_grad``) and apply the accumulated gradients.
+    """Clip (``clip_grad``) and apply the accumulated gradients, unless their norm is NaN or infinite.
 
-    Returns ``lr`` (the one used), ``grad_norm`` (before clipping, over the whole model) and
-    ``update_successful`` (False when a mixed-precision step found inf/nan and was skipped).
+    megatron-core 0.16.1's ``ChainedOptimizer.step`` with one check added. megatron skips an update itself
+    only under a loss scale (its found-inf check, still honoured here); with bf16 or fp32 parameters it
+    would clip and apply anything, and clipping cannot repair a non-finite norm (NaN·c stays NaN; an
+    infinite norm zeroes finite gradients while Adam's moments and weight decay still move the weights).
+    The norm is reduced over megatron's gradient-statistics group (the model-parallel ranks; the whole
+    world with the distributed optimizer), and data-parallel ranks hold the same reduced gradients, so
+    every rank takes the same decision and a skipped update leaves weights and optimizer state untouched.
+
+    Returns ``lr`` (the one used), ``grad_norm`` (before clipping, over the whole model; NaN where the
+    found-inf check stopped first) and ``update_successful`` (False: skipped).
     """
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
     lr = current_lr(optimizer)
-    success, grad_norm, _ = optimizer.step()
-    return {"lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
-            "update_successful": bool(success)}
+    if optimizer.prepare_grads():
+        return {"lr": lr, "grad_norm": float("nan"), "update_successful": False}
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return {"lr": lr, "grad_norm": grad_norm, "update_successful": False}
+    for inner in _inner_optimizers(optimizer):
+        params = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
+        if params and inner.config.clip_grad > 0.0:
+            # Looked up at call time: meshrl.parallel.cpu_compat wraps megatron's function on CPU.
+            megatron_optimizer.clip_grad_by_total_norm_fp32(
+                params, max_norm=inner.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return {"lr": lr, "grad_norm": grad_norm, "update_successful": bool(optimizer.step_with_ready_grads())}
 
 
 def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batches: list[MicroBatch],
@@ -244,6 +267,10 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batche
     """One optimizer update over ``micro_batches``: zero grads, forward/backward, clip, step; then one
     schedule step if ``scheduler`` is given and the update was applied (None: the caller advances it).
 
+    The update is skipped (``update_successful`` False, weights and optimizer state untouched) when the
+    global loss is NaN or infinite, or its gradient norm is (``optimizer_step``). The global loss is the
+    same number on every rank, so all skip together; it is checked apart from the norm because a loss can
+    be NaN where its gradient is not (a NaN masked to zero).
     ``loss_fn`` follows ``meshrl.parallel.schedule``'s contract (already globally normalised).
     Returns ``loss`` (global), per-micro-batch ``metrics``, ``lr``, ``grad_norm``, ``update_successful``.
     """
@@ -251,7 +278,10 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batche
 
     zero_grad(chunks, optimizer)
     result = forward_backward(chunks, micro_batches, loss_fn, request)
-    stats = optimizer_step(optimizer)
+    if math.isfinite(result.loss):
+        stats = optimizer_step(optimizer)
+    else:
+        stats = {"lr": current_lr(optimizer), "grad_norm": float("nan"), "update_successful": False}
     if scheduler is not None and stats["update_successful"]:
         advance_schedule(scheduler)
     return {"loss": result.loss, "metrics": result.metrics, **stats}

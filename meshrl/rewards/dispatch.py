@@ -137,6 +137,13 @@ class RewardSpec:
     custom_name: str = "compute_score"
     reward_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
+    @property
+    def label(self) -> str:
+        """The function as messages name it: ``name (file)`` for a custom one, else the built-in dispatch."""
+        if self.custom_path:
+            return f"reward function {self.custom_name} ({Path(self.custom_path).expanduser().resolve()})"
+        return "built-in reward (meshrl.rewards.dispatch.default_compute_score)"
+
     def build(self) -> RewardFn:
         """The callable ``fn(data_source, solution_str, ground_truth, extra_info)``."""
         fn = default_compute_score

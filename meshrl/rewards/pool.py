@@ -1,9 +1,14 @@
-"""Reward scoring for a batch, in worker processes for big batches, with a per-call wall-clock timeout.
+"""Reward scoring for a batch in worker processes, with a per-call wall-clock timeout.
 
-Contract of :meth:`RewardPool.score`: every response gets a float score; a call that raises, returns
+Contract of :meth:`RewardPool.score`: every response gets a float score. A call that raises, returns
 something that is not a number (or a dict with a numeric ``"score"``), crashes its worker, or runs
-past ``timeout_s`` scores 0.0 and is counted (``reward/num_errors``, ``reward/num_timeouts``) — it
-never stops the run.
+past ``timeout_s`` scores 0.0 and is counted (``reward/num_errors``, ``reward/num_timeouts``). A score
+that is NaN, infinite, or beyond float32's range (the trainer holds scores in float32: 1e39 would
+become inf there) is handled by ``on_nonfinite_score`` (``reward_model.on_nonfinite_score``): ``skip``
+scores it 0.0, counts it (``reward/num_nonfinite``) and warns naming the function and the value;
+``stop`` raises :class:`RewardError` with the same details. A pool whose calls all fail for
+``max_failed_batches`` batches in a row (``reward_model.max_failed_batches``) raises
+:class:`RewardError`: training on all-zero scores teaches nothing and would exit as if it had worked.
 
 Why processes, and why the parent enforces the timeout: a reward function can hang in C code (a
 catastrophic regex, a SymPy simplification) where no Python-level signal handler runs, and
@@ -13,9 +18,11 @@ deadline per call and kills the worker (then starts a fresh one) when it is miss
 spawned (not forked: the trainer process holds torch threads), and math-verify's signal-based
 timeouts work there because each call runs in the worker's main thread.
 
-Batches smaller than ``inline_below`` are scored in the calling process: for a few responses the
-dispatch costs more than the rewards (see ``INLINE_BELOW``). Inline calls cannot be interrupted; one
-that returns after ``timeout_s`` still scores 0.0 and counts as a timeout.
+Every batch goes to the workers, however small, so that the timeout holds for every batch: a warm
+pool answers a batch of 4 GSM8K responses in ~0.2 ms and one of 32 in ~1 ms (inline: 0.01 / 0.09 ms),
+nothing beside an RL step's seconds. With ``num_workers=0`` everything is scored in the calling
+process, where a hanging call cannot be interrupted (one that returns after ``timeout_s`` still scores
+0.0 and counts as a timeout).
 
 Workers are started with ``spawn``, which re-imports the main module: entry-point scripts must keep
 their top level behind ``if __name__ == "__main__":``.
@@ -36,17 +43,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from meshrl.config.schema import NONFINITE_ACTIONS
 from meshrl.rewards.dispatch import RewardFn, RewardSpec
 
 logger = logging.getLogger(__name__)
 
-# Break-even, measured on the shared 2-core machine with a warm 2-worker pool (noisy: other jobs ran):
-# a pooled batch costs ~1.5 ms of dispatch plus ~15 us of pipe traffic per item. MATH responses
-# (math-verify, 1-4 ms each) came out ahead in the pool from 8-32 items (up to 2.9x at 256: two
-# cores); GSM8K's regex reward (~4 us each) never does (4,096 items: 10-73 ms inline, 53-70 ms
-# pooled), and there the pool is only the guard against hangs. Batches below 32 stay inline;
-# inline_below=0 guards every call.
-INLINE_BELOW = 32
+# The largest float32: the trainer's score tensors are float32, and a float64 score beyond it becomes inf.
+FLOAT32_MAX = 3.4028234663852886e38
 
 _Item = tuple[int, str, str, str, Mapping[str, Any] | None]
 
@@ -56,7 +59,7 @@ def normalize_reward_output(out: Any) -> tuple[float, dict[str, Any]]:
 
     Raises:
         TypeError: not a number nor a dict with a numeric "score".
-        ValueError: the score is NaN or infinite.
+        NonFiniteScore: the score is NaN, infinite, or beyond float32's range.
     """
     extras: dict[str, Any] = {}
     if isinstance(out, Mapping):
@@ -67,9 +70,23 @@ def normalize_reward_output(out: Any) -> tuple[float, dict[str, Any]]:
     if not isinstance(out, (int, float)) and not hasattr(out, "__float__"):
         raise TypeError(f"reward function returned {type(out).__name__}; expected a number or a dict with 'score'")
     score = float(out)
-    if not math.isfinite(score):
-        raise ValueError(f"reward function returned a non-finite score {score}")
+    if not abs(score) <= FLOAT32_MAX:
+        raise NonFiniteScore(score)
     return score, extras
+
+
+class NonFiniteScore(ValueError):
+    """A reward function returned NaN, an infinity, or a number float32 cannot hold."""
+
+    def __init__(self, score: float) -> None:
+        self.score = score
+        beyond = " (beyond float32, where the trainer holds scores)" if math.isfinite(score) else ""
+        super().__init__(f"reward function returned a non-finite score {score!r}{beyond}")
+
+
+class RewardError(RuntimeError):
+    """The reward stops the run: a non-finite score under ``on_nonfinite_score="stop"``, or
+    ``max_failed_batches`` batches in a row in which no call succeeded. The message names the function."""
 
 
 def _worker_main(conn: Connection, spec: RewardSpec) -> None:
@@ -86,6 +103,8 @@ def _worker_main(conn: Connection, spec: RewardSpec) -> None:
         for index, data_source, solution, ground_truth, extra_info in chunk:
             try:
                 message = ("ok", index, normalize_reward_output(fn(data_source, solution, ground_truth, extra_info)))
+            except NonFiniteScore as e:
+                message = ("nonfinite", index, e.score)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # math-verify's TimeoutException derives from BaseException
@@ -120,10 +139,12 @@ class RewardPool:
 
     Args:
         spec: which reward function (built once here to fail fast on a bad custom file, and once per worker).
-        num_workers: worker processes (default: usable cores, at most 8); 0 scores everything inline.
+        num_workers: worker processes (default: usable cores, at most 8); 0 scores everything in this
+            process, where ``timeout_s`` cannot interrupt a call.
         timeout_s: wall-clock limit per call.
-        inline_below: batches with fewer items are scored in this process.
         chunk_size: items sent to a worker per message (default: about 4 chunks per worker, at most 256).
+        on_nonfinite_score: ``skip`` or ``stop`` (module docstring).
+        max_failed_batches: raise after this many batches in a row with no successful call; 0 never does.
     """
 
     def __init__(
@@ -132,20 +153,31 @@ class RewardPool:
         *,
         num_workers: int | None = None,
         timeout_s: float = 10.0,
-        inline_below: int = INLINE_BELOW,
         chunk_size: int | None = None,
+        on_nonfinite_score: str = "skip",
+        max_failed_batches: int = 3,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
+        if on_nonfinite_score not in NONFINITE_ACTIONS:
+            raise ValueError(f"on_nonfinite_score {on_nonfinite_score!r} is not one of {NONFINITE_ACTIONS}")
+        if max_failed_batches < 0:
+            raise ValueError(f"max_failed_batches must be >= 0, got {max_failed_batches}")
         self.spec = spec or RewardSpec()
         self._fn: RewardFn = self.spec.build()
         self.num_workers = min(8, len(os.sched_getaffinity(0))) if num_workers is None else num_workers
         if self.num_workers < 0:
             raise ValueError(f"reward num_workers must be >= 0, got {num_workers}")
+        if self.num_workers == 0:
+            logger.warning("reward num_workers=0: rewards run in the trainer process, where the %.1f s timeout "
+                           "cannot interrupt a hanging call", timeout_s)
         self.timeout_s = timeout_s
-        self.inline_below = inline_below
         self.chunk_size = chunk_size
-        self.totals: dict[str, float] = {"num_scored": 0, "num_errors": 0, "num_timeouts": 0, "num_worker_restarts": 0}
+        self.on_nonfinite_score = on_nonfinite_score
+        self.max_failed_batches = max_failed_batches
+        self.failed_batches = 0  # batches in a row in which no call succeeded
+        self.totals: dict[str, float] = {"num_scored": 0, "num_errors": 0, "num_timeouts": 0, "num_nonfinite": 0,
+                                         "num_worker_restarts": 0}
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = [self._spawn() for _ in range(self.num_workers)]
         self._finalizer = weakref.finalize(self, RewardPool._shutdown, self._workers)
@@ -202,18 +234,21 @@ class RewardPool:
         ]
         outcomes: list[tuple[str, Any]] = [("err", "not scored")] * n
         start = time.perf_counter()
-        pooled = self.num_workers > 0 and n >= self.inline_below
+        pooled = self.num_workers > 0
         if pooled:
             self._score_pooled(items, outcomes)
         else:
             self._score_inline(items, outcomes)
-        return self._collect(outcomes, pooled, time.perf_counter() - start)
+        return self._collect(outcomes, data_sources, pooled, time.perf_counter() - start)
 
     def _score_inline(self, items: list[_Item], outcomes: list[tuple[str, Any]]) -> None:
         for index, data_source, solution, ground_truth, extra_info in items:
             t0 = time.perf_counter()
             try:
                 result = normalize_reward_output(self._fn(data_source, solution, ground_truth, extra_info))
+            except NonFiniteScore as e:
+                outcomes[index] = ("nonfinite", e.score)
+                continue
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:
@@ -278,10 +313,12 @@ class RewardPool:
         self._workers[slot] = self._spawn()
         self.totals["num_worker_restarts"] += 1
 
-    def _collect(self, outcomes: list[tuple[str, Any]], pooled: bool, seconds: float) -> RewardBatch:
+    def _collect(self, outcomes: list[tuple[str, Any]], data_sources: Sequence[str], pooled: bool,
+                 seconds: float) -> RewardBatch:
         scores: list[float] = []
         extras: dict[str, list[Any]] = {}
         errors: list[str] = []
+        nonfinite: list[int] = []
         timeouts = 0
         for i, (kind, payload) in enumerate(outcomes):
             if kind == "ok":
@@ -293,14 +330,27 @@ class RewardPool:
                 timeouts += kind == "timeout"
                 if kind == "err":
                     errors.append(payload)
+                elif kind == "nonfinite":
+                    nonfinite.append(i)
             scores.append(score)
+        function = self.spec.label
+        if nonfinite:
+            first = nonfinite[0]
+            what = (f"{function} returned {outcomes[first][1]!r} for response {first} of the batch (data_source "
+                    f"{data_sources[first]!r}), which is NaN, infinite or beyond float32 (max {FLOAT32_MAX:.4g}, "
+                    f"where the trainer holds scores); {len(nonfinite)} such score(s) in this batch")
+            if self.on_nonfinite_score == "stop":
+                raise RewardError(f"{what}. reward_model.on_nonfinite_score=stop ends the run; set it to skip to "
+                                  "score them 0 and count them (reward/num_nonfinite)")
+            logger.warning("%s: scored 0 (reward_model.on_nonfinite_score=skip)", what)
         if errors:
-            logger.warning("%d reward call(s) failed and scored 0; first: %s", len(errors), errors[0])
+            logger.warning("%s: %d reward call(s) failed and scored 0; first: %s", function, len(errors), errors[0])
         if timeouts:
-            logger.warning("%d reward call(s) ran past %.1f s and scored 0", timeouts, self.timeout_s)
+            logger.warning("%s: %d reward call(s) ran past %.1f s and scored 0", function, timeouts, self.timeout_s)
         metrics: dict[str, float] = {
             "reward/num_errors": float(len(errors)),
             "reward/num_timeouts": float(timeouts),
+            "reward/num_nonfinite": float(len(nonfinite)),
             "reward/seconds": seconds,
             "reward/pooled": float(pooled),
         }
@@ -313,4 +363,20 @@ class RewardPool:
         self.totals["num_scored"] += len(outcomes)
         self.totals["num_errors"] += len(errors)
         self.totals["num_timeouts"] += timeouts
+        self.totals["num_nonfinite"] += len(nonfinite)
+        self._count_failed_batch(failed=bool(outcomes) and len(errors) + timeouts + len(nonfinite) == len(outcomes),
+                                 errors=errors, timeouts=timeouts, nonfinite=len(nonfinite))
         return RewardBatch(scores, extras, metrics)
+
+    def _count_failed_batch(self, failed: bool, errors: list[str], timeouts: int, nonfinite: int) -> None:
+        """Track batches in a row with no successful call; raise ``RewardError`` at ``max_failed_batches``."""
+        self.failed_batches = self.failed_batches + 1 if failed else 0
+        if not self.max_failed_batches or self.failed_batches < self.max_failed_batches:
+            return
+        first = f"; its first error: {errors[0]}" if errors else ""
+        raise RewardError(
+            f"{self.spec.label} failed on every response of {self.failed_batches} batches in a row "
+            f"(reward_model.max_failed_batches={self.max_failed_batches}); in the last one {len(errors)} raised, "
+            f"{timeouts} ran past {self.timeout_s:.1f} s and {nonfinite} returned a non-finite score{first}. "
+            "Training on all-zero scores teaches nothing: fix the reward function (or raise "
+            "reward_model.max_failed_batches; 0 never stops)")

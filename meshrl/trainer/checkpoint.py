@@ -9,14 +9,17 @@ Layout under ``trainer.default_local_dir`` (verl's names, so verl users find wha
                                          ``<role>/huggingface/`` also holds its HF export (verl's place)
         trainer_state.pt                 the driver's state dict (torch.save), authoritative
         trainer_state.json               a human-readable view of it (scalars; tensors summarised)
-        COMPLETE                         written last: the folder holds a whole checkpoint
+        COMPLETE                         written last: the folder holds a whole checkpoint, whose parts the
+                                         workers checked finite (``meshrl.parallel.checkpoint``)
         PRUNED                           only where rotation removed a part (it lists them): no longer resumable
 
 A save builds everything in ``global_step_N.tmp-<pid>``, fsyncs it, and renames it into place
 (``meshrl.atomic_io``), so a ``global_step_N`` folder appears whole or not at all; the ``latest``
 pointer moves only afterwards, replaced the same way.
 A crash at any point leaves the previous checkpoint and pointer as they were; the half-written
-``*.tmp-<pid>`` folder is removed by the next manager start.
+``*.tmp-<pid>`` folder is removed by the next manager start. So does a part that refuses to be written
+(a worker whose weights hold NaN or inf): the error then says which checkpoint is still the latest, and
+rotation, which runs only after a save, has removed nothing.
 
 Driver state is loaded with ``torch.load(weights_only=True)`` plus NumPy arrays and scalars (the RNG
 states), so resuming never runs code from a checkpoint file. A save checks the state loads back that
@@ -176,8 +179,9 @@ class CheckpointManager:
         ``write_parts(tmp_dir)`` writes the workers' parts (``actor/``, ``critic/``, ...) into the
         temporary folder; then the driver state, the ``COMPLETE`` marker, fsync of every file and folder
         and the rename into place, the ``latest`` pointer (itself replaced atomically) and rotation follow.
-        An exception before the rename removes the temporary folder and leaves the previous checkpoint
-        and pointer untouched. Saving a step that already has a folder replaces it.
+        An exception before the rename removes the temporary folder, leaves the previous checkpoint
+        and pointer untouched, and is re-raised with a note naming the latest checkpoint. Saving a step
+        that already has a folder replaces it.
 
         Raises:
             CheckpointError: ``driver_state`` holds a type the resume could not load (named).
@@ -198,8 +202,9 @@ class CheckpointManager:
             # An old folder of the same step (a run resumed from an earlier step, or an incomplete copy)
             # moves aside under a temporary name that the next start removes.
             publish_dir(tmp, final, aside=self.root / f"{final.name}.tmp-{os.getpid()}-replaced")
-        except BaseException:
+        except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
+            err.add_note(f"checkpoint {final} was not saved; the latest checkpoint is still {self.latest() or 'none'}")
             raise
         # The default temporary name (<name>.tmp-<pid>) is one _remove_stale_temporaries knows.
         write_text_atomically(self.root / LATEST_FILE, f"{step}\n")

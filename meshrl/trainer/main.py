@@ -128,7 +128,9 @@ def run(cfg, plan, inputs: RunInputs | None = None) -> dict[str, float]:
     policy = critic = trainer = None
     reward = RewardPool(RewardSpec(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
                                    dict(cfg.custom_reward_function.reward_kwargs)),
-                        num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s)
+                        num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
+                        on_nonfinite_score=cfg.reward_model.on_nonfinite_score,
+                        max_failed_batches=cfg.reward_model.max_failed_batches)
     # Installed after ray.init, which sets a SIGTERM handler of its own.
     with Interrupts(cfg.trainer.save_on_preempt) as interrupts:
         try:

@@ -18,7 +18,7 @@ from typing import Any
 
 from meshrl.protocol import Batch
 from meshrl.workers.dispatch import DispatchGroup
-from meshrl.workers.engine import MICRO_INDEX, TrainingEngine
+from meshrl.workers.engine import MICRO_INDEX, NonFinitePolicy, TrainingEngine
 from meshrl.workers.objectives import ActorObjective
 from meshrl.workers.rank import RankWorker
 from meshrl.workers.sequences import response_part, responses_batch
@@ -101,7 +101,7 @@ class ActorRolloutRefWorker(RankWorker):
             self.policy, optimizer_config(actor.optim, distributed_opt))
         self.train_engine = TrainingEngine(
             "actor", self.policy, self.optimizer, self.scheduler, self.pad_id,
-            min_micro=actor.megatron.pipeline_model_parallel_size,
+            min_micro=actor.megatron.pipeline_model_parallel_size, nonfinite=NonFinitePolicy.from_config(cfg.trainer),
             hint="check the rewards and advantages, or lower actor_rollout_ref.actor.optim.lr")
         self.ref = self.ref_offloaded = None
         # Pinned host memory for offloads, allocated once and reused every step (pinning is the slow part).

@@ -20,7 +20,7 @@ from typing import Any
 from meshrl.protocol import Batch
 from meshrl.workers.actor_rollout_ref import load_initial_weights, optimizer_config, transformer_overrides
 from meshrl.workers.dispatch import DispatchGroup
-from meshrl.workers.engine import TrainingEngine
+from meshrl.workers.engine import NonFinitePolicy, TrainingEngine
 from meshrl.workers.objectives import CriticObjective
 from meshrl.workers.rank import RankWorker
 from meshrl.workers.sequences import response_part
@@ -55,6 +55,7 @@ class CriticWorker(RankWorker):
         self.response_length = self.plan.response_length
         self.train_engine = TrainingEngine("critic", self.model, self.optimizer, self.scheduler, self.pad_id,
                                            min_micro=megatron.pipeline_model_parallel_size,
+                                           nonfinite=NonFinitePolicy.from_config(self.cfg.trainer),
                                            hint="check the rewards and returns, or lower critic.optim.lr")
         self._init_offload()
         return {**self.layout_dict(), "num_replicas": self.layout.dp_size}

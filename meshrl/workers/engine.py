@@ -6,15 +6,27 @@ normaliser ``GlobalNorm``, from ``meshrl.trainer.rl_trainer.mini_batches``)::
     for (shard, norm) in mini-batches:                 one optimizer step each
         micro-batches ← split(shard)                   token budget or count; the same count on every DP rank
         loss ← Σ_k loss_fn(outputs_k, micro_k, norm)   each share already divided by the mini-batch's normaliser
-        clip, step
+        clip, step                                     unless the loss or the gradient norm is NaN / inf
         metrics ← Σ over micro-batches, all-reduced over DP ranks (exact mini-batch values)
     schedule.advance()                                 once per RL step, as verl: every mini-batch uses lr(step)
 
 and the forward-only passes (log-probs, values): split → forward → the response columns, in row order.
+
+Non-finite numbers (``NonFinitePolicy``, from ``trainer.on_nonfinite_loss`` / ``on_nonfinite_grad_norm``):
+
+    source            skip                                            stop
+    loss              update not applied; <role>/nonfinite_losses     raise before backward (the default)
+                      and <role>/skipped_updates count it
+    gradient norm     update not applied (the default); counted in    raise, weights and optimizer state
+                      <role>/skipped_updates                          as they were
+
+Either way the message names the role, the number and what to check (``hint``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +35,7 @@ import torch
 
 from meshrl.collectives import collective_device
 from meshrl.config.micro_batching import MicroBatching
+from meshrl.config.schema import NONFINITE_ACTIONS
 from meshrl.protocol import Batch
 from meshrl.workers.objectives import sum_metrics
 from meshrl.workers.sequences import gather_response_outputs, response_part, split_micro_batches
@@ -31,6 +44,26 @@ from meshrl.workers.sequences import gather_response_outputs, response_part, spl
 MICRO_INDEX = "micro_index"
 
 RoleLoss = Callable[[dict[str, torch.Tensor], dict[str, Any], Any], tuple[torch.Tensor, dict[str, Any]]]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NonFinitePolicy:
+    """What an update with a NaN / inf loss or gradient norm does: ``skip`` or ``stop`` (module docstring)."""
+
+    loss: str
+    grad_norm: str
+
+    def __post_init__(self) -> None:
+        for source, action in (("trainer.on_nonfinite_loss", self.loss),
+                               ("trainer.on_nonfinite_grad_norm", self.grad_norm)):
+            if action not in NONFINITE_ACTIONS:
+                raise ValueError(f"{source}={action!r} is not one of {', '.join(NONFINITE_ACTIONS)}")
+
+    @classmethod
+    def from_config(cls, trainer) -> NonFinitePolicy:
+        return cls(loss=trainer.on_nonfinite_loss, grad_norm=trainer.on_nonfinite_grad_norm)
 
 
 @dataclass
@@ -56,7 +89,8 @@ class TrainingEngine:
     scheduler: Any
     pad_id: int
     min_micro: int  # micro-batches per step at least (a pipeline needs one per stage)
-    hint: str = ""  # what to check when the loss is not finite
+    nonfinite: NonFinitePolicy
+    hint: str = ""  # what to check when the loss or the gradient norm is not finite
 
     def split(self, shard: Batch, batching: MicroBatching, response_fields: tuple[str, ...] = ()) -> MiniBatchSplit:
         from meshrl.parallel import state
@@ -80,26 +114,37 @@ class TrainingEngine:
     def train(self, updates: list[tuple[Batch, Any]], batching: MicroBatching, request, loss_fn: RoleLoss,
               response_fields: tuple[str, ...]) -> tuple[dict[str, float], list[MiniBatchSplit]]:
         """One optimizer step per (shard, norm) in ``updates``, then one schedule step; (metrics averaged
-        over the optimizer steps, plus ``<role>/optimizer_steps``; each shard's split)."""
+        over the optimizer steps, plus ``<role>/optimizer_steps``, ``<role>/skipped_updates`` and
+        ``<role>/nonfinite_losses`` (counts over them); each shard's split).
+
+        Raises:
+            FloatingPointError: a non-finite loss or gradient norm whose policy is ``stop``.
+        """
         import torch.distributed as dist
 
         from meshrl.parallel import state
         from meshrl.parallel.optimizer import advance_schedule, train_step
 
         per_step, splits = [], []
+        skipped = nonfinite_losses = 0
         for shard, norm in updates:
             split = self.split(shard, batching, response_fields)
 
             def checked_loss(outputs, micro, norm=norm):
                 loss, metrics = loss_fn(outputs, micro, norm)
-                if not torch.isfinite(loss):
+                if self.nonfinite.loss == "stop" and not torch.isfinite(loss):
                     # Raised before backward: the optimizer never sees the NaN and the weights stay intact.
                     raise FloatingPointError(
                         f"{self.role} loss is {loss.item()} (metrics: { {k: float(v) for k, v in metrics.items()} }); "
-                        f"{self.hint}")
+                        f"nothing was applied (trainer.on_nonfinite_loss=stop). {self.hint}")
                 return loss, metrics
 
             result = train_step(self.chunks, self.optimizer, None, split.micros, checked_loss, request)
+            if not result["update_successful"]:
+                bad_loss = not math.isfinite(result["loss"])
+                self._skip_or_stop(result, bad_loss)
+                skipped += 1
+                nonfinite_losses += bad_loss
             shares = sum_metrics(result["metrics"])
             # Metric shares of this DP rank's micro-batches add up to the mini-batch value over ranks.
             values = torch.tensor(list(shares.values()), dtype=torch.float64,
@@ -117,4 +162,22 @@ class TrainingEngine:
         mean = {key: float(np.mean([m[key] for m in per_step])) for key in per_step[0]}
         # epochs × mini-batches: shows that the role's own ppo_epochs / ppo_mini_batch_size took effect
         mean[f"{self.role}/optimizer_steps"] = float(len(per_step))
+        mean[f"{self.role}/skipped_updates"] = float(skipped)
+        mean[f"{self.role}/nonfinite_losses"] = float(nonfinite_losses)
         return mean, splits
+
+    def _skip_or_stop(self, result: dict[str, Any], bad_loss: bool) -> None:
+        """An update that was not applied: raise if its policy says stop, else warn once, from rank 0 (every
+        rank agrees: the global loss and the gradient norm are the same numbers on all of them)."""
+        if bad_loss:
+            what = f"loss is {result['loss']} (trainer.on_nonfinite_loss=skip)"
+        else:
+            what = f"gradient norm is {result['grad_norm']} (loss {result['loss']:.6g})"
+            if self.nonfinite.grad_norm == "stop":
+                raise FloatingPointError(
+                    f"{self.role} {what}; the update was not applied, the weights are as before the step "
+                    f"(trainer.on_nonfinite_grad_norm=stop). {self.hint}")
+            what += " (trainer.on_nonfinite_grad_norm=skip)"
+        if torch.distributed.get_rank() == 0:
+            logger.warning("%s update skipped: %s; counted in %s/skipped_updates. %s", self.role, what, self.role,
+                           self.hint)

@@ -75,3 +75,23 @@ def test_killed_worker_fails_fast_and_keeps_last_checkpoint(train, tmp_path):
     latest = manager.resolve("auto")
     assert latest is not None and latest.name == "global_step_2"
     assert manager.load_driver_state(latest)["step"] == 2
+
+
+def test_a_diverging_step_skips_updates_and_keeps_a_finite_loadable_checkpoint(train, tmp_path):
+    """actor lr=1e30: the first update (step 1's first of two mini-batches) throws the weights to ~1e30, after
+    which every gradient norm is NaN. Those updates are skipped and counted (they used to write NaN into the
+    weights, and the NaN checkpoint was marked complete); the checkpoints hold finite weights, and a resume
+    loads one and trains on."""
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "diverging"
+    overrides = ["actor_rollout_ref.actor.optim.lr=1e30", "trainer.save_freq=1", "trainer.test_freq=-1",
+                 "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
+    _, steps = train(*overrides, "trainer.total_training_steps=2", run_dir=run_dir)
+    assert steps[1]["actor/optimizer_steps"] == 2 and steps[1]["actor/skipped_updates"] == 1
+    assert steps[2]["actor/skipped_updates"] == 2 and steps[2]["actor/nonfinite_losses"] == 0
+    weights = load_file(str(run_dir / "global_step_2" / "actor" / "huggingface" / "model.safetensors"))
+    assert all(bool(w.isfinite().all()) for w in weights.values())
+    assert max(float(w.abs().max()) for w in weights.values()) > 1e20  # the first update did apply
+    _, resumed = train(*overrides, "trainer.total_training_steps=3", run_dir=run_dir)
+    assert sorted(resumed) == [0, 1, 2, 3] and resumed[3]["actor/skipped_updates"] == 2

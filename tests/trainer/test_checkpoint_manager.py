@@ -76,6 +76,23 @@ def test_failure_inside_write_parts_leaves_previous_checkpoint_and_latest(tmp_pa
     assert manager.load_driver_state(manager.latest())["step"] == 1
 
 
+def test_a_refused_part_keeps_the_last_good_checkpoint_and_names_it(tmp_path):
+    """A worker refusing its part (weights holding NaN: ``meshrl.parallel.checkpoint``) under
+    max_actor_ckpt_to_keep=1: nothing is marked complete or rotated away, and the error names the latest."""
+    manager = CheckpointManager(tmp_path, {"actor": 1})
+    manager.save(1, state(1), write_actor("one"))
+
+    def refuse(folder):
+        raise FloatingPointError("refusing to save step 2 of the actor: 1 weight tensor(s) hold NaN or inf")
+
+    with pytest.raises(FloatingPointError) as info:
+        manager.save(2, state(2), refuse)
+    assert info.value.__notes__ == [f"checkpoint {tmp_path / 'global_step_2'} was not saved; the latest checkpoint "
+                                    f"is still {tmp_path / 'global_step_1'}"]
+    assert manager.checkpoints() == [tmp_path / "global_step_1"] and leftovers(tmp_path) == []
+    assert manager.latest() == tmp_path / "global_step_1" and not pruned_parts(manager.latest())
+
+
 class Controller:
     """Picklable, but not plain data: weights_only loading refuses it."""
 

@@ -254,13 +254,13 @@ def check_lr_schedule(worker, rl_steps: int = 4) -> dict:
     saved = (worker.optimizer, worker.scheduler, weights(worker))
     worker.optimizer, worker.scheduler = build_optimizer(worker.policy, optimizer_config(optim, False))
     worker.train_engine.optimizer, worker.train_engine.scheduler = worker.optimizer, worker.scheduler
-    seen, step = [], worker.optimizer.step
+    seen, step = [], worker.optimizer.step_with_ready_grads
 
-    def recording_step(*args, **kwargs):
+    def recording_step(*args, **kwargs):  # what applies an update (meshrl.parallel.optimizer.optimizer_step)
         seen[-1].append(worker.optimizer.param_groups[0]["lr"])
         return step(*args, **kwargs)
 
-    worker.optimizer.step = recording_step
+    worker.optimizer.step_with_ready_grads = recording_step
     batch = make_batch(rows=8, seed=5)
     batch = batch.union(worker.compute_log_probs(batch, model="actor")).union(worker.compute_log_probs(batch, model="ref"))
     halves = [batch.take(list(range(0, 4))), batch.take(list(range(4, 8)))]
