@@ -35,6 +35,7 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
 import time
 import weakref
 from collections import deque
@@ -91,6 +92,9 @@ class RewardError(RuntimeError):
 
 def _worker_main(conn: Connection, spec: RewardSpec) -> None:
     """Worker loop: build the reward function once, then score chunks, answering item by item."""
+    # A terminal's Ctrl-C reaches the whole process group; the driver closes the pool itself, and a
+    # traceback from each worker would bury its one "interrupted" line.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Imported before "ready" so that the first call's timeout is not spent importing SymPy.
     import math_verify  # noqa: F401
 
