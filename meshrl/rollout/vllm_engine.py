@@ -81,7 +81,6 @@ import os
 import pickle
 import random
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
