@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from meshrl.config.key_policy import key_policy
 from meshrl.config.loader import ConfigError, default_config
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS
-from meshrl.config.run_plan import RunPlan, build_run_plan, check_run_plan, estimator_inputs
+from meshrl.config.run_plan import RunPlan, check_run_plan, estimator_inputs
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_DECAY_STYLES, LR_SCHEDULES,
                                   MEGATRON_DTYPES, NONFINITE_ACTIONS, ROLLOUT_MODES, WD_INCR_STYLES, WSD_DECAY_STYLES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
@@ -311,14 +311,15 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
                  if mg.dtype == "float16" else ""))
 
 
-def validate_against_model(cfg: DictConfig, hf_config) -> None:
-    """Checks that need the model: parallel sizes must divide its heads, KV heads and layers."""
+def validate_against_model(cfg: DictConfig, plan: RunPlan, hf_config) -> None:
+    """Checks that need the model: parallel sizes of each role ``plan`` has must divide its heads, KV heads and
+    layers."""
     p = _Problems()
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     layers = hf_config.num_hidden_layers
     sections = [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron)]
-    if build_run_plan(cfg).use_critic:
+    if plan.use_critic:
         sections.append(("critic.megatron", cfg.critic.megatron))
     for key, mg in sections:
         tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size

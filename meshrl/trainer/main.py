@@ -175,7 +175,7 @@ def preflight(cfg):
     from meshrl.workers.cluster import ray_init_kwargs
 
     plan = validate_config(cfg)
-    validate_against_model(cfg, model_config(cfg))
+    validate_against_model(cfg, plan, model_config(cfg))
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
     problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout)
     if problems:

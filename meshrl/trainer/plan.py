@@ -307,13 +307,13 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     critic_dtype = precision(critic_cfg.megatron.dtype)
     limit = gpu_memory_gib * GIB
     hf_config = load_hf_config(arr.model.path)
+    run = build_run_plan(cfg)  # the roles and widths the trainer will use
     try:
-        validate_against_model(cfg, hf_config)
+        validate_against_model(cfg, run, hf_config)
         spec = model_spec(hf_config)
     except (ConfigError, ValueError) as exc:
         raise PlanError(str(exc)) from None
     world = world_size(cfg)
-    run = build_run_plan(cfg)  # the roles and widths the trainer will use
     use_ref, use_critic = run.use_reference, run.use_critic
     seq_len = data.max_prompt_length + run.response_length
 

@@ -7,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from meshrl.config import ConfigError, load_config
+from meshrl.config.run_plan import build_run_plan
 from meshrl.config.validate import validate_against_model, validate_config
 from seed_commands import SEED_COMMANDS
 
@@ -182,8 +183,9 @@ def test_tp_must_divide_model_heads():
     hf = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
     cfg = load_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"does not divide the model's 9 attention heads"):
-        validate_against_model(cfg, hf)
-    validate_against_model(load_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"]), hf)
+        validate_against_model(cfg, build_run_plan(cfg), hf)
+    cfg = load_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"])
+    validate_against_model(cfg, build_run_plan(cfg), hf)
 
 
 def test_unknown_recipe_suggests(tmp_path):
