@@ -47,6 +47,7 @@ FSDP_ONLY = FSDP_CONFIG + (
     "actor_rollout_ref.*.entropy_checkpointing",
     "actor_rollout_ref.actor.pad_to_length",
     "actor_rollout_ref.model.enable_activation_offload",
+    "actor_rollout_ref.model.torch_dtype",  # the Megatron parameters' dtype is *.megatron.dtype
 )
 
 FUSED_KERNELS = ("meshrl computes log-probs and entropy from vocab-parallel logits of the response tokens only; the "

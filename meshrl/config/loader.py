@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import re
 import warnings
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -172,15 +173,50 @@ def parse_override(item: str) -> tuple[str, object]:
     """``'a.b=1'`` → ``('a.b', 1)``, the value parsed as YAML (as Hydra does)."""
     if item.startswith("~"):
         raise ConfigError(f"override '{item}': deleting keys is not supported; set the key instead.")
+    if not item.strip():
+        raise ConfigError(f"override {item!r} is blank: a shell script line ending in a backslash followed by a "
+                          "space or a comment passes a blank argument and ends the command there, so the lines "
+                          "after it never reach meshrl; remove the space or comment after the backslash.")
     key, sep, raw = item.lstrip("+").partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{item}' is not of the form key=value "
                           "(e.g. algorithm.adv_estimator=grpo).", [key.strip()] if key.strip() else [])
+    escaped, raw = _hide_hydra_escapes(raw)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override '{item}': the value is not valid YAML ({exc}).") from None
-    return key.strip(), value
+    return key.strip(), _restore_hydra_escapes(value, escaped)
+
+
+# Hydra's override grammar lets an unquoted value carry its special characters escaped with a backslash
+# (``a.\{*\}`` is the string ``a.{*}``); YAML has no such escape. Each escaped character is parsed as a
+# private-use placeholder, then put back into the strings of the parsed value.
+_HYDRA_ESCAPE = re.compile(r"\\([\\()\[\]{}:=, \t])")
+_PLACEHOLDER_BASE = 0xE000
+
+
+def _hide_hydra_escapes(raw: str) -> tuple[list[str], str]:
+    escaped: list[str] = []
+
+    def hide(match: re.Match) -> str:
+        escaped.append(match.group(1))
+        return chr(_PLACEHOLDER_BASE + len(escaped) - 1)
+
+    return escaped, _HYDRA_ESCAPE.sub(hide, raw)
+
+
+def _restore_hydra_escapes(value, escaped: list[str]):
+    if not escaped:
+        return value
+    if isinstance(value, str):
+        return "".join(escaped[ord(c) - _PLACEHOLDER_BASE] if 0 <= ord(c) - _PLACEHOLDER_BASE < len(escaped) else c
+                       for c in value)
+    if isinstance(value, list):
+        return [_restore_hydra_escapes(v, escaped) for v in value]
+    if isinstance(value, dict):
+        return {_restore_hydra_escapes(k, escaped): _restore_hydra_escapes(v, escaped) for k, v in value.items()}
+    return value
 
 
 def resolve_recipe(name: str | Path, relative_to: Path | None = None) -> Path | None:

@@ -128,6 +128,7 @@ class ModelConfig:
     use_fused_kernels: bool = False  # inert: meshrl's log-probs never build full-vocabulary logits (key_policy)
     fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
     enable_activation_offload: bool = False  # verl's FSDP activation offload
+    torch_dtype: Optional[str] = None  # verl's FSDP load dtype (some scripts set it); warned, megatron.dtype rules
     # verl's LoRA keys (its FSDP names, then its Megatron section): meshrl trains every weight; refused.
     lora_rank: int = 0
     lora_alpha: int = 16
