@@ -1,7 +1,8 @@
 """``actor_rollout_ref.model.path`` → a local Hugging Face folder.
 
     embedded:smollm2       the packaged SmolLM2-135M-Instruct (converted once into the cache)
-    tiny:llama, tiny:qwen2 tiny random models with real layouts (tests, smoke runs)
+    tiny:<model_type>      a tiny random model of a registered family (tiny:llama, tiny:qwen2, tiny:qwen3,
+                           tiny:mistral; tests, smoke runs), see meshrl.models.families
     <folder>               a local HF folder (config.json + safetensors + tokenizer)
 
 No model hub is reachable, so a hub id such as ``Qwen/Qwen2.5-7B-Instruct`` that is not a local
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshrl.models.families import FAMILY_MODULES
+
 EMBEDDED_MODELS = ("embedded:smollm2",)
-TINY_MODELS = ("tiny:llama", "tiny:qwen2")
+TINY_MODELS = tuple(f"tiny:{model_type}" for model_type in FAMILY_MODULES)
 
 
 def resolve_model_path(path: str) -> Path:
@@ -22,11 +25,9 @@ def resolve_model_path(path: str) -> Path:
 
         return smollm2_hf_dir()
     if path in TINY_MODELS:
-        from meshrl.models.tiny import TinySpec, tiny_model_dir
+        from meshrl.models.tiny import tiny_model_dir, tiny_spec
 
-        spec = TinySpec() if path == "tiny:llama" else TinySpec(arch="qwen2", hidden_size=256,
-                                                               tie_word_embeddings=False)
-        return tiny_model_dir(spec)
+        return tiny_model_dir(tiny_spec(path.removeprefix("tiny:")))
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return folder

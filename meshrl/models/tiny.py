@@ -1,10 +1,11 @@
-"""Tiny random Llama / Qwen2 models with real layouts, for tests and CPU smoke runs.
+"""Tiny random models of every registered family (``meshrl.models.families``), for tests and CPU smoke runs.
 
 They keep every structural feature the parallel and rollout layers must handle — grouped-query
-attention, Qwen2's QKV bias, tied or untied embeddings, rope theta, RMSNorm eps — at a size that
-runs in milliseconds. ``head_dim`` defaults to 64 because vLLM's CPU attention kernel only accepts
-head_dim in {32, 64, 80, 96, 112, 128, ...}. The tokenizer is the embedded SmolLM2 one, so prompts,
-chat template and vocabulary are real.
+attention, Qwen2's QKV bias, Qwen3's q/k norms and independent head_dim, tied or untied embeddings, rope
+theta, RMSNorm eps — at a size that runs in milliseconds. ``head_dim`` defaults to 64 because vLLM's CPU
+attention kernel only accepts head_dim in {32, 64, 80, 96, 112, 128, ...}. The tokenizer is the embedded
+SmolLM2 one, so prompts, chat template and vocabulary are real. ``tiny_spec(model_type)`` is the shape
+``tiny:<model_type>`` resolves to (the family's ``tiny_shape`` over ``TinySpec``'s defaults).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from meshrl.runtime import cache_dir
 class TinySpec:
     """Shape of a tiny model. ``vocab_size`` must cover the tokenizer's (49,152 for SmolLM2)."""
 
-    arch: str = "llama"  # "llama" or "qwen2"
+    arch: str = "llama"  # a registered model_type
     hidden_size: int = 128
     intermediate_size: int = 256
     num_hidden_layers: int = 2
@@ -35,6 +36,8 @@ class TinySpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
+    # std of the norms' gammas around 1 (0: all ones, HF's init); > 0 lets a test tell one norm from another
+    norm_scale: float = 0.0
     seed: int = 0
 
     def name(self) -> str:
@@ -45,11 +48,21 @@ class TinySpec:
                 f"a{self.num_attention_heads}kv{self.num_key_value_heads}-d{self.head_dim}-{tie}-{digest}")
 
 
-def tiny_config(spec: TinySpec):
-    """Hugging Face config for ``spec``."""
-    from transformers import LlamaConfig, Qwen2Config
+def tiny_spec(model_type: str, **changes) -> TinySpec:
+    """The tiny model of ``model_type``'s family: its ``tiny_shape``, then ``changes``."""
+    from meshrl.models.families import family
 
-    common = dict(
+    return TinySpec(arch=model_type, **{**family(model_type).tiny_shape, **changes})
+
+
+def tiny_config(spec: TinySpec):
+    """Hugging Face config for ``spec`` (the family's config class and ``tiny_config`` fields)."""
+    import transformers
+
+    from meshrl.models.families import family
+
+    fam = family(spec.arch)
+    shape = dict(
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -61,15 +74,14 @@ def tiny_config(spec: TinySpec):
         max_position_embeddings=spec.max_position_embeddings,
         rope_theta=spec.rope_theta,
     )
-    if spec.arch == "llama":
-        return LlamaConfig(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False, **common)
-    if spec.arch == "qwen2":
+    if fam.derives_head_dim:
         if spec.hidden_size != spec.num_attention_heads * spec.head_dim:
-            raise ValueError("Qwen2 derives head_dim = hidden_size / num_attention_heads; "
+            raise ValueError(f"{spec.arch} derives head_dim = hidden_size / num_attention_heads; "
                              f"got hidden {spec.hidden_size}, heads {spec.num_attention_heads}, "
                              f"head_dim {spec.head_dim}")
-        return Qwen2Config(use_sliding_window=False, **common)
-    raise ValueError(f"unknown tiny arch {spec.arch!r}; choose 'llama' or 'qwen2'")
+    else:
+        shape["head_dim"] = spec.head_dim
+    return getattr(transformers, fam.config_class)(**shape, **fam.tiny_config)
 
 
 def build_tiny_model(spec: TinySpec = TinySpec()):
@@ -89,6 +101,8 @@ def build_tiny_model(spec: TinySpec = TinySpec()):
                     param.normal_(0.0, 0.08)
                 elif name.endswith("bias"):
                     param.normal_(0.0, 0.05)
+                elif spec.norm_scale:  # a norm's gamma
+                    param.normal_(1.0, spec.norm_scale)
     return model.eval()
 
 

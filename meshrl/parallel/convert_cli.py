@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshrl.parallel.model_builder import ModelSpec
+from meshrl.models.families import ModelSpec
 
 # ModelSpec field -> the HF config field it comes from (for error messages).
 HF_FIELD = {
@@ -28,6 +28,7 @@ HF_FIELD = {
     "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab_size": "vocab_size",
     "tie_word_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps",
     "qkv_bias": "model_type (QKV bias)", "max_position_embeddings": "max_position_embeddings",
+    "qk_norm": "model_type (q/k norms)",
 }
 
 

@@ -1,8 +1,10 @@
 """Hugging Face safetensors <-> megatron model chunks, streamed tensor by tensor.
 
-One table, ``hf_layout(spec, critic)``, lists every HF tensor in a fixed global order with where it
-lives in megatron: the owning pipeline stage and virtual chunk, the megatron parameter, the dimension
-TP splits it on, and which part of a fused megatron parameter it is. Both directions use it:
+One table, ``meshrl.models.families.hf_layout(spec, critic)``, lists every HF tensor of the model's family
+in a fixed global order with where it lives in megatron: embedding / layer / head, the megatron parameter,
+the dimension TP splits it on, and which part of a fused megatron parameter it is. This module places each
+entry on its pipeline stage and virtual chunk and TP shard; it knows no family by name. Both directions
+use it:
 
 - ``load_hf_weights(chunks, hf_dir)``: each rank reads, with safetensors' lazy ``safe_open`` /
   ``get_slice``, only the rows or columns of its own TP shard of the tensors its PP stage owns, and
@@ -13,7 +15,9 @@ TP splits it on, and which part of a fused megatron parameter it is. Both direct
 Megatron layouts handled (local and Transformer Engine specs alike):
 
 - ``linear_qkv`` rows are grouped per KV group, ``[q_g (nq/nkv heads); k_g; v_g]`` for g in groups,
-  and TP gives each rank a contiguous run of whole groups; Qwen2's QKV bias follows the same layout.
+  and TP gives each rank a contiguous run of whole groups; a QKV bias (Qwen2) follows the same layout.
+- q/k layernorm weights (Qwen3's ``q_norm`` / ``k_norm``, one ``head_dim`` gamma for all heads) are
+  replicated over TP, like the other norms.
 - ``linear_fc1`` is ``[gate; up]`` *per TP rank*: each rank holds its slice of gate then its slice of up.
 - ``linear_proj`` (``o_proj``) and ``linear_fc2`` (``down_proj``) are split on dim 1; embeddings and
   the vocabulary head on dim 0; norms are replicated.
@@ -30,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -38,86 +41,14 @@ import torch
 import torch.distributed as dist
 
 from meshrl.atomic_io import publish_dir
+from meshrl.models.families import ModelSpec, Piece, family, hf_layout
 from meshrl.parallel import model_builder, state
-from meshrl.parallel.model_builder import ModelSpec, unwrap
+from meshrl.parallel.model_builder import unwrap
 
 _TE_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One HF tensor and its place in megatron.
-
-    ``stage``: "embed" (first stage), "layer" (``layer`` index), "head" (last stage).
-    ``mcore``: parameter name inside the owning chunk, local-spec naming, ``{j}`` = local layer index.
-    ``tp_dim``: HF dimension TP splits (None: replicated). ``part``: which slice of a fused parameter
-    ("q", "k", "v", "gate", "up") or None. ``shape``: full HF shape. ``fields``: the config fields
-    that determine the shape, for error messages.
-    """
-
-    hf_name: str
-    stage: str
-    layer: int | None
-    mcore: str
-    tp_dim: int | None
-    part: str | None
-    shape: tuple[int, ...]
-    fields: str
-
-
-def hf_layout(spec: ModelSpec, critic: bool = False) -> list[Piece]:
-    """Every HF tensor of the model, in the order ``iter_hf_weights`` yields them."""
-    h, d, v, f = spec.hidden_size, spec.head_dim, spec.vocab_size, spec.ffn_hidden_size
-    nq, nkv = spec.num_attention_heads, spec.num_kv_heads
-    pieces = [Piece("model.embed_tokens.weight", "embed", None, "embedding.word_embeddings.weight", 0, None,
-                    (v, h), "vocab_size, hidden_size")]
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        layer = "decoder.layers.{j}."
-        qkv = layer + "self_attention.linear_qkv."
-        pieces += [
-            Piece(p + "input_layernorm.weight", "layer", i, layer + "input_layernorm.weight", None, None,
-                  (h,), "hidden_size"),
-            Piece(p + "self_attn.q_proj.weight", "layer", i, qkv + "weight", 0, "q", (nq * d, h),
-                  "num_attention_heads*head_dim, hidden_size"),
-            Piece(p + "self_attn.k_proj.weight", "layer", i, qkv + "weight", 0, "k", (nkv * d, h),
-                  "num_key_value_heads*head_dim, hidden_size"),
-            Piece(p + "self_attn.v_proj.weight", "layer", i, qkv + "weight", 0, "v", (nkv * d, h),
-                  "num_key_value_heads*head_dim, hidden_size"),
-        ]
-        if spec.qkv_bias:
-            pieces += [
-                Piece(p + "self_attn.q_proj.bias", "layer", i, qkv + "bias", 0, "q", (nq * d,),
-                      "num_attention_heads*head_dim"),
-                Piece(p + "self_attn.k_proj.bias", "layer", i, qkv + "bias", 0, "k", (nkv * d,),
-                      "num_key_value_heads*head_dim"),
-                Piece(p + "self_attn.v_proj.bias", "layer", i, qkv + "bias", 0, "v", (nkv * d,),
-                      "num_key_value_heads*head_dim"),
-            ]
-        pieces += [
-            Piece(p + "self_attn.o_proj.weight", "layer", i, layer + "self_attention.linear_proj.weight", 1, None,
-                  (h, nq * d), "hidden_size, num_attention_heads*head_dim"),
-            Piece(p + "post_attention_layernorm.weight", "layer", i, layer + "pre_mlp_layernorm.weight", None,
-                  None, (h,), "hidden_size"),
-            Piece(p + "mlp.gate_proj.weight", "layer", i, layer + "mlp.linear_fc1.weight", 0, "gate", (f, h),
-                  "intermediate_size, hidden_size"),
-            Piece(p + "mlp.up_proj.weight", "layer", i, layer + "mlp.linear_fc1.weight", 0, "up", (f, h),
-                  "intermediate_size, hidden_size"),
-            Piece(p + "mlp.down_proj.weight", "layer", i, layer + "mlp.linear_fc2.weight", 1, None, (h, f),
-                  "hidden_size, intermediate_size"),
-        ]
-    pieces.append(Piece("model.norm.weight", "head", None, "decoder.final_layernorm.weight", None, None, (h,),
-                        "hidden_size"))
-    if critic:
-        pieces += [Piece("score.weight", "head", None, "output_layer.weight", None, None, (1, h), "hidden_size"),
-                   Piece("score.bias", "head", None, "output_layer.bias", None, None, (1,), "num_labels=1")]
-    elif not spec.tie_word_embeddings:
-        pieces.append(Piece("lm_head.weight", "head", None, "output_layer.weight", 0, None, (v, h),
-                            "vocab_size, hidden_size"))
-    return pieces
 
 
 def _owner(piece: Piece, spec: ModelSpec, parallel: state.ParallelConfig) -> tuple[int, int]:
@@ -417,8 +348,7 @@ def _config_for_export(hf_config, critic: bool, dtype: torch.dtype):
     config = copy.deepcopy(hf_config)
     config.dtype = dtype
     if critic:
-        family = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification"}
-        config.architectures = [family[config.model_type]]
+        config.architectures = [family(config.model_type).critic_class]
         config.num_labels = 1
     return config
 

@@ -1,9 +1,11 @@
-"""Build megatron-core ``GPTModel`` chunks (policy or critic) from a Hugging Face Llama / Qwen2 config.
+"""Build megatron-core ``GPTModel`` chunks (policy or critic) from a Hugging Face config of a registered family.
 
-What is mapped (HF -> megatron): layers, hidden, FFN, heads, KV heads (GQA), head_dim (``kv_channels``),
-vocab, tied embeddings (``share_embeddings_and_output_weights``), ``rope_theta`` (``rotary_base``),
-``rms_norm_eps`` (``layernorm_epsilon``), Qwen2's QKV bias (``add_qkv_bias``), SwiGLU
-(``gated_linear_unit`` + SiLU), no other biases, no dropout.
+The family (``meshrl.models.families``) reads the HF config into a ``ModelSpec`` — refusing fields meshrl
+would drop — and names the megatron-core options of its structure (``transformer_options``: RMSNorm,
+SwiGLU, QKV bias, q/k layernorm; ``layer_spec_options``). This module maps the rest — layers, hidden, FFN,
+heads, KV heads (GQA), head_dim (``kv_channels``), vocab, tied embeddings
+(``share_embeddings_and_output_weights``), ``rope_theta`` (``rotary_base``), no dropout — and applies the
+parallel layout; it knows no family by name.
 
 Layer spec: Transformer Engine's when TE is importable (GPU), else megatron's local spec with
 RMSNorm (CPU) whose core attention runs through torch's fused ``scaled_dot_product_attention``. Both
@@ -29,88 +31,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from meshrl.models.families import ModelSpec, layer_spec_options, model_spec, transformer_options
 from meshrl.parallel import state
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The architecture facts meshrl reads from an HF config (compared field by field on conversion)."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    rope_theta: float
-    rms_norm_eps: float
-    qkv_bias: bool
-    max_position_embeddings: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def mismatches(self, other: "ModelSpec") -> list[str]:
-        """Human-readable ``field: self vs other`` lines for every differing field."""
-        mine, theirs = asdict(self), asdict(other)
-        return [f"{key}: {mine[key]!r} vs {theirs[key]!r}" for key in mine if mine[key] != theirs[key]]
-
-
-def _rope_theta(hf_config) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported by meshrl.parallel (only 'default')")
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("the HF config has no rope_theta")
-    return float(theta)
-
-
-def model_spec(hf_config) -> ModelSpec:
-    """Validate ``hf_config`` (a ``PretrainedConfig``) and extract the fields meshrl maps."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
-    if model_type == "llama":
-        if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-            raise ValueError("Llama configs with attention_bias or mlp_bias are not supported")
-        qkv_bias = False
-    else:
-        if getattr(hf_config, "use_sliding_window", False):
-            raise ValueError("Qwen2 sliding-window attention is not supported (use_sliding_window=True)")
-        qkv_bias = True
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return ModelSpec(
-        model_type=model_type,
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        vocab_size=hf_config.vocab_size,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        rope_theta=_rope_theta(hf_config),
-        rms_norm_eps=float(hf_config.rms_norm_eps),
-        qkv_bias=qkv_bias,
-        max_position_embeddings=hf_config.max_position_embeddings,
-    )
-
 
 def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
     """Raise ``ValueError`` naming the constraint when ``parallel`` cannot shard ``spec``."""
@@ -134,7 +61,7 @@ def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
     if parallel.context_parallel != 1:
         problems.append("context parallelism is not supported yet (context_parallel must be 1)")
     if parallel.expert_parallel != 1:
-        problems.append("expert parallelism needs an MoE model; Llama / Qwen2 are dense")
+        problems.append(f"expert parallelism needs an MoE model; {spec.model_type} is dense")
     if problems:
         raise ValueError("impossible parallel layout for this model: " + "; ".join(problems))
 
@@ -200,12 +127,7 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_kv_heads,
         kv_channels=spec.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
+        **transformer_options(spec),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor_parallel,
@@ -318,14 +240,15 @@ def _sdpa_core_attention_class():
     return SDPACoreAttention
 
 
-def _layer_spec(use_te: bool):
-    """Transformer Engine's spec, or megatron's local spec (RMSNorm) with SDPA core attention."""
+def _layer_spec(use_te: bool, model: ModelSpec):
+    """Transformer Engine's spec, or megatron's local spec (RMSNorm) with SDPA core attention; both with the
+    family's layer options (q/k layernorm)."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(**layer_spec_options(model))
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", **layer_spec_options(model))
     spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention_class()
     return spec
 
@@ -346,7 +269,7 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
     spec = model_spec(hf_config)
     config = transformer_config(spec, parallel, dtype, **config_overrides)
     use_te = transformer_engine_available()
-    layer_spec = _layer_spec(use_te)
+    layer_spec = _layer_spec(use_te, spec)
     if "attention_backend" in config_overrides and not use_te:
         # Said, not silently dropped: only Transformer Engine's attention chooses among backends.
         warnings.warn(f"attention_backend={config_overrides['attention_backend']} selects a Transformer Engine "

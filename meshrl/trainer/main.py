@@ -187,16 +187,21 @@ def preflight(cfg):
 
 def model_config(cfg):
     """The policy model's Hugging Face config (its config.json only: no weights load); a ``ConfigError`` naming
-    ``actor_rollout_ref.model.path`` when there is none."""
+    ``actor_rollout_ref.model.path`` when there is none, or when meshrl has no family for it or refuses one of
+    its fields (``meshrl.models.families.model_spec``)."""
     from transformers import AutoConfig
 
     from meshrl.config import ConfigError
+    from meshrl.models.families import model_spec
     from meshrl.models.resolve import resolve_model_path
 
     model = cfg.actor_rollout_ref.model
     try:
-        return AutoConfig.from_pretrained(resolve_model_path(model.path), trust_remote_code=model.trust_remote_code)
-    except (OSError, ValueError) as exc:  # no folder or config.json, an unknown model type, remote code not trusted
+        config = AutoConfig.from_pretrained(resolve_model_path(model.path), trust_remote_code=model.trust_remote_code)
+        model_spec(config)
+        return config
+    except (OSError, ValueError) as exc:  # no folder or config.json, an unknown model type, remote code not trusted,
+        # a family or config field meshrl does not implement
         raise ConfigError(f"actor_rollout_ref.model.path: {exc}", ["actor_rollout_ref.model.path"]) from None
 
 

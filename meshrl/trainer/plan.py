@@ -8,7 +8,8 @@ the estimate as a ``Plan``; ``stage_parameters`` is the parameter count of one r
 Contract:
 - The model's architecture comes from a local Hugging Face folder (``config.json``), meshrl's
   ``embedded:`` / ``tiny:`` models, or ``KNOWN_MODELS`` for the hub ids the recipes use (nothing is
-  downloaded). Its facts go through ``model_builder.model_spec``, the trainer's own reading.
+  downloaded). Its facts go through ``model_builder.model_spec``, the trainer's own reading, and its
+  parameters are counted from its family's tensor table (``meshrl.models.families``), the one conversion uses.
 - The layout is checked as the trainer checks it (``validate_config``, ``validate_against_model``,
   ``model_builder.check_layout``); an impossible layout is refused with the trainer's message.
 - A layout whose peak phase exceeds ``--gpu-memory-gib`` (default 80), or whose vLLM budget leaves no
@@ -25,7 +26,8 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
 - Activations, per token per layer, in bf16 with flash attention and no sequence parallelism:
   ``4h`` replicated (inputs of the two RMSNorms and of the QKV / FC1 projections) plus
   ``(2·a·d + 2·g·d + 4f) / TP`` (query, key, value, attention output; FC1's gate and up halves,
-  SiLU(gate) and FC2's input — SwiGLU is unfused in meshrl's layer config). With
+  SiLU(gate) and FC2's input — SwiGLU is unfused in meshrl's layer config), plus ``(a·d + g·d) / TP``
+  for the inputs of a family's q/k layernorms (Qwen3). With
   full-layer recompute (``model.enable_gradient_checkpointing`` or ``override_transformer_config``) a layer keeps only
   its ``h`` input, plus one layer's full set while it is recomputed. A micro-batch holds at most the
   token budget (``ppo_max_token_len_per_gpu``); the first pipeline stage keeps PP micro-batches in
@@ -70,8 +72,11 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from math import prod
 from pathlib import Path
 from typing import Any, Sequence
+
+from meshrl.models.families import family, layer_pieces
 
 GIB = 1024**3
 
@@ -109,9 +114,11 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                              tie_word_embeddings=False, rope_theta=10000.0,
                                              max_position_embeddings=4096),
 }
-_QWEN2_DEFAULTS = dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
-                       use_sliding_window=False)
-_LLAMA_DEFAULTS = dict(rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False)
+# Config fields the KNOWN_MODELS of a model_type share.
+_KNOWN_DEFAULTS = {
+    "qwen2": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, use_sliding_window=False),
+    "llama": dict(rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False),
+}
 
 # Bytes per element. bf16 compute with fp32 gradients and AdamW master copy (megatron.dtype bfloat16, the
 # GPU default), or fp32 throughout (float32, the CPU default).
@@ -149,22 +156,21 @@ def load_hf_config(path: str):
 
         return AutoConfig.from_pretrained(resolve_model_path(path))
     if path in KNOWN_MODELS:
-        from transformers import LlamaConfig, Qwen2Config
+        import transformers
 
         fields = dict(KNOWN_MODELS[path])
         model_type = fields.pop("model_type")
-        defaults, cls = (_QWEN2_DEFAULTS, Qwen2Config) if model_type == "qwen2" else (_LLAMA_DEFAULTS, LlamaConfig)
-        return cls(**{**defaults, **fields})
+        config_class = getattr(transformers, family(model_type).config_class)
+        return config_class(**{**_KNOWN_DEFAULTS[model_type], **fields})
     raise PlanError(f"model '{path}' is not a local Hugging Face folder (no config.json) and not a known config; "
                     f"known: {', '.join(KNOWN_MODELS)}. Pass the model's folder.")
 
 
 def layer_parameters(spec, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one TP rank (norms replicated, the rest split)."""
-    h, q, kv = spec.hidden_size, spec.num_attention_heads * spec.head_dim, 2 * spec.num_kv_heads * spec.head_dim
-    qkv = (q + kv) * h + ((q + kv) if spec.qkv_bias else 0)
-    split = qkv + h * q + 3 * h * spec.ffn_hidden_size  # QKV, output projection, FC1 (gate+up), FC2
-    return split // tp + 2 * h
+    """Parameters of one transformer layer on one TP rank: the family's tensors of a decoder layer
+    (``meshrl.models.families.layer_pieces``, the table conversion uses), replicated ones (norms) whole,
+    TP-split ones divided."""
+    return sum(prod(p.shape) // (1 if p.tp_dim is None else tp) for p in layer_pieces(spec, 0))
 
 
 def stage_parameters(spec, *, tp: int = 1, pp: int = 1, stage: int = 0, critic: bool = False) -> int:
@@ -198,7 +204,10 @@ def matmul_parameters(spec, critic: bool = False) -> int:
 def activation_bytes_per_token(spec, tp: int, act_bytes: int) -> int:
     """Bytes one layer keeps for its backward, per token (see the module docstring)."""
     h, f = spec.hidden_size, spec.ffn_hidden_size
-    split = 2 * spec.num_attention_heads * spec.head_dim + 2 * spec.num_kv_heads * spec.head_dim + 4 * f
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    split = 2 * q + 2 * kv + 4 * f
+    if spec.qk_norm:  # the q/k layernorms' inputs
+        split += q + kv
     return act_bytes * (4 * h + split // tp)
 
 

@@ -26,13 +26,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from meshrl.models.tiny import TinySpec, tiny_model_dir  # noqa: E402
+from meshrl.models.families import FAMILY_MODULES  # noqa: E402
+from meshrl.models.tiny import TinySpec, tiny_model_dir, tiny_spec  # noqa: E402
 from meshrl.parallel import checkpoint, hf_conversion, model_builder, offload, optimizer, schedule, state  # noqa: E402
 from meshrl.parallel.forward import OutputRequest  # noqa: E402
 
-LLAMA = TinySpec()
-QWEN2 = TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False)
+# The tiny model of every registered family (``tiny:<model_type>``); parity and export run on each.
+FAMILIES = {model_type: tiny_spec(model_type) for model_type in FAMILY_MODULES}
+LLAMA, QWEN2 = FAMILIES["llama"], FAMILIES["qwen2"]
 LLAMA4 = TinySpec(num_hidden_layers=4)
+# The policy's rollout temperature per family: 1 and != 1 both run at every layout.
+TEMPERATURE = {"llama": 1.0, "qwen2": 0.7, "qwen3": 0.7, "mistral": 1.0}
 TIMEOUT_S = 120.0
 
 SUITES = {
@@ -528,7 +532,6 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
     state.initialize(state.ParallelConfig(timeout_s=TIMEOUT_S, **layout))
     rec = Recorder()
     llama, qwen2, llama4 = (tiny_model_dir(s) for s in (LLAMA, QWEN2, LLAMA4))
-    critic_llama, critic_qwen2 = workdir / "critic-llama", workdir / "critic-qwen2"
     if name == "tp1":
         rec.run("smollm2", check_smollm2)
         rec.run("convert_cli", lambda: check_convert_cli(workdir))
@@ -540,16 +543,16 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
         rec.run("checkpoint_roundtrip", lambda: check_checkpoint_roundtrip(llama4, workdir, name, False))
         rec.run("forward_only_model", lambda: check_forward_only_model(llama4))
     else:
-        rec.run("parity.llama", lambda: check_parity(llama, False))
-        # Qwen2 at a rollout temperature != 1 (llama at 1).
-        rec.run("parity.qwen2", lambda: check_parity(qwen2, False, temperature=0.7))
-        rec.run("parity.llama_critic", lambda: check_parity(critic_llama, True))
-        rec.run("parity.qwen2_critic", lambda: check_parity(critic_qwen2, True, temperature=0.7))  # values ignore it
+        # Every family at TP2, PP2 and TP2xPP2; DP2 (TP1 replicas) keeps to Llama and Qwen2.
+        families = ("llama", "qwen2") if name == "dp2" else tuple(FAMILIES)
+        for tag in families:
+            path, critic, temperature = tiny_model_dir(FAMILIES[tag]), workdir / f"critic-{tag}", TEMPERATURE[tag]
+            rec.run(f"parity.{tag}", lambda: check_parity(path, False, temperature=temperature))
+            rec.run(f"parity.{tag}_critic", lambda: check_parity(critic, True))  # values ignore the temperature
+            rec.run(f"roundtrip.{tag}", lambda: check_roundtrip(path, workdir, f"{name}-{tag}"))
+            rec.run(f"roundtrip.{tag}_critic", lambda: check_roundtrip(critic, workdir, f"{name}-{tag}c", True))
         rec.run("invariance", lambda: check_invariance(llama))
         rec.run("forward_only_model", lambda: check_forward_only_model(qwen2 if name == "pp2" else llama))
-        rec.run("roundtrip.llama", lambda: check_roundtrip(llama, workdir, f"{name}-llama"))
-        rec.run("roundtrip.qwen2", lambda: check_roundtrip(qwen2, workdir, f"{name}-qwen2"))
-        rec.run("roundtrip.qwen2_critic", lambda: check_roundtrip(critic_qwen2, workdir, f"{name}-qwen2c", True))
         if name == "tp2":
             rec.run("optimizer", lambda: check_optimizer(llama))
             rec.run("checkpoint_save", lambda: check_checkpoint_save(llama, workdir))
@@ -579,7 +582,7 @@ def make_critic_dirs(workdir: Path) -> None:
     """HF token-classification critics (random ``score`` head) built from the tiny causal LMs."""
     from transformers import AutoModelForTokenClassification
 
-    for tag, spec in (("llama", LLAMA), ("qwen2", QWEN2), ("llama4", LLAMA4)):
+    for tag, spec in {**FAMILIES, "llama4": LLAMA4}.items():
         target = workdir / f"critic-{tag}"
         if (target / "model.safetensors").is_file():
             continue

@@ -1,0 +1,260 @@
+"""Model families: what meshrl knows of each Hugging Face decoder architecture, one small file per family.
+
+A family (``Family``, one ``FAMILY`` constant per module here) says, as data:
+
+- how its HF config reads into meshrl's ``ModelSpec``, and which config fields meshrl refuses because it
+  would otherwise drop them silently (``Refusal``; the ones every family shares are ``COMMON_REFUSALS``);
+- its structural features, each a megatron-core option: QKV bias (``add_qkv_bias``) and per-head RMSNorm
+  of queries and keys before RoPE (``qk_layernorm``) — ``transformer_options`` / ``layer_spec_options``;
+- its transformers classes (``{hf_prefix}Config`` / ``ForCausalLM`` / ``ForTokenClassification``: the
+  policy and the critic, whose value head is HF's ``score`` with ``num_labels=1``);
+- the shape of its tiny random test model (``tiny_shape``, ``tiny_config``; built by ``meshrl.models.tiny``).
+
+The HF <-> megatron tensor mapping is one table, ``hf_layout(spec, critic)``, built from the spec's features,
+so a family made of existing features needs no mapping code. ``meshrl.parallel`` applies TP / PP to whatever
+this table describes; it knows no family by name.
+
+Adding a family: a new module with ``FAMILY = Family(...)`` and one line in ``FAMILY_MODULES``. A family
+whose structure needs something no feature here describes (Gemma's embedding scaling and soft-capping, extra
+norms, sliding-window layouts, fused HF tensors) needs that feature added to ``ModelSpec``, ``hf_layout`` and
+the megatron options first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+# model_type -> module of this package holding its ``FAMILY``: the registry, one line per family.
+FAMILY_MODULES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts meshrl reads from an HF config (compared field by field on conversion and
+    stored in checkpoints; ``qk_norm`` defaults to False so checkpoints written before it existed load)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rms_norm_eps: float
+    qkv_bias: bool
+    max_position_embeddings: int
+    qk_norm: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def mismatches(self, other: "ModelSpec") -> list[str]:
+        """Human-readable ``field: self vs other`` lines for every differing field."""
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{key}: {mine[key]!r} vs {theirs[key]!r}" for key in mine if mine[key] != theirs[key]]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An HF config field meshrl does not implement: refused unless ``supported(value, hf_config)``.
+
+    ``read`` gets the value (default: the attribute ``field``, None when absent); ``why`` says what meshrl
+    lacks and what to do instead.
+    """
+
+    field: str
+    supported: Callable[[Any, Any], bool]
+    why: str
+    read: Callable[[Any], Any] | None = None
+
+    def problem(self, hf_config) -> str | None:
+        value = self.read(hf_config) if self.read else getattr(hf_config, self.field, None)
+        return None if self.supported(value, hf_config) else f"{self.field}={value!r}: {self.why}"
+
+
+def _rope_type(hf_config) -> str:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+COMMON_REFUSALS = (
+    Refusal("hidden_act", lambda v, c: v in (None, "silu"), "only SiLU (SwiGLU MLP) is implemented"),
+    Refusal("rope_type", lambda v, c: v == "default", "only 'default' RoPE is implemented (no rope_scaling: "
+            "linear, dynamic, yarn, llama3, longrope); remove it or use a model without it", read=_rope_type),
+    Refusal("partial_rotary_factor", lambda v, c: v in (None, 1, 1.0), "RoPE on every head dimension only"),
+    Refusal("attention_dropout", lambda v, c: not v, "meshrl trains without dropout; set it to 0.0"),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF decoder architecture (see the module docstring)."""
+
+    model_type: str
+    hf_prefix: str  # transformers' class-name prefix: LlamaConfig, LlamaForCausalLM, ...
+    qkv_bias: bool = False  # q/k/v projections carry biases (megatron ``add_qkv_bias``)
+    qk_norm: bool = False  # RMSNorm over head_dim of each query / key head before RoPE (``qk_layernorm``)
+    refusals: tuple[Refusal, ...] = ()
+    # head_dim is hidden_size / num_attention_heads by construction (the HF config has no head_dim field)
+    derives_head_dim: bool = False
+    tiny_shape: dict[str, Any] = field(default_factory=dict)  # TinySpec fields of ``tiny:<model_type>``
+    tiny_config: dict[str, Any] = field(default_factory=dict)  # HF config kwargs of every tiny model
+
+    @property
+    def config_class(self) -> str:
+        return f"{self.hf_prefix}Config"
+
+    @property
+    def policy_class(self) -> str:
+        return f"{self.hf_prefix}ForCausalLM"
+
+    @property
+    def critic_class(self) -> str:
+        return f"{self.hf_prefix}ForTokenClassification"
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(FAMILY_MODULES)
+
+
+def family(model_type: str | None) -> Family:
+    """The registered family of ``model_type``; ``ValueError`` naming the supported ones otherwise."""
+    if model_type not in FAMILY_MODULES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(FAMILY_MODULES)} (a family is a module in meshrl/models/families/)")
+    return importlib.import_module(f"{__name__}.{FAMILY_MODULES[model_type]}").FAMILY
+
+
+def model_spec(hf_config) -> ModelSpec:
+    """Validate ``hf_config`` (a ``PretrainedConfig``) against its family and extract the fields meshrl maps.
+
+    Raises ``ValueError`` naming every refused field (``COMMON_REFUSALS`` + the family's), or the model_type.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    fam = family(model_type)
+    problems = [p for r in COMMON_REFUSALS + fam.refusals if (p := r.problem(hf_config))]
+    if problems:
+        raise ValueError(f"{model_type} config not supported by meshrl: " + "; ".join(problems))
+    heads = hf_config.num_attention_heads
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("the HF config has no rope_theta")
+    return ModelSpec(
+        model_type=model_type,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        vocab_size=hf_config.vocab_size,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        rope_theta=float(theta),
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        qkv_bias=fam.qkv_bias,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        qk_norm=fam.qk_norm,
+    )
+
+
+def transformer_options(spec: ModelSpec) -> dict[str, Any]:
+    """megatron-core ``TransformerConfig`` options of the spec's structure: RMSNorm, SwiGLU, no bias
+    except the family's QKV bias, q/k RMSNorm (eps ``rms_norm_eps``, as HF's q_norm / k_norm)."""
+    import torch.nn.functional as F
+
+    return dict(normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
+                activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+                qk_layernorm=spec.qk_norm)
+
+
+def layer_spec_options(spec: ModelSpec) -> dict[str, Any]:
+    """Arguments of megatron's ``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``:
+    both build ``q_layernorm`` / ``k_layernorm`` (torch RMSNorm / TE's ``TENorm``, parameter ``weight``) only
+    when asked."""
+    return dict(qk_layernorm=spec.qk_norm)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One HF tensor and its place in megatron.
+
+    ``stage``: "embed" (first stage), "layer" (``layer`` index), "head" (last stage).
+    ``mcore``: parameter name inside the owning chunk, local-spec naming, ``{j}`` = local layer index.
+    ``tp_dim``: HF dimension TP splits (None: replicated). ``part``: which slice of a fused parameter
+    ("q", "k", "v", "gate", "up") or None. ``shape``: full HF shape. ``fields``: the config fields
+    that determine the shape, for error messages.
+    """
+
+    hf_name: str
+    stage: str
+    layer: int | None
+    mcore: str
+    tp_dim: int | None
+    part: str | None
+    shape: tuple[int, ...]
+    fields: str
+
+
+def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
+    """HF tensors of decoder layer ``i`` for the spec's features (Llama's layer, plus QKV bias, q/k norms)."""
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    nq, nkv = spec.num_attention_heads, spec.num_kv_heads
+    p, layer = f"model.layers.{i}.", "decoder.layers.{j}."
+    attn, qkv = layer + "self_attention.", layer + "self_attention.linear_qkv."
+    q_rows, kv_rows = "num_attention_heads*head_dim", "num_key_value_heads*head_dim"
+
+    def piece(hf: str, mcore: str, tp_dim: int | None, part: str | None, shape: tuple[int, ...], fields: str):
+        return Piece(p + hf, "layer", i, mcore, tp_dim, part, shape, fields)
+
+    pieces = [
+        piece("input_layernorm.weight", layer + "input_layernorm.weight", None, None, (h,), "hidden_size"),
+        piece("self_attn.q_proj.weight", qkv + "weight", 0, "q", (nq * d, h), f"{q_rows}, hidden_size"),
+        piece("self_attn.k_proj.weight", qkv + "weight", 0, "k", (nkv * d, h), f"{kv_rows}, hidden_size"),
+        piece("self_attn.v_proj.weight", qkv + "weight", 0, "v", (nkv * d, h), f"{kv_rows}, hidden_size"),
+    ]
+    if spec.qkv_bias:
+        pieces += [piece("self_attn.q_proj.bias", qkv + "bias", 0, "q", (nq * d,), q_rows),
+                   piece("self_attn.k_proj.bias", qkv + "bias", 0, "k", (nkv * d,), kv_rows),
+                   piece("self_attn.v_proj.bias", qkv + "bias", 0, "v", (nkv * d,), kv_rows)]
+    if spec.qk_norm:  # one head_dim-sized gamma shared by every head: replicated over TP
+        pieces += [piece("self_attn.q_norm.weight", attn + "q_layernorm.weight", None, None, (d,), "head_dim"),
+                   piece("self_attn.k_norm.weight", attn + "k_layernorm.weight", None, None, (d,), "head_dim")]
+    pieces += [
+        piece("self_attn.o_proj.weight", attn + "linear_proj.weight", 1, None, (h, nq * d), f"hidden_size, {q_rows}"),
+        piece("post_attention_layernorm.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,), "hidden_size"),
+        piece("mlp.gate_proj.weight", layer + "mlp.linear_fc1.weight", 0, "gate", (f, h), "intermediate_size, hidden_size"),
+        piece("mlp.up_proj.weight", layer + "mlp.linear_fc1.weight", 0, "up", (f, h), "intermediate_size, hidden_size"),
+        piece("mlp.down_proj.weight", layer + "mlp.linear_fc2.weight", 1, None, (h, f), "hidden_size, intermediate_size"),
+    ]
+    return pieces
+
+
+def hf_layout(spec: ModelSpec, critic: bool = False) -> list[Piece]:
+    """Every HF tensor of the model (``*ForCausalLM``, or the critic's ``*ForTokenClassification``), in the
+    order ``meshrl.parallel.hf_conversion.iter_hf_weights`` yields them."""
+    h, v = spec.hidden_size, spec.vocab_size
+    pieces = [Piece("model.embed_tokens.weight", "embed", None, "embedding.word_embeddings.weight", 0, None,
+                    (v, h), "vocab_size, hidden_size")]
+    for i in range(spec.num_layers):
+        pieces += layer_pieces(spec, i)
+    pieces.append(Piece("model.norm.weight", "head", None, "decoder.final_layernorm.weight", None, None, (h,),
+                        "hidden_size"))
+    if critic:
+        pieces += [Piece("score.weight", "head", None, "output_layer.weight", None, None, (1, h), "hidden_size"),
+                   Piece("score.bias", "head", None, "output_layer.bias", None, None, (1,), "num_labels=1")]
+    elif not spec.tie_word_embeddings:
+        pieces.append(Piece("lm_head.weight", "head", None, "output_layer.weight", 0, None, (v, h),
+                            "vocab_size, hidden_size"))
+    return pieces
+

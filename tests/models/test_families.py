@@ -1,0 +1,141 @@
+"""The model-family registry: each family's HF config reading and refusals, its conversion table against the
+transformers model it names, its megatron-core options, its tiny model and its parameter count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from meshrl.models import families
+from meshrl.models.families import FAMILY_MODULES, family, hf_layout, model_spec
+from meshrl.models.tiny import TinySpec, tiny_config, tiny_spec
+from meshrl.trainer.plan import stage_parameters
+
+MODEL_TYPES = tuple(FAMILY_MODULES)
+
+
+def test_every_registered_family_loads_with_its_transformers_classes() -> None:
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(MODEL_TYPES)
+    for model_type in MODEL_TYPES:
+        fam = family(model_type)
+        assert fam.model_type == model_type
+        for name in (fam.config_class, fam.policy_class, fam.critic_class):
+            assert hasattr(transformers, name), name
+        assert tiny_config(tiny_spec(model_type)).model_type == model_type
+
+
+def hf_model(model_type: str, critic: bool):
+    config = tiny_config(tiny_spec(model_type))
+    fam = family(model_type)
+    if critic:
+        config.num_labels = 1
+    with torch.device("meta"):
+        return getattr(transformers, fam.critic_class if critic else fam.policy_class)(config)
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_conversion_table_is_exactly_the_hf_models_tensors(model_type: str, critic: bool) -> None:
+    """Names and shapes of the family's own transformers class (a tied lm_head is not a tensor of its own)."""
+    model = hf_model(model_type, critic)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
+                if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+    table = {piece.hf_name: piece.shape for piece in hf_layout(model_spec(model.config), critic)}
+    assert table == expected
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_plan_counts_the_families_parameters(model_type: str, critic: bool) -> None:
+    """``meshrl plan``'s total against transformers' own parameter count (tied weights once)."""
+    model = hf_model(model_type, critic)
+    assert stage_parameters(model_spec(model.config), critic=critic) == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen3_features_q_k_norms_and_its_own_head_dim() -> None:
+    spec = model_spec(tiny_config(tiny_spec("qwen3")))
+    assert spec.qk_norm and not spec.qkv_bias
+    assert spec.num_attention_heads * spec.head_dim != spec.hidden_size  # head_dim read, not derived
+    norms = [p for p in hf_layout(spec) if p.hf_name.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 2 * spec.num_layers
+    assert all(p.shape == (spec.head_dim,) and p.tp_dim is None for p in norms)  # replicated over TP
+    assert families.transformer_options(spec)["qk_layernorm"] is True
+    assert families.layer_spec_options(spec) == {"qk_layernorm": True}
+    llama = model_spec(tiny_config(tiny_spec("llama")))
+    assert families.transformer_options(llama)["qk_layernorm"] is False
+
+
+def changed(model_type: str, **fields):
+    config = tiny_config(tiny_spec(model_type))
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.mark.parametrize("model_type,fields,message", [
+    ("llama", dict(attention_bias=True), "attention_bias=True: Llama with q/k/v/o biases"),
+    ("llama", dict(mlp_bias=True), "mlp_bias=True"),
+    ("qwen2", dict(use_sliding_window=True), "use_sliding_window=True: sliding-window attention"),
+    ("qwen3", dict(attention_bias=True), "attention_bias=True: Qwen3 with q/k/v/o biases"),
+    ("qwen3", dict(use_sliding_window=True), "use_sliding_window=True"),
+    ("mistral", dict(sliding_window=4096, max_position_embeddings=32768),
+     "sliding_window=4096: meshrl does not implement sliding-window attention yet"),
+    ("qwen3", dict(hidden_act="gelu"), "hidden_act='gelu': only SiLU"),
+    ("mistral", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
+     "rope_type='yarn': only 'default' RoPE"),
+    ("qwen3", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    ("llama", dict(attention_dropout=0.1), "attention_dropout=0.1: meshrl trains without dropout"),
+])
+def test_unsupported_config_fields_are_refused_by_name(model_type: str, fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"{model_type} config not supported by meshrl: .*{message}"):
+        model_spec(changed(model_type, **fields))
+
+
+def test_every_refused_field_is_named_at_once() -> None:
+    with pytest.raises(ValueError) as error:
+        model_spec(changed("qwen3", attention_bias=True, use_sliding_window=True))
+    assert "attention_bias" in str(error.value) and "use_sliding_window" in str(error.value)
+
+
+def test_a_mistral_window_that_never_slides_is_full_attention() -> None:
+    for window in (None, 2048, 4096):  # the tiny model has 2048 positions
+        assert model_spec(changed("mistral", sliding_window=window)).model_type == "mistral"
+
+
+def test_an_unregistered_family_names_the_supported_ones() -> None:
+    config = tiny_config(tiny_spec("llama"))
+    config.model_type = "gemma2"
+    with pytest.raises(ValueError, match="model_type 'gemma2' is not supported; supported: llama, qwen2, qwen3, "
+                                         "mistral"):
+        model_spec(config)
+
+
+def test_tiny_models_resolve_for_every_family() -> None:
+    from meshrl.models.resolve import TINY_MODELS
+
+    assert TINY_MODELS == tuple(f"tiny:{t}" for t in MODEL_TYPES)
+    # the shapes tests and recipes have always used for tiny:llama / tiny:qwen2 (their cache folders)
+    assert tiny_spec("llama") == TinySpec()
+    assert tiny_spec("qwen2") == TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False)
+    assert tiny_spec("mistral", num_hidden_layers=4).num_hidden_layers == 4
+
+
+def test_the_trainer_refuses_an_unsupported_model_before_any_worker(tmp_path, monkeypatch, capsys) -> None:
+    """``python -m meshrl.trainer.main`` on a Mistral-7B-v0.1-like folder (a window of 4096 in 32k positions):
+    one message naming the model path and the field, exit 2, Ray never started."""
+    from meshrl.trainer.main import main
+    from meshrl.workers import cluster
+
+    def no_ray(cfg):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(cluster, "start_ray", no_ray)
+    folder = tmp_path / "mistral-v0.1"
+    changed("mistral", sliding_window=4096, max_position_embeddings=32768).save_pretrained(folder)
+    code = main(["--config-name", "cpu_tiny_grpo", f"actor_rollout_ref.model.path={folder}",
+                 f"trainer.default_local_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("meshrl: actor_rollout_ref.model.path: mistral config not supported by meshrl: "
+                          "sliding_window=4096")
