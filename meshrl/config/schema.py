@@ -116,7 +116,7 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     # A local HF folder, or "embedded:smollm2" (the packaged SmolLM2-135M-Instruct), or
-    # "tiny:llama" / "tiny:qwen2" (tiny random models with real layouts, for tests).
+    # "tiny:<model_type>" (tiny:llama, tiny:qwen2, tiny:qwen3, tiny:mistral: tiny random models of each family).
     path: str = "embedded:smollm2"
     tokenizer_path: Optional[str] = None
     use_remove_padding: bool = True
