@@ -1,4 +1,5 @@
-"""Model parallelism on megatron-core: build, shard, run and checkpoint Llama / Qwen2 models.
+"""Model parallelism on megatron-core: build, shard, run and checkpoint the models a
+family of ``meshrl.models.families`` describes.
 
 Knows nothing of RL; losses come in as callables. Modules (import them directly; importing this
 package does not import megatron, which costs seconds):

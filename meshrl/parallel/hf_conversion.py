@@ -244,8 +244,8 @@ def iter_hf_weights(chunks: list[torch.nn.Module], hf_config,
       owning pipeline stage, then a broadcast from that stage over PP). Data-parallel replicas are
       independent; each may iterate or not.
     - Tensors are full (TP-gathered) and in HF layout: fused QKV is split back into ``q_proj`` /
-      ``k_proj`` / ``v_proj``, ``linear_fc1`` into ``gate_proj`` / ``up_proj``. Names follow HF
-      ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (critic: ``*ForTokenClassification`` with ``score``);
+      ``k_proj`` / ``v_proj``, ``linear_fc1`` into ``gate_proj`` / ``up_proj``. Names follow the family's HF
+      ``*ForCausalLM`` (critic: ``*ForTokenClassification`` with ``score``; Qwen3 adds ``q_norm`` / ``k_norm``);
       with tied embeddings there is no ``lm_head.weight``. Order is ``hf_layout``'s (embedding, layer by
       layer, final norm, head). dtype is the model's; device is the model's.
     - A yielded tensor is a fresh buffer owned by the consumer; the generator keeps no reference to it,

@@ -230,12 +230,13 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
     if spec.qk_norm:  # one head_dim-sized gamma shared by every head: replicated over TP
         pieces += [piece("self_attn.q_norm.weight", attn + "q_layernorm.weight", None, None, (d,), "head_dim"),
                    piece("self_attn.k_norm.weight", attn + "k_layernorm.weight", None, None, (d,), "head_dim")]
+    fc1, fc2, ffn = layer + "mlp.linear_fc1.weight", layer + "mlp.linear_fc2.weight", "intermediate_size, hidden_size"
     pieces += [
         piece("self_attn.o_proj.weight", attn + "linear_proj.weight", 1, None, (h, nq * d), f"hidden_size, {q_rows}"),
         piece("post_attention_layernorm.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,), "hidden_size"),
-        piece("mlp.gate_proj.weight", layer + "mlp.linear_fc1.weight", 0, "gate", (f, h), "intermediate_size, hidden_size"),
-        piece("mlp.up_proj.weight", layer + "mlp.linear_fc1.weight", 0, "up", (f, h), "intermediate_size, hidden_size"),
-        piece("mlp.down_proj.weight", layer + "mlp.linear_fc2.weight", 1, None, (h, f), "hidden_size, intermediate_size"),
+        piece("mlp.gate_proj.weight", fc1, 0, "gate", (f, h), ffn),
+        piece("mlp.up_proj.weight", fc1, 0, "up", (f, h), ffn),
+        piece("mlp.down_proj.weight", fc2, 1, None, (h, f), "hidden_size, intermediate_size"),
     ]
     return pieces
 
