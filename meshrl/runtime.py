@@ -13,7 +13,10 @@ it first. It only sets variables the user has not set, so a user's choice always
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -68,3 +71,62 @@ def configure_environment() -> None:
         os.environ.setdefault(key, value)
     # Ray expects its temp dir to exist.
     Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+
+
+# Ray keeps one folder per session (its logs: the post-mortem of a failed run) under RAY_TMPDIR and never
+# removes them; meshrl keeps the newest few of those whose driver is gone.
+KEPT_RAY_SESSIONS = 8
+
+
+def prune_ray_sessions(root: Path | None = None, keep: int = KEPT_RAY_SESSIONS) -> list[Path]:
+    """Remove Ray session folders under ``root`` (default ``RAY_TMPDIR``) beyond the newest ``keep`` whose
+    driver process is dead; the removed paths. A session folder is named ``session_<date>_<time>_<usec>_<pid>``
+    by Ray, ``<pid>`` the process that started it: a live pid keeps it (two runs may share the folder)."""
+    root = Path(root or os.environ["RAY_TMPDIR"])
+    stale = []
+    for folder in root.glob("session_2*"):
+        pid = folder.name.rsplit("_", 1)[-1]
+        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _alive(int(pid)):
+            stale.append(folder)
+    stale.sort(key=lambda folder: folder.name, reverse=True)  # the name starts with the start time
+    for folder in stale[keep:]:
+        shutil.rmtree(folder, ignore_errors=True)
+    return stale[keep:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+# A training run's own temporary folder: <TMPDIR>/meshrl-run-<driver pid>-<random>.
+RUN_TEMP_PREFIX = "meshrl-run-"
+
+
+def use_run_temp_dir() -> Path:
+    """Give this process and every process it starts (Ray's daemons and workers inherit ``TMPDIR``) one
+    temporary folder, removed when this process exits. Temporary files of a process killed with ``kill -9``
+    (a worker's ``multiprocessing`` sockets, say) go with it; the folder of a killed driver is removed by the
+    next run's start (``prune_run_temp_dirs``). Call before Ray starts."""
+    base = Path(tempfile.gettempdir())
+    prune_run_temp_dirs(base)
+    path = Path(tempfile.mkdtemp(prefix=f"{RUN_TEMP_PREFIX}{os.getpid()}-", dir=base))
+    os.environ["TMPDIR"] = tempfile.tempdir = str(path)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def prune_run_temp_dirs(base: Path) -> list[Path]:
+    """Remove the run temporary folders under ``base`` whose driver is dead; the removed paths."""
+    stale = []
+    for folder in base.glob(f"{RUN_TEMP_PREFIX}*"):
+        pid = folder.name[len(RUN_TEMP_PREFIX):].split("-", 1)[0]
+        if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            stale.append(folder)
+    return stale

@@ -729,6 +729,9 @@ class TrainerConfig:
     # SIGTERM (a scheduler's preemption): finish and save the step in progress, then stop, exit code 143; without
     # it SIGTERM stops at once, as Ctrl-C does (meshrl.trainer.interrupts). verl has no such key.
     save_on_preempt: bool = False
+    # Library output (vLLM, Ray, Megatron, transformers, torch) on the console, as the libraries write it, instead
+    # of in <default_local_dir>/logs/ (meshrl.logs). verl has no such key (its own loggers read VERL_LOGGING_LEVEL).
+    verbose: bool = False
     seed: int = 1
 
 

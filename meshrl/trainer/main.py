@@ -91,11 +91,21 @@ def load_inputs(cfg) -> RunInputs:
 
 def run(cfg, plan, inputs: RunInputs | None = None) -> dict[str, float]:
     """Train with a loaded config, its run plan (``preflight(cfg)``) and its inputs (``load_inputs(cfg)``, loaded
-    here when not given); returns the final step's metrics.
+    here when not given); returns the final step's metrics. The libraries' output goes to the run folder's
+    ``logs/`` meanwhile, unless ``trainer.verbose`` (``meshrl.logs``).
 
     Raises:
         Interrupted: SIGINT or SIGTERM stopped the run (``meshrl.trainer.interrupts``), after the workers stopped.
     """
+    import ray  # noqa: F401  (imported before driver_output, which takes off the console handler Ray's import adds)
+
+    from meshrl.logs import driver_output, logs_dir
+
+    with driver_output(logs_dir(cfg.trainer.default_local_dir), verbose=cfg.trainer.verbose):
+        return _run(cfg, plan, inputs)
+
+
+def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     import ray
 
     from meshrl.models.resolve import resolve_model_path

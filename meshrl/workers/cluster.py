@@ -77,6 +77,8 @@ def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
         "_node_ip_address": "127.0.0.1",
         "_temp_dir": os.environ["RAY_TMPDIR"],
         "object_store_memory": 512 * 1024**2,
+        # A worker's console lines (meshrl's warnings, errors) reach the driver this way; the rest of its output
+        # is in the run's logs folder (meshrl.logs), unless trainer.verbose.
         "log_to_driver": True,
         **runtime,
     }

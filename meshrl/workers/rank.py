@@ -6,17 +6,22 @@ Two-phase start: the constructor only stores arguments (Ray builds actors concur
 (gloo on CPU, NCCL on GPU, with verl's ``actor_rollout_ref.nccl_timeout`` as the collective timeout, so a
 dead peer fails a step in bounded time) and builds the rank's models. The driver's wait for each call is
 ``trainer.worker_timeout_s``: a hung step fails after the smaller of the two.
+
+A rank running as a Ray actor first sends its process's output to the run's logs folder (``meshrl.logs``),
+unless ``trainer.verbose``.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
 from meshrl.config.run_plan import RunPlan
+from meshrl.logs import logs_dir, route_worker_output, worker_log_name
 from meshrl.runtime import configure_environment
 
 
@@ -33,6 +38,10 @@ class RankLayout:
 class RankWorker:
     def __init__(self, rank: int, world_size: int, cfg: dict, model_dir: str, plan: RunPlan) -> None:
         configure_environment()
+        if not cfg["trainer"]["verbose"] and _in_ray_actor():
+            # Before the rank imports its libraries (in setup): their output goes to the run's logs folder.
+            route_worker_output(logs_dir(cfg["trainer"]["default_local_dir"]),
+                                worker_log_name(type(self).__name__, rank))
         self.rank = rank
         self.world_size = world_size
         self.cfg_dict = cfg
@@ -88,6 +97,12 @@ class RankWorker:
 
     def layout_dict(self) -> dict[str, Any]:
         return asdict(self.layout)
+
+
+def _in_ray_actor() -> bool:
+    """Whether this process is a Ray actor's: a rank built in-process (tests, benchmarks) keeps its caller's output."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def _single_node() -> bool:

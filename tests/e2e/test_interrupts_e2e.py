@@ -1,51 +1,33 @@
 """Ctrl-C and SIGTERM of ``python -m meshrl.trainer.main`` on the tiny recipe: one line naming the step and the
-last checkpoint, exit code 130 / 143, no traceback, and none of the run's processes left. With
-``trainer.save_on_preempt=True`` a SIGTERM first finishes and saves the step in progress. One run per signal."""
+last checkpoint, exit code 130 / 143, no traceback, and nothing of the run left (processes, temporary files,
+shared memory: ``run_sandbox``). With ``trainer.save_on_preempt=True`` a SIGTERM first finishes and saves the
+step in progress. One run per signal."""
 
 from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
+from run_sandbox import TINY, RunSandbox, run_main
 
 from meshrl.trainer.checkpoint import CheckpointManager
 from meshrl.trainer.tracking import METRICS_FILE, read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def interrupt(tmp_path: Path, signum: int, ready, *overrides: str) -> tuple[int, str, Path]:
     """Start a run in ``tmp_path/run``, send ``signum`` once ``ready(run_dir)``, and wait for the exit:
-    (exit code, stdout + stderr, run folder). Asserts that every process the run started is gone."""
-    run_dir = tmp_path / "run"
-    log = tmp_path / "output.txt"
-    command = [sys.executable, "-m", "meshrl.trainer.main", "--config-name", "cpu_tiny_grpo", "trainer.device=cpu",
-               f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=20",
-               "trainer.val_before_train=False", "trainer.test_freq=-1", *overrides]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 400
-            while not ready(run_dir):
-                assert process.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, "the run never got ready"
-                time.sleep(0.2)
-            started = psutil.Process(process.pid).children(recursive=True)
-            process.send_signal(signum)
-            code = process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
-    gone, alive = psutil.wait_procs(started, timeout=30)
-    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    (exit code, stdout + stderr, run folder). Asserts that the run left nothing behind (``run_sandbox``)."""
+    run_dir, log, sandbox = tmp_path / "run", tmp_path / "output.txt", RunSandbox()
+    try:
+        code = run_main(sandbox, *TINY, f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=20",
+                        *overrides, log=log, until=lambda: ready(run_dir), signum=signum, timeout_s=400)
+        sandbox.assert_clean()
+    finally:
+        sandbox.cleanup()
     return code, log.read_text(), run_dir
 
 

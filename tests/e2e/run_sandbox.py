@@ -1,0 +1,117 @@
+"""Run ``python -m meshrl.trainer.main`` as a user does, and find everything the run left behind.
+
+Each run gets its own temporary folder as ``TMPDIR`` and ``RAY_TMPDIR`` (Ray's session goes there): the run's processes are
+the ones whose environment carries that ``TMPDIR`` or a folder in it (every process it starts inherits it, and
+a daemon that outlives a killed driver still has it), its temporary files are that folder's contents, and its shared-memory
+segments are the entries of ``/dev/shm`` that appeared while it ran. Ray keeps a folder per session under
+``RAY_TMPDIR`` on purpose (logs, the post-mortem of a failed run; ``meshrl.runtime`` prunes old ones): not counted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+SHM = Path("/dev/shm")
+
+# The tiny recipe, short: what every reliability run shares (the test adds its own overrides).
+TINY = ["--config-name", "cpu_tiny_grpo", "trainer.device=cpu", "trainer.val_before_train=False",
+        "trainer.test_freq=-1"]
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir(SHM)) if SHM.is_dir() else set()
+
+
+@dataclass
+class RunSandbox:
+    """One run's ``TMPDIR``, and what was in ``/dev/shm`` before it started."""
+
+    tmpdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mr", dir="/tmp")))  # short: Ray's
+    shm_before: set[str] = field(default_factory=_shm_entries)  # socket paths must stay under 107 characters
+
+    @property
+    def env(self) -> dict[str, str]:
+        # meshrl keeps Ray's sessions in its cache folder unless RAY_TMPDIR is set (meshrl.runtime): here, the run's.
+        return {**os.environ, "TMPDIR": str(self.tmpdir), "RAY_TMPDIR": str(self.tmpdir / "ray")}
+
+    def processes(self) -> list[psutil.Process]:
+        """Live processes started under this sandbox's ``TMPDIR`` (zombies awaiting their parent excluded)."""
+        found = []
+        for process in psutil.process_iter():
+            try:
+                tmpdir = process.environ().get("TMPDIR", "")
+                if (process.pid != os.getpid() and (tmpdir + "/").startswith(f"{self.tmpdir}/")
+                        and process.status() != psutil.STATUS_ZOMBIE):
+                    found.append(process)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
+
+    def leftovers(self, wait_s: float = 30.0) -> dict[str, list[str]]:
+        """What the run left: processes, files in its ``TMPDIR`` other than Ray's session logs, new shared-memory
+        segments. Processes get ``wait_s`` to finish exiting (Ray's daemons notice a dead driver within seconds)."""
+        deadline = time.monotonic() + wait_s
+        while (alive := self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        files = []
+        for path in sorted(self.tmpdir.rglob("*")):
+            relative = path.relative_to(self.tmpdir)
+            if path.is_dir() or relative.parts[0] == "ray":
+                continue  # Ray's session folders: its post-mortem archive (meshrl prunes the old ones)
+            files.append(str(relative))
+        return {"processes": [" ".join(p.cmdline())[:120] for p in alive if p.is_running()],
+                "files": files, "shm": sorted(_shm_entries() - self.shm_before)}
+
+    def assert_clean(self, files: bool = True) -> None:
+        """Nothing left; ``files=False`` after a ``kill -9`` of the driver, whose temporary folder the next start
+        removes."""
+        left = self.leftovers()
+        if not files:
+            left.pop("files")
+        assert not any(left.values()), left
+
+    def cleanup(self) -> None:
+        for process in self.processes():
+            process.kill()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def run_main(sandbox: RunSandbox, *args: str, log: Path, until: Callable[[], bool] | None = None,
+             signum: int | None = None, kill: Callable[[], list[psutil.Process]] | None = None,
+             timeout_s: float = 420) -> int:
+    """Run the trainer's command with ``args`` in ``sandbox``, output to ``log``; its exit code.
+
+    With ``until``: once ``until()`` holds, send ``signum`` to the driver, or SIGKILL every process ``kill()``
+    returns (a worker, or the driver itself); then wait for the driver's exit.
+    """
+    command = [sys.executable, "-m", "meshrl.trainer.main", *args]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=sandbox.env)
+        try:
+            if until is not None:
+                deadline = time.monotonic() + timeout_s
+                while not until():
+                    assert process.poll() is None, log.read_text()[-3000:]
+                    assert time.monotonic() < deadline, "the run never reached the point to interrupt"
+                    time.sleep(0.05)
+                if signum is not None:
+                    process.send_signal(signum)
+                for victim in kill() if kill is not None else []:
+                    victim.send_signal(signal.SIGKILL)
+            return process.wait(timeout=timeout_s)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
