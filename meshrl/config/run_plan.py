@@ -16,6 +16,8 @@ registries (a typo fails here with a did-you-mean, before Ray, models or a rollo
   ``ppo_mini_batch_size`` / ``ppo_epochs`` / ``shuffle``, each defaulting to the actor's as in verl),
   the **micro-batching** of every phase the run has, and the sampling ``temperature`` the trained
   log-probs are evaluated at.
+- **the train/rollout log-prob alarm** (``mismatch_tolerance``, ``meshrl.trainer.alarms``): whether the
+  engine's log-probs are comparable with the trainer's at all, and the tolerance its precision allows.
 """
 
 from __future__ import annotations
@@ -28,11 +30,20 @@ from omegaconf import DictConfig
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, POLICY_LOSSES, Registry
 from meshrl.config.loader import ConfigError
 from meshrl.config.micro_batching import MicroBatching, data_parallel_size, micro_batching
+from meshrl.config.schema import MISMATCH_ACTIONS
 
 # Batch fields the trainer can hand an estimator, and the roles that produce them.
 ESTIMATOR_BATCH_INPUTS = {"uid": None, "values": "critic", "greedy_scores": "greedy_baseline"}
 # Config values the trainer hands every estimator that names them (meshrl.trainer.advantage).
 ESTIMATOR_CONFIG_INPUTS = ("gamma", "lam", "norm_adv_by_std_in_grpo", "norm_by_std", "gpg_alpha_mode")
+# trainer.mismatch_tolerance=None: the token-mean |old_log_probs - rollout_log_probs| a healthy run stays under,
+# by the lower precision of trainer and engine. float32, measured on CPU: tiny Llama with the HF engine 5e-7
+# (max 2e-6), SmolLM2-135M with vLLM at most 7e-5 over the main job's 16 steps (the maximum; the mean is
+# smaller). 16-bit: bf16 weights and activations on one side move the tiny model's log-probs by 0.008 on
+# average (0.027 at most, tests/workers/test_worker_inprocess.py); bf16 on both sides of a GPU run is not
+# measured yet (no vLLM on this project's GPU machines): 0.2 leaves 25x that. One corrupted tensor in a sync
+# moved the tiny model's by 1.06 (tests/e2e/test_mismatch_alarm_e2e.py).
+MISMATCH_TOLERANCES = {"float32": 1e-3, "16-bit": 0.2}
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,9 @@ class RunPlan:
     critic_update: UpdateSchedule | None
     micro_batching: dict[str, MicroBatching] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()  # said once at start-up (meshrl.trainer.main)
+    # The train/rollout log-prob alarm's tolerance on the token-mean |old - rollout| (meshrl.trainer.alarms);
+    # None: no alarm (trainer.on_mismatch=ignore, or the engine's log-probs are not the trainer's by config).
+    mismatch_tolerance: float | None = None
 
     @property
     def use_reference(self) -> bool:
@@ -169,8 +183,12 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
             batching[phase] = micro_batching(cfg, phase, data_parallel_size(cfg, critic=phase.startswith("critic")))
         except ValueError as exc:
             phase_problems.append(str(exc))
+    mismatch_tolerance, note, mismatch_problems = rollout_mismatch_check(cfg)
+    phase_problems += mismatch_problems
     if phase_problems:
         return None, phase_problems
+    if note:
+        warnings.append(note)
     return RunPlan(
         adv_estimator=algo.adv_estimator, policy_loss=actor.policy_loss.loss_mode, loss_agg_mode=actor.loss_agg_mode,
         kl_in_reward=kl_in_reward, kl_loss=kl_loss, use_critic=use_critic,
@@ -180,7 +198,60 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
         rollout_tensor_parallel=rollout.tensor_model_parallel_size, on_policy=on_policy_update(cfg),
         actor_update=actor_update,
         critic_update=critic_update, micro_batching=batching, warnings=tuple(warnings),
+        mismatch_tolerance=mismatch_tolerance,
     ), []
+
+
+def _precision(dtype: str, device: str) -> str:
+    """``float32`` or ``16-bit``: what a dtype key computes in. ``auto`` is float32 only with
+    ``trainer.device=cpu``: under ``auto`` the workers may land on GPUs the driver cannot see, and a
+    float32 tolerance there would stop a healthy bf16 run."""
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "16-bit"
+    return "float32" if dtype in ("float32", "float", "fp32") else "16-bit"
+
+
+def rollout_mismatch_check(cfg: DictConfig) -> tuple[float | None, str | None, list[str]]:
+    """(tolerance of the train/rollout log-prob alarm or None: no alarm, a start-up note, problems).
+
+    The engine's ``rollout_log_probs`` equal the trainer's recomputed ``log softmax(logits / T)`` (up to
+    numerics) only when both describe the same distribution (``meshrl.rollout.base``): with
+    ``logprobs_mode=processed_logprobs``, no top-k / top-p truncation (the engine renormalises over the kept
+    tokens); with ``raw_logprobs`` (temperature 1 in the engine), ``temperature=1``; a greedy training
+    rollout (``do_sample=False``) reports ``log softmax(logits)``, so ``temperature=1`` too. Otherwise the alarm
+    is off with a note (the metrics are still logged)."""
+    trainer, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
+    problems = []
+    if trainer.on_mismatch not in MISMATCH_ACTIONS:
+        # YAML reads a bare off / no as False: say so, the value shown would puzzle
+        hint = " (YAML reads off as False; write ignore)" if trainer.on_mismatch == "False" else ""
+        problems.append(f"trainer.on_mismatch: must be one of {', '.join(MISMATCH_ACTIONS)}, got "
+                        f"{trainer.on_mismatch!r}{hint}")
+    if trainer.mismatch_tolerance is not None and not trainer.mismatch_tolerance > 0:
+        problems.append(f"trainer.mismatch_tolerance: must be > 0 (or null: by precision), got "
+                        f"{trainer.mismatch_tolerance}")
+    if problems or trainer.on_mismatch == "ignore":
+        return None, None, problems
+    temperature_one = rollout.temperature == 1
+    if not rollout.do_sample:
+        why = None if temperature_one else (f"a greedy rollout (rollout.do_sample=False) reports log softmax(logits), "
+                                            f"the trainer log softmax(logits / {rollout.temperature})")
+    elif rollout.logprobs_mode == "raw_logprobs":
+        why = None if temperature_one else (f"rollout.logprobs_mode=raw_logprobs reports log softmax(logits), the "
+                                            f"trainer log softmax(logits / {rollout.temperature})")
+    else:
+        truncated = [f"rollout.{key}={rollout[key]}" for key, off in (("top_k", -1), ("top_p", 1.0))
+                     if rollout[key] != off]
+        why = None if not truncated else (f"{' and '.join(truncated)}: the engine renormalises its log-probs over the "
+                                          "tokens it keeps, the trainer's span the whole vocabulary")
+    if why is not None:
+        return None, (f"the train/rollout log-prob alarm (trainer.on_mismatch) is off: {why}; "
+                      "rollout/log_prob_*_abs_diff are still logged"), []
+    if trainer.mismatch_tolerance is not None:
+        return float(trainer.mismatch_tolerance), None, []
+    device = trainer.device
+    precisions = {_precision(cfg.actor_rollout_ref.actor.megatron.dtype, device), _precision(rollout.dtype, device)}
+    return MISMATCH_TOLERANCES["16-bit" if "16-bit" in precisions else "float32"], None, []
 
 
 def on_policy_update(cfg: DictConfig) -> bool:

@@ -36,6 +36,7 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 RESUME_MODES = ("auto", "disable", "resume_path")
 NONFINITE_ACTIONS = ("skip", "stop")  # what a NaN / inf score, loss or gradient norm does (see the keys)
+MISMATCH_ACTIONS = ("stop", "warn", "ignore")  # trainer.on_mismatch: what a train/rollout log-prob alarm does
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # verl's training backends (``model_engine``, a Hydra config group in verl): megatron is meshrl's; verl's
 # FSDP names (dp, its own; fsdp) load with a warning that meshrl trains with Megatron.
@@ -714,6 +715,15 @@ class TrainerConfig:
     # megatron does under a loss scale (counted in <role>/skipped_updates; the LR schedule still advances), or
     # stop with the weights as they were.
     on_nonfinite_grad_norm: str = "skip"
+    # The train/rollout log-prob alarm (meshrl.trainer.alarms): the engine must serve the policy the trainer
+    # evaluates. The first checked step of a run and of every resume stops (stop), warns (warn) or passes (ignore)
+    # when the token-mean |old_log_probs - rollout_log_probs| exceeds mismatch_tolerance; later steps do so on a
+    # jump of that mean against its own recent history. verl has no such key (it logs
+    # training/rollout_probs_diff_*; its algorithm.rollout_correction reweights the loss instead).
+    on_mismatch: str = "stop"
+    # None: by precision (meshrl.config.run_plan.MISMATCH_TOLERANCES): 1e-3 when trainer and engine both
+    # compute in float32, 0.2 when either is 16-bit.
+    mismatch_tolerance: Optional[float] = None
     val_before_train: bool = True
     val_only: bool = False
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"

@@ -13,6 +13,7 @@
         policy.update(advantages)   if step > critic_warmup      (ppo_epochs × mini-batches, each in micro-batches;
                                                                   one LR-schedule step per RL step)
         engine ← sync(policy weights)
+        alarm if old_log_probs ≠ rollout_log_probs               (trainer.on_mismatch: a stale sync, a broken conversion)
         dump generations                                         (trainer.rollout_data_dir)
         validate every test_freq; checkpoint every save_freq
         stop when asked (SIGTERM with trainer.save_on_preempt): checkpoint this step first
@@ -36,6 +37,7 @@ from meshrl.data.sampler import PromptSampler, validation_batches
 from meshrl.protocol import Batch
 from meshrl.rewards.pool import RewardPool
 from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
+from meshrl.trainer.alarms import MismatchAlarm
 from meshrl.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager, hf_export_roles
 from meshrl.trainer.dumps import GenerationDumps, decode_responses, set_reward_extras
 from meshrl.trainer.tracking import Timer, Tracker
@@ -62,6 +64,7 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, kl_coef=algo.kl_ctrl.kl_coef,
                                           target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
         self.total_steps = total_training_steps(cfg, len(train_data))
+        self.mismatch = MismatchAlarm(plan.mismatch_tolerance, cfg.trainer.on_mismatch)
         self.step = 0
         self.hf_exports = hf_export_roles(cfg, with_critic=critic is not None)  # refuses what meshrl cannot save
         self.dumps = GenerationDumps(cfg.trainer, Path(cfg.trainer.default_local_dir), tokenizer)
@@ -137,6 +140,7 @@ class RLTrainer:
                     metrics.update(self.policy.sync_weights())
         self.dumps.rollouts(self.step, batch)
         metrics.update(batch_metrics(batch, plan))
+        metrics.update(self.mismatch.check(self.step, metrics))
         metrics.update(timer.metrics())
         metrics["perf/tokens_per_s"] = float(batch["response_mask"].sum() + sum(map(len, batch["prompt_ids"]))) \
             / max(timer.total("step"), 1e-9)
@@ -195,6 +199,7 @@ class RLTrainer:
     # ------------------------------------------------------------------------------- checkpoints
     def driver_state(self) -> dict[str, Any]:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "mismatch_alarm": self.mismatch.state_dict(),
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                 "config": OmegaConf.to_container(self.cfg)}
 
@@ -221,6 +226,8 @@ class RLTrainer:
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if "mismatch_alarm" in state:  # checkpoints from before the alarm hold no history: it starts afresh
+            self.mismatch.load_state_dict(state["mismatch_alarm"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -283,8 +290,10 @@ def batch_metrics(batch: Batch, plan: RunPlan) -> dict[str, float]:
         diff = (batch["old_log_probs"] - batch["ref_log_probs"])[mask]
         out["actor/ref_kl_k1"] = float(diff.mean())
         out["actor/ref_log_prob_max_abs_diff"] = float(diff.abs().max())
-    if "rollout_log_probs" in batch and "old_log_probs" in batch:
-        out["rollout/log_prob_max_abs_diff"] = float((batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
+    if "rollout_log_probs" in batch and "old_log_probs" in batch:  # the engine's vs the trainer's (trainer.alarms)
+        gap = (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs()
+        out["rollout/log_prob_max_abs_diff"] = float(gap.max())
+        out["rollout/log_prob_mean_abs_diff"] = float(gap.mean())
     if plan.use_critic:
         out["critic/values/mean"] = float(batch["values"][mask].mean())
     return out
