@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from meshrl.runtime import configure_environment
+from meshrl.runtime import configure_environment, use_run_temp_dir
 
 if TYPE_CHECKING:
     from meshrl.data.dataset import RLDataset
@@ -219,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command: 0 when the run finishes, 2 for a config or data problem (one message, before any worker
     starts), 130 / 143 when SIGINT / SIGTERM stopped it (``meshrl.trainer.interrupts``)."""
     configure_environment()
+    use_run_temp_dir()  # every process of the run writes its temporary files in one folder, removed at exit
     from meshrl.config import ConfigError, load_config
     from meshrl.trainer.interrupts import Interrupted
 

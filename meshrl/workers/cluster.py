@@ -12,6 +12,7 @@ reach every worker. Anything else is refused with a ``ConfigError`` that names t
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import build_run_plan
 from meshrl.config.validate import world_size
-from meshrl.runtime import configure_environment
+from meshrl.runtime import configure_environment, prune_ray_sessions
 from meshrl.workers.dispatch import groups_per_rank
 
 # runtime_env fields meshrl passes to Ray. The others (pip, conda, uv, working_dir, py_modules,
@@ -91,4 +92,6 @@ def start_ray(cfg: DictConfig) -> None:
 
     if ray.is_initialized():
         return
+    if "_temp_dir" in kwargs:  # a Ray this run starts: its session folder joins the ones kept there
+        prune_ray_sessions(Path(kwargs["_temp_dir"]))
     ray.init(**kwargs)
