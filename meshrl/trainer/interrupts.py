@@ -99,9 +99,14 @@ def stop_line(signum: int, step: int, checkpoint: Path | None, resume_mode: str)
     variant that says what the same command does when it would not resume from ``checkpoint``."""
     stopped = f"meshrl: interrupted by {signal.Signals(signum).name} " + \
         (f"at step {step}" if step > 0 else "before the first step")
+    return f"{stopped}; {resume_hint(checkpoint, resume_mode)}"
+
+
+def resume_hint(checkpoint: Path | None, resume_mode: str) -> str:
+    """``last checkpoint: PATH; resume with the same command``, or what the same command does instead."""
     if checkpoint is None:
         again = "starts from trainer.resume_from_path again" if resume_mode == "resume_path" else "starts over"
-        return f"{stopped}; no checkpoint yet: the same command {again}"
+        return f"no checkpoint yet: the same command {again}"
     resume = "resume with the same command" if resume_mode == "auto" else \
         f"resume with trainer.resume_mode=auto (this command's resume_mode={resume_mode} does not start from it)"
-    return f"{stopped}; last checkpoint: {checkpoint}; {resume}"
+    return f"last checkpoint: {checkpoint}; {resume}"

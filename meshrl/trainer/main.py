@@ -96,6 +96,8 @@ def run(cfg, plan, inputs: RunInputs | None = None) -> dict[str, float]:
 
     Raises:
         Interrupted: SIGINT or SIGTERM stopped the run (``meshrl.trainer.interrupts``), after the workers stopped.
+        RunFailed: a worker died or raised, the rewards failed or an alarm stopped the run
+            (``meshrl.trainer.failures``; the cause is its ``__cause__``), after the workers stopped.
     """
     import ray  # noqa: F401  (imported before driver_output, which takes off the console handler Ray's import adds)
 
@@ -112,7 +114,9 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     from meshrl.rewards.dispatch import RewardSpec
     from meshrl.rewards.pool import RewardPool
     from meshrl.rollout.vllm_shm import remove_stale_segments
+    from meshrl.logs import DRIVER_LOG, logs_dir
     from meshrl.trainer.checkpoint import CheckpointManager, parts_to_keep
+    from meshrl.trainer.failures import RECOGNISED, run_failed
     from meshrl.trainer.interrupts import Interrupts
     from meshrl.trainer.plot import plot_finished_run
     from meshrl.trainer.rl_trainer import RLTrainer, total_training_steps
@@ -142,6 +146,7 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
                         num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
                         on_nonfinite_score=cfg.reward_model.on_nonfinite_score,
                         max_failed_batches=cfg.reward_model.max_failed_batches)
+    failure = None
     # Installed after ray.init, which sets a SIGTERM handler of its own.
     with Interrupts(cfg.trainer.save_on_preempt) as interrupts:
         try:
@@ -163,6 +168,8 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
                 return final
         except KeyboardInterrupt:
             pass  # the workers stop below; then the line that says where the run stopped
+        except RECOGNISED as exc:  # a report instead of the driver's traceback (meshrl.trainer.failures)
+            failure = exc
         finally:
             interrupts.stopping = True
             reward.close()
@@ -173,8 +180,11 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
                 ray.shutdown()
             # Shared-memory names of engines whose worker was killed while they started (their pid is dead).
             remove_stale_segments()
-    raise interrupts.interrupted(trainer.step if trainer is not None else 0, checkpoints.latest(),
-                                 cfg.trainer.resume_mode)
+    step = trainer.step if trainer is not None else 0
+    if failure is not None:
+        log_file = None if cfg.trainer.verbose else logs_dir(run_dir) / DRIVER_LOG
+        raise run_failed(failure, step, checkpoints.latest(), cfg.trainer.resume_mode, log_file) from failure
+    raise interrupts.interrupted(step, checkpoints.latest(), cfg.trainer.resume_mode)
 
 
 def preflight(cfg):
@@ -220,10 +230,12 @@ def model_config(cfg):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: 0 when the run finishes, 2 for a config or data problem (one message, before any worker
-    starts), 130 / 143 when SIGINT / SIGTERM stopped it (``meshrl.trainer.interrupts``)."""
+    starts), 1 when a worker, the rewards or an alarm stopped it (one report: ``meshrl.trainer.failures``),
+    130 / 143 when SIGINT / SIGTERM stopped it (``meshrl.trainer.interrupts``)."""
     configure_environment()
     use_run_temp_dir()  # every process of the run writes its temporary files in one folder, removed at exit
     from meshrl.config import ConfigError, load_config
+    from meshrl.trainer.failures import RunFailed
     from meshrl.trainer.interrupts import Interrupted
 
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
@@ -234,8 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"meshrl: {exc}", file=sys.stderr)
         return 2
-    except Interrupted as exc:
-        print(exc, file=sys.stderr)
+    except (Interrupted, RunFailed) as exc:
+        print(exc, *getattr(exc, "__notes__", ()), sep="\n", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:  # before the workers started: nothing to stop or resume
         print("meshrl: interrupted by SIGINT before training started", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM of ``python -m meshrl.trainer.main`` on the tiny recipe: one line naming the step and the
 last checkpoint, exit code 130 / 143, no traceback, and nothing of the run left (processes, temporary files,
 shared memory: ``run_sandbox``). With ``trainer.save_on_preempt=True`` a SIGTERM first finishes and saves the
-step in progress. One run per signal."""
+step in progress. One run per signal.
+The SIGTERM run also checks the quiet console: no library line in the output, all of them in the run's logs."""
 
 from __future__ import annotations
 
@@ -62,3 +63,11 @@ def test_sigterm_with_save_on_preempt_saves_the_step_then_exits_143(tmp_path):
     assert (Path(checkpoint) / "actor").is_dir()
     assert "meshrl: SIGTERM: finishing and saving the step in progress" in output
     assert "Traceback" not in output
+    # A quiet console (meshrl.logs): the libraries' lines, the driver's and the worker's, are in the logs folder.
+    logs = run_dir / "logs"
+    assert output.count(f"goes to {logs}/") == 1, output[-3000:]
+    for library_line in ("INFO", "Transformer Engine", "pid=", "Warning"):
+        assert library_line not in output, output[-3000:]
+    worker_log = (logs / "ActorRolloutRefWorker-rank0.log").read_text()
+    assert "Transformer Engine and Apex are not installed" in worker_log and " INFO " in worker_log
+    assert "Started a local Ray instance" in (logs / "driver.log").read_text()

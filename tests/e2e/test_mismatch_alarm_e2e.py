@@ -15,6 +15,7 @@ import pytest
 from meshrl.config import load_config
 from meshrl.config.validate import validate_config
 from meshrl.trainer.alarms import LogProbMismatchError
+from meshrl.trainer.failures import RunFailed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -49,9 +50,11 @@ def test_a_corrupted_sync_stops_the_run_at_step_1(tmp_path):
     path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
     cfg = load_config([f"trainer.default_local_dir={tmp_path / 'run'}", *ONE_STEP,
                        f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH={path}"], recipe="cpu_tiny_grpo")
-    with pytest.raises(LogProbMismatchError) as stopped:
+    with pytest.raises(RunFailed) as stopped:  # the run's report (meshrl.trainer.failures) names the cause
         run(cfg, validate_config(cfg))
+    assert isinstance(stopped.value.__cause__, LogProbMismatchError)
     message = str(stopped.value)
+    assert message.startswith("meshrl: the run failed at step 1: ")
     assert "at step 1" in message and "exceeds the tolerance 0.001" in message  # fp32 trainer and engine
     mean = float(re.search(r"rollout_log_probs\| over the response tokens is ([0-9.e+-]+)", message).group(1))
     assert mean > 0.2  # far beyond even the 16-bit tolerance

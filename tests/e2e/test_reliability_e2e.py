@@ -11,6 +11,7 @@ while it writes a checkpoint. Ctrl-C and SIGTERM: ``tests/e2e/test_interrupts_e2
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import psutil
@@ -64,7 +65,12 @@ def test_an_exception_in_a_worker_stops_the_run_and_leaves_nothing(sandbox, tmp_
                     "actor_rollout_ref.actor.optim.lr=1e30", "trainer.on_nonfinite_loss=stop",
                     log=tmp_path / "output.txt")
     output = (tmp_path / "output.txt").read_text()
-    assert code == 1 and "actor_rollout_ref rank 0 failed in update: FloatingPointError" in output, output[-3000:]
+    assert code == 1 and re.search(r"^meshrl: the run failed at step [12]: actor_rollout_ref rank 0 failed in "
+                                   r"update: FloatingPointError: actor loss is nan", output, re.M), output[-3000:]
+    # A report, not the driver's traceback (meshrl.trainer.failures): that one is in the run's driver log.
+    assert "Traceback" not in output and f"is in {run_dir / 'logs'}/" in output, output[-3000:]
+    assert "no checkpoint yet: the same command starts over" in output
+    assert "Traceback" in (run_dir / "logs" / "driver.log").read_text()
     sandbox.assert_clean()
 
 
@@ -79,7 +85,8 @@ def test_a_killed_worker_stops_the_run_keeps_the_checkpoint_and_leaves_nothing(s
                     until=lambda: (run_dir / "global_step_1" / "COMPLETE").is_file(),
                     kill=lambda: _policy_workers(sandbox))
     output = (tmp_path / "output.txt").read_text()
-    assert code == 1 and "actor_rollout_ref rank 0 died" in output, output[-3000:]
+    assert code == 1 and "actor_rollout_ref rank 0 died" in output and "Traceback" not in output, output[-3000:]
+    assert re.search(rf"meshrl: last checkpoint: {run_dir}/global_step_\d; resume with the same command", output)
     latest = CheckpointManager(run_dir).resolve("auto")
     assert latest is not None and CheckpointManager(run_dir).load_driver_state(latest)["step"] >= 1
     sandbox.assert_clean()
