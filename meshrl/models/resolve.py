@@ -1,8 +1,9 @@
 """``actor_rollout_ref.model.path`` → a local Hugging Face folder.
 
     embedded:smollm2       the packaged SmolLM2-135M-Instruct (converted once into the cache)
-    tiny:<model_type>      a tiny random model of a registered family (tiny:llama, tiny:qwen2, tiny:qwen3,
-                           tiny:mistral; tests, smoke runs), see meshrl.models.families
+    tiny:<family>          a tiny random model of a registered family, named by its module in
+                           meshrl.models.families (tiny:llama, tiny:qwen2, tiny:qwen3, tiny:mistral, tiny:gemma,
+                           tiny:gemma2, tiny:gemma3 for model_type gemma3_text; tests, smoke runs)
     <folder>               a local HF folder (config.json + safetensors + tokenizer)
 
 No model hub is reachable, so a hub id such as ``Qwen/Qwen2.5-7B-Instruct`` that is not a local
@@ -16,7 +17,8 @@ from pathlib import Path
 from meshrl.models.families import FAMILY_MODULES
 
 EMBEDDED_MODELS = ("embedded:smollm2",)
-TINY_MODELS = tuple(f"tiny:{model_type}" for model_type in FAMILY_MODULES)
+# tiny:<family module> -> its model_type
+TINY_MODELS = {f"tiny:{module}": model_type for model_type, module in FAMILY_MODULES.items()}
 
 
 def resolve_model_path(path: str) -> Path:
@@ -27,7 +29,7 @@ def resolve_model_path(path: str) -> Path:
     if path in TINY_MODELS:
         from meshrl.models.tiny import tiny_model_dir, tiny_spec
 
-        return tiny_model_dir(tiny_spec(path.removeprefix("tiny:")))
+        return tiny_model_dir(tiny_spec(TINY_MODELS[path]))
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return folder
@@ -35,4 +37,4 @@ def resolve_model_path(path: str) -> Path:
         raise FileNotFoundError(f"model path {folder} has no config.json; give a Hugging Face model folder")
     raise FileNotFoundError(
         f"model path '{path}' is not a local folder, and no model hub is reachable from here. Download the "
-        f"model elsewhere and pass its folder, or use one of: {', '.join(EMBEDDED_MODELS + TINY_MODELS)}.")
+        f"model elsewhere and pass its folder, or use one of: {', '.join(EMBEDDED_MODELS + tuple(TINY_MODELS))}.")

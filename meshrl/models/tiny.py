@@ -1,7 +1,8 @@
 """Tiny random models of every registered family (``meshrl.models.families``), for tests and CPU smoke runs.
 
 They keep every structural feature the parallel and rollout layers must handle — grouped-query
-attention, Qwen2's QKV bias, Qwen3's q/k norms and independent head_dim, tied or untied embeddings, rope
+attention, Qwen2's QKV bias, Qwen3's q/k norms and independent head_dim, Gemma's zero-centred norms, GeGLU,
+embedding scaling, post norms, soft-capping and sliding-window layers, tied or untied embeddings, rope
 theta, RMSNorm eps — at a size that runs in milliseconds. ``head_dim`` defaults to 64 because vLLM's CPU
 attention kernel only accepts head_dim in {32, 64, 80, 96, 112, 128, ...}. The tokenizer is the embedded
 SmolLM2 one, so prompts, chat template and vocabulary are real. ``tiny_spec(model_type)`` is the shape
@@ -89,7 +90,11 @@ def build_tiny_model(spec: TinySpec = TinySpec()):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from meshrl.models.families import model_spec
+
     config = tiny_config(spec)
+    # A zero-centred gamma w scales by 1 + w: drawn around 0 so that the scale is around 1 as elsewhere.
+    gamma_centre = 0.0 if model_spec(config).zero_centered_norms else 1.0
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -102,7 +107,7 @@ def build_tiny_model(spec: TinySpec = TinySpec()):
                 elif name.endswith("bias"):
                     param.normal_(0.0, 0.05)
                 elif spec.norm_scale:  # a norm's gamma
-                    param.normal_(1.0, spec.norm_scale)
+                    param.normal_(gamma_centre, spec.norm_scale)
     return model.eval()
 
 

@@ -9,7 +9,10 @@ parallel layout; it knows no family by name.
 
 Layer spec: Transformer Engine's when TE is importable (GPU), else megatron's local spec with
 RMSNorm (CPU) whose core attention runs through torch's fused ``scaled_dot_product_attention``. Both
-are served by ``meshrl.parallel.hf_conversion``, which knows their name differences.
+are served by ``meshrl.parallel.hf_conversion``, which knows their name differences. What a family needs
+beyond megatron-core's options (Gemma's zero-centred norms on the local spec, post norms, soft-capping,
+embedding scaling, local RoPE base) comes from ``meshrl.parallel.layers``; on the TE spec those additions
+are built from TE's own norm but have not run here (TE cannot be installed on these machines).
 
 Precision: fp32 on CPU, bf16 on GPU, unless ``dtype`` says otherwise (``param_dtype`` reads verl's
 ``megatron.dtype`` names). bf16 parameters train with megatron's mixed precision on CPU as on GPU:
@@ -30,6 +33,7 @@ loss function over micro-batches and DP ranks.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -37,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from meshrl.models.families import ModelSpec, layer_spec_options, model_spec, transformer_options
-from meshrl.parallel import state
+from meshrl.parallel import layers, state
 
 def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
     """Raise ``ValueError`` naming the constraint when ``parallel`` cannot shard ``spec``."""
@@ -190,67 +194,52 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight, self.bias), None
 
 
-@functools.cache
-def _sdpa_core_attention_class():
-    """megatron's local ``DotProductAttention`` computed by ``torch.nn.functional.scaled_dot_product_attention``.
-
-    The local class materialises GQA-expanded keys/values and the ``[b, heads, s, s]`` scores and
-    probabilities (kept for backward); torch's fused kernel does neither, which on CPU makes the
-    attention ~15x faster and saves ~1.5 GiB of activations for SmolLM2 at 8x256 tokens. Serves the plain
-    causal case (``[s, b, heads, d]``, no mask) and packed THD sequences (``[t, heads, d]`` with
-    ``PackedSeqParams``, which the local class refuses): causal attention inside each slot of
-    ``cu_seqlens_q_padded``, never across slots. Anything else falls back to megatron.
-    """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-
-    class SDPACoreAttention(DotProductAttention):
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
-            mask_type = attn_mask_type or self.attn_mask_type
-            if (attention_mask is not None or attention_bias is not None
-                    or (packed_seq_params is not None and packed_seq_params.qkv_format != "thd")
-                    or mask_type != AttnMaskType.causal or self.softmax_offset is not None
-                    or self.scale_mask_softmax.window_size is not None or self.attention_dropout.p > 0):
-                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                                       packed_seq_params)
-            if packed_seq_params is not None:
-                return self._packed(query, key, value, packed_seq_params)
-            seq, batch = query.shape[0], query.shape[1]
-            # [s, b, heads, d] -> [b, heads, s, d]
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            return self._causal(q, k, v).permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
-
-        def _packed(self, query, key, value, params):
-            """``[t, heads, d]`` -> ``[t, heads * d]``: one causal SDPA call per slot. On CPU this beat a
-            single call with a block-diagonal mask 11-35x (fwd+bwd, 8-32 sequences of 100-600 tokens),
-            which computes and stores all t^2 scores."""
-            cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-            bounds = cu.tolist()
-            slots = [self._causal(*(t[start:end].transpose(0, 1) for t in (query, key, value))).transpose(0, 1)
-                     for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
-            return torch.cat(slots).reshape(query.shape[0], self.hidden_size_per_partition)
-
-        def _causal(self, q, k, v):
-            """Causal SDPA on ``[..., heads, s, d]`` (GQA: fewer key/value heads)."""
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale,
-                enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition)
-
-    return SDPACoreAttention
-
-
 def _layer_spec(use_te: bool, model: ModelSpec):
     """Transformer Engine's spec, or megatron's local spec (RMSNorm) with SDPA core attention; both with the
-    family's layer options (q/k layernorm)."""
+    family's layer options (q/k layernorm) and ``meshrl.parallel.layers``' additions for what megatron-core
+    lacks: zero-centred local norms, post-attention / post-MLP norms, attention logit soft-capping (TE's
+    attention has none: such layers run meshrl's SDPA attention on any device), the windowed layers' RoPE
+    base."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(**layer_spec_options(model))
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", **layer_spec_options(model))
-    spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention_class()
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        spec, norm = get_gpt_layer_with_transformer_engine_spec(**layer_spec_options(model)), TENorm
+    else:
+        spec, norm = get_gpt_layer_local_spec(normalization="RMSNorm", **layer_spec_options(model)), layers.RMSNorm
+        spec.submodules.self_attention.submodules.core_attention = layers.sdpa_core_attention_class()
+        if model.zero_centered_norms:  # megatron's local torch norm refuses layernorm_zero_centered_gamma
+            spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
+            if model.qk_norm:
+                spec.submodules.self_attention.submodules.q_layernorm = norm
+                spec.submodules.self_attention.submodules.k_layernorm = norm
+    attention = spec.submodules.self_attention
+    if model.attn_logit_softcap is not None:
+        attention.submodules.core_attention = ModuleSpec(module=layers.sdpa_core_attention_class(),
+                                                         params={"logit_softcap": model.attn_logit_softcap})
+    if model.post_norms:
+        attention.submodules.linear_proj = layers.post_normed(attention.submodules.linear_proj, norm)
+        mlp = spec.submodules.mlp.submodules
+        mlp.linear_fc2 = layers.post_normed(mlp.linear_fc2, norm)
+    if model.local_rope_theta is not None and model.local_rope_theta != model.rope_theta:
+        attention.module = layers.local_rope_self_attention_class()
+        attention.params = {**attention.params, "local_rope_theta": model.local_rope_theta}
     return spec
+
+
+def _decoder_spec(layer_spec, use_te: bool, model: ModelSpec, config, vp_stage: int | None):
+    """What GPTModel builds its decoder from: the layer spec (megatron adds its final norm), or, for
+    zero-centred norms on the local spec, the block of this stage's layers with ``layers.RMSNorm`` as the
+    final norm (megatron's would refuse the option)."""
+    if use_te or not model.zero_centered_norms:
+        return layer_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=layers.RMSNorm)
 
 
 def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
@@ -282,7 +271,7 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=_decoder_spec(layer_spec, use_te, spec, config, stage),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=pre,
@@ -297,6 +286,12 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
             device = next(model.parameters()).device
             # Replaces the vocabulary projection GPTModel allocated (transiently) on the last stage.
             model.output_layer = ValueHead(spec.hidden_size, dtype, device)
+        elif post and spec.final_logit_softcap is not None:
+            model.output_layer.register_forward_hook(
+                functools.partial(layers.softcap_logits, cap=spec.final_logit_softcap))
+        if pre and spec.embedding_scale:
+            model.embedding.register_forward_hook(
+                functools.partial(layers.scale_embeddings, factor=math.sqrt(spec.hidden_size)))
         # megatron's local spec builds torch norms without a dtype: fp32 weights in a bf16 model, on which
         # torch's RMSNorm skips its fused kernel. TE's norms and HF's bf16 models hold the model's dtype.
         for module in model.modules():

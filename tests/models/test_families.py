@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from meshrl.models import families
+from meshrl.models.hf_classes import hf_class
 from meshrl.models.families import FAMILY_MODULES, family, hf_layout, model_spec
 from meshrl.models.tiny import TinySpec, tiny_config, tiny_spec
 from meshrl.trainer.plan import stage_parameters
@@ -16,12 +16,12 @@ MODEL_TYPES = tuple(FAMILY_MODULES)
 
 
 def test_every_registered_family_loads_with_its_transformers_classes() -> None:
-    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(MODEL_TYPES)
+    assert {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text"} <= set(MODEL_TYPES)
     for model_type in MODEL_TYPES:
         fam = family(model_type)
         assert fam.model_type == model_type
         for name in (fam.config_class, fam.policy_class, fam.critic_class):
-            assert hasattr(transformers, name), name
+            assert hf_class(name).__name__ == name
         assert tiny_config(tiny_spec(model_type)).model_type == model_type
 
 
@@ -31,7 +31,7 @@ def hf_model(model_type: str, critic: bool):
     if critic:
         config.num_labels = 1
     with torch.device("meta"):
-        return getattr(transformers, fam.critic_class if critic else fam.policy_class)(config)
+        return hf_class(fam.critic_class if critic else fam.policy_class)(config)
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
@@ -86,6 +86,14 @@ def changed(model_type: str, **fields):
      "rope_type='yarn': only 'default' RoPE"),
     ("qwen3", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
     ("llama", dict(attention_dropout=0.1), "attention_dropout=0.1: meshrl trains without dropout"),
+    ("gemma", dict(hidden_act="gelu"), "hidden_act='gelu': meshrl implements Gemma's GeGLU with gelu_pytorch_tanh"),
+    ("gemma", dict(attention_bias=True), "attention_bias=True: Gemma with q/k/v/o biases"),
+    ("gemma2", dict(hidden_activation="silu"), "hidden_activation='silu'"),
+    ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True: bidirectional"),
+    ("gemma3_text", dict(layer_types=["chunked_attention", "full_attention"]), "layer_types=.*builds sliding_attention"),
+    ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     "rope_parameters=.*'linear'.*only 'default' RoPE is implemented for each layer type"),
 ])
 def test_unsupported_config_fields_are_refused_by_name(model_type: str, fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=f"{model_type} config not supported by meshrl: .*{message}"):
@@ -105,16 +113,17 @@ def test_a_mistral_window_that_never_slides_is_full_attention() -> None:
 
 def test_an_unregistered_family_names_the_supported_ones() -> None:
     config = tiny_config(tiny_spec("llama"))
-    config.model_type = "gemma2"
-    with pytest.raises(ValueError, match="model_type 'gemma2' is not supported; supported: llama, qwen2, qwen3, "
-                                         "mistral"):
+    config.model_type = "glm4"
+    with pytest.raises(ValueError, match="model_type 'glm4' is not supported; supported: llama, qwen2, qwen3, "
+                                         "mistral, gemma, gemma2, gemma3_text"):
         model_spec(config)
 
 
 def test_tiny_models_resolve_for_every_family() -> None:
     from meshrl.models.resolve import TINY_MODELS
 
-    assert TINY_MODELS == tuple(f"tiny:{t}" for t in MODEL_TYPES)
+    assert TINY_MODELS == {f"tiny:{FAMILY_MODULES[t]}": t for t in MODEL_TYPES}
+    assert TINY_MODELS["tiny:gemma3"] == "gemma3_text"
     # the shapes tests and recipes have always used for tiny:llama / tiny:qwen2 (their cache folders)
     assert tiny_spec("llama") == TinySpec()
     assert tiny_spec("qwen2") == TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False)
@@ -139,3 +148,36 @@ def test_the_trainer_refuses_an_unsupported_model_before_any_worker(tmp_path, mo
     assert code == 2 and "Traceback" not in err
     assert err.startswith("meshrl: actor_rollout_ref.model.path: mistral config not supported by meshrl: "
                           "sliding_window=4096")
+
+
+def test_gemma_features_are_read_from_each_generations_config() -> None:
+    """Gemma 1: zero-centred norms, GeGLU, scaled embeddings only; Gemma 2 adds post norms, the pre-attention
+    scalar, both soft-caps and the sliding layers of ``layer_types``; Gemma 3 adds q/k norms and the local
+    RoPE base, read from the per-layer-type ``rope_parameters``."""
+    gemma, gemma2, gemma3 = (model_spec(tiny_config(tiny_spec(t))) for t in ("gemma", "gemma2", "gemma3_text"))
+    for spec in (gemma, gemma2, gemma3):
+        assert spec.activation == "gelu_tanh" and spec.zero_centered_norms and spec.embedding_scale
+    assert not gemma.post_norms and gemma.sliding_window is None and gemma.softmax_scale is None
+    config = tiny_config(tiny_spec("gemma2"))
+    assert gemma2.post_norms and gemma2.softmax_scale == config.query_pre_attn_scalar ** -0.5
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (config.attn_logit_softcapping,
+                                                                       config.final_logit_softcapping)
+    assert gemma2.sliding_layers == tuple(i for i, t in enumerate(config.layer_types) if t == "sliding_attention")
+    assert gemma2.sliding_layers == (0,) and gemma2.local_rope_theta is None and not gemma2.qk_norm
+    config = tiny_config(tiny_spec("gemma3_text"))
+    assert gemma3.qk_norm and gemma3.attn_logit_softcap is None
+    assert gemma3.rope_theta == config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert gemma3.local_rope_theta == config.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    options = families.transformer_options(gemma3)
+    assert options["window_size"] == (config.sliding_window - 1, 0)
+    assert options["window_attn_skip_freq"] == [1, 0]  # megatron's list: 1 = this layer is windowed
+    assert options["layernorm_zero_centered_gamma"] and options["activation_func"] is families.gelu_tanh
+    assert "window_size" not in families.transformer_options(gemma)
+
+
+def test_a_spec_read_back_from_json_equals_the_original() -> None:
+    """Checkpoints store the spec as JSON, where the sliding layers become a list."""
+    import json
+
+    spec = model_spec(tiny_config(tiny_spec("gemma3_text")))
+    assert families.ModelSpec(**json.loads(json.dumps(spec.to_dict()))) == spec

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from meshrl.models import hf_classes  # noqa: E402,F401  (registers Gemma3TextForTokenClassification)
 from meshrl.models.families import FAMILY_MODULES  # noqa: E402
 from meshrl.models.tiny import TinySpec, tiny_model_dir, tiny_spec  # noqa: E402
 from meshrl.parallel import checkpoint, hf_conversion, model_builder, offload, optimizer, schedule, state  # noqa: E402
@@ -36,7 +37,8 @@ FAMILIES = {model_type: tiny_spec(model_type) for model_type in FAMILY_MODULES}
 LLAMA, QWEN2 = FAMILIES["llama"], FAMILIES["qwen2"]
 LLAMA4 = TinySpec(num_hidden_layers=4)
 # The policy's rollout temperature per family: 1 and != 1 both run at every layout.
-TEMPERATURE = {"llama": 1.0, "qwen2": 0.7, "qwen3": 0.7, "mistral": 1.0}
+TEMPERATURE = {"llama": 1.0, "qwen2": 0.7, "qwen3": 0.7, "mistral": 1.0, "gemma": 0.7, "gemma2": 1.0,
+               "gemma3_text": 0.7}
 TIMEOUT_S = 120.0
 
 SUITES = {
@@ -118,21 +120,36 @@ def critic_loss(outputs: dict, mb: dict):
     return (((outputs["values"] - mb["returns"]) ** 2) * m).sum() / mb["n_global"], {}
 
 
+def _hf_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """HF's ``[b, s, out]`` logits of the padded batch (positions from the mask). With sliding-window layers
+    each row's tokens run alone: HF's window counts a padded row's positions, padding included, where
+    meshrl's (and vLLM's) counts the sequence's tokens."""
+    from meshrl.models.families import model_spec
+
+    if not model_spec(model.config).sliding_layers:
+        return model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    rows = []
+    for row_ids, row_mask in zip(ids, mask.bool()):
+        logits = model(input_ids=row_ids[row_mask][None]).logits[0]
+        rows.append(logits.new_zeros(row_ids.shape[0], logits.shape[-1]).index_put((row_mask.nonzero()[:, 0],),
+                                                                                    logits))
+    return torch.stack(rows)
+
+
 def hf_outputs(model, mb: dict, critic: bool, temperature: float = 1.0) -> dict:
     """HF outputs in meshrl's alignment: position t from the previous valid position; the policy's from
     ``log_softmax(logits / temperature)``."""
     ids, mask = mb["input_ids"], mb["attention_mask"]
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    logits = _hf_logits(model, ids, mask)
     index = torch.arange(ids.shape[1]).expand_as(ids)
     last_valid = torch.cummax(torch.where(mask.bool(), index, torch.full_like(index, -1)), dim=1).values
     prev = torch.cat([torch.full_like(last_valid[:, :1], -1), last_valid[:, :-1]], dim=1)
     has_prev = (prev >= 0) & mask.bool()
     src = prev.clamp(min=0)
     if critic:
-        values = out.logits.squeeze(-1).gather(1, src)
+        values = logits.squeeze(-1).gather(1, src)
         return {"values": torch.where(has_prev, values, torch.zeros_like(values))}
-    logp = torch.log_softmax(out.logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     rows = logp.gather(1, src.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
     lp = rows.gather(2, ids.unsqueeze(-1)).squeeze(-1)
     ent = -(rows.exp() * rows).sum(-1)

@@ -17,7 +17,7 @@ from test_parallel_multiproc import EXPECT, _check
 
 from meshrl.models.families import family, hf_layout, model_spec
 from meshrl.models.tiny import tiny_config, tiny_model_dir
-from meshrl.parallel import hf_conversion, model_builder, schedule, state
+from meshrl.parallel import hf_conversion, layers, model_builder, schedule, state
 from meshrl.parallel.forward import OutputRequest
 from meshrl.trainer.plan import stage_parameters
 
@@ -49,20 +49,39 @@ def _failures(result: dict, tag: str) -> list[str]:
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_layer_specs_build_the_familys_qk_norms(model_type: str, monkeypatch) -> None:
-    """The local (CPU) spec builds q/k layernorm modules exactly for families with q/k norms; the Transformer
-    Engine spec (not importable here) is asked for them with the same argument."""
+def test_layer_specs_build_the_familys_structure(model_type: str, monkeypatch) -> None:
+    """The local (CPU) spec builds q/k layernorm modules exactly for families with q/k norms, meshrl's
+    zero-centred norm everywhere for Gemma's, the post norms, the soft-capped core attention and the local
+    RoPE attention exactly where the spec asks; the Transformer Engine spec (not importable here) is asked
+    for q/k norms with the same argument and gets the post norms built from TE's norm."""
+    from megatron.core.extensions.transformer_engine import TENorm
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.identity_op import IdentityOp
 
     spec = model_spec(tiny_config(FAMILIES[model_type]))
-    attention = model_builder._layer_spec(False, spec).submodules.self_attention.submodules
+    layer = model_builder._layer_spec(False, spec).submodules
+    attention = layer.self_attention.submodules
     for norm in (attention.q_layernorm, attention.k_layernorm):
         assert (norm is not IdentityOp) == spec.qk_norm
+    norms = [layer.input_layernorm, layer.pre_mlp_layernorm] + ([attention.q_layernorm] if spec.qk_norm else [])
+    assert all((n is layers.RMSNorm) == spec.zero_centered_norms for n in norms)
+    post = [attention.linear_proj, layer.mlp.submodules.linear_fc2]
+    assert all(cls.__name__.startswith("PostNormed") == spec.post_norms for cls in post)
+    softcap = getattr(attention.core_attention, "params", {}).get("logit_softcap")
+    assert softcap == spec.attn_logit_softcap
+    assert (layer.self_attention.module.__name__ == "LocalRopeSelfAttention") == (spec.local_rope_theta is not None)
     asked = []
-    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda **kw: asked.append(kw))
-    model_builder._layer_spec(True, spec)
+
+    def te_spec(**kwargs):  # the local spec stands in for TE's, which cannot be built here
+        asked.append(kwargs)
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **kwargs)
+
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", te_spec)
+    te = model_builder._layer_spec(True, spec).submodules
     assert asked == [{"qk_layernorm": spec.qk_norm}]
+    if spec.post_norms:
+        proj = te.self_attention.submodules.linear_proj
+        assert layers.post_normed(proj.__mro__[1], TENorm) is proj
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
@@ -75,7 +94,7 @@ def test_tp1_matches_the_familys_hf_model(tp1, critics, model_type: str, critic:
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
-@pytest.mark.parametrize("model_type", ["qwen3", "mistral"])
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gemma", "gemma2", "gemma3_text"])
 def test_export_reloads_to_the_same_outputs(tp1, critics, tmp_path, model_type: str, critic: bool) -> None:
     """Perturbed megatron weights (a stand-in for training) -> ``save_hf_checkpoint`` -> the family's
     transformers class reloads it and computes megatron's log-probs / values; the parameter count is

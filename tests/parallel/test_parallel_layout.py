@@ -7,7 +7,7 @@ import torch
 
 from meshrl.models.families import hf_layout
 from meshrl.models.tiny import TinySpec, tiny_config
-from meshrl.parallel import convert_cli, forward, hf_conversion, model_builder, schedule
+from meshrl.parallel import convert_cli, forward, hf_conversion, layers, model_builder, schedule
 from meshrl.parallel.state import ParallelConfig
 
 LLAMA = TinySpec()
@@ -150,7 +150,7 @@ def test_packed_sdpa_attention_is_causal_within_each_slot_only() -> None:
     config = model_builder.transformer_config(model_builder.model_spec(tiny_config(LLAMA)), ParallelConfig(),
                                               torch.float32)
     tp = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
-    attention = model_builder._sdpa_core_attention_class()(
+    attention = layers.sdpa_core_attention_class()(
         config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
         pg_collection=SimpleNamespace(tp=tp))
     lengths, slots = [5, 1, 0, 8], [6, 2, 0, 8]

@@ -4,8 +4,13 @@ A family (``Family``, one ``FAMILY`` constant per module here) says, as data:
 
 - how its HF config reads into meshrl's ``ModelSpec``, and which config fields meshrl refuses because it
   would otherwise drop them silently (``Refusal``; the ones every family shares are ``COMMON_REFUSALS``);
-- its structural features, each a megatron-core option: QKV bias (``add_qkv_bias``) and per-head RMSNorm
-  of queries and keys before RoPE (``qk_layernorm``) — ``transformer_options`` / ``layer_spec_options``;
+- its structural features, each a megatron-core option where one exists: QKV bias (``add_qkv_bias``),
+  per-head RMSNorm of queries and keys before RoPE (``qk_layernorm``), zero-centred norm gammas
+  (``layernorm_zero_centered_gamma``), GeGLU (``activation_func`` tanh-GELU, ``gated_linear_unit``), the
+  softmax scale (``softmax_scale``) and sliding-window layers (``window_size``, ``window_attn_skip_freq``) —
+  ``transformer_options`` / ``layer_spec_options``; and the ones megatron-core 0.16.1 lacks, built by
+  ``meshrl.parallel.layers`` from the spec: embedding scaling, post-attention / post-MLP norms, attention
+  and final logit soft-capping, the sliding layers' own RoPE base;
 - its transformers classes (``{hf_prefix}Config`` / ``ForCausalLM`` / ``ForTokenClassification``: the
   policy and the critic, whose value head is HF's ``score`` with ``num_labels=1``);
 - the shape of its tiny random test model (``tiny_shape``, ``tiny_config``; built by ``meshrl.models.tiny``).
@@ -17,7 +22,7 @@ this table describes; it knows no family by name.
 Adding a family: a new module with ``FAMILY = Family(...)`` and one line in ``FAMILY_MODULES``. A family
 whose structure needs something no feature here describes (Gemma's embedding scaling and soft-capping, extra
 norms, sliding-window layouts, fused HF tensors) needs that feature added to ``ModelSpec``, ``hf_layout`` and
-the megatron options first.
+the megatron options first (Gemma's did: ``ModelSpec``'s fields after ``qk_norm``).
 """
 
 from __future__ import annotations
@@ -32,13 +37,28 @@ FAMILY_MODULES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "mistral": "mistral",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
 }
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """The architecture facts meshrl reads from an HF config (compared field by field on conversion and
-    stored in checkpoints; ``qk_norm`` defaults to False so checkpoints written before it existed load)."""
+    stored in checkpoints; the fields from ``qk_norm`` on default to Llama's structure so checkpoints
+    written before they existed load).
+
+    - ``activation``: the gated MLP's activation, ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU, HF's
+      ``gelu_pytorch_tanh``).
+    - ``zero_centered_norms``: every RMSNorm gamma ``w`` is stored zero-centred and scales by ``1 + w``.
+    - ``embedding_scale``: the embeddings are multiplied by ``sqrt(hidden_size)`` rounded to the model's dtype.
+    - ``post_norms``: an RMSNorm on the attention output and one on the MLP output, before each residual add.
+    - ``softmax_scale``: attention scores are ``q.k * softmax_scale`` (None: ``head_dim ** -0.5``).
+    - ``attn_logit_softcap`` / ``final_logit_softcap``: scores / logits ``x`` become ``c * tanh(x / c)``.
+    - ``sliding_window``: the layers in ``sliding_layers`` (0-based) let query ``i`` see keys ``j`` with
+      ``i - sliding_window < j <= i`` only; ``local_rope_theta`` is their RoPE base (None: ``rope_theta``).
+    """
 
     model_type: str
     num_layers: int
@@ -54,6 +74,22 @@ class ModelSpec:
     qkv_bias: bool
     max_position_embeddings: int
     qk_norm: bool = False
+    activation: str = "silu"
+    zero_centered_norms: bool = False
+    embedding_scale: bool = False
+    post_norms: bool = False
+    softmax_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+
+    def __post_init__(self) -> None:
+        # A spec read back from a checkpoint's JSON holds a list here.
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,8 +123,11 @@ def _rope_type(hf_config) -> str:
     return params.get("rope_type", params.get("type", "default"))
 
 
+# ModelSpec.activation -> the HF activation names it implements (``hidden_act`` / Gemma's ``hidden_activation``).
+ACTIVATIONS = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh",)}
+
+SILU_ONLY = Refusal("hidden_act", lambda v, c: v in (None, "silu"), "only SiLU (SwiGLU MLP) is implemented")
 COMMON_REFUSALS = (
-    Refusal("hidden_act", lambda v, c: v in (None, "silu"), "only SiLU (SwiGLU MLP) is implemented"),
     Refusal("rope_type", lambda v, c: v == "default", "only 'default' RoPE is implemented (no rope_scaling: "
             "linear, dynamic, yarn, llama3, longrope); remove it or use a model without it", read=_rope_type),
     Refusal("partial_rotary_factor", lambda v, c: v in (None, 1, 1.0), "RoPE on every head dimension only"),
@@ -105,6 +144,12 @@ class Family:
     qkv_bias: bool = False  # q/k/v projections carry biases (megatron ``add_qkv_bias``)
     qk_norm: bool = False  # RMSNorm over head_dim of each query / key head before RoPE (``qk_layernorm``)
     refusals: tuple[Refusal, ...] = ()
+    # The activation's refusal: Llama's SiLU-only one, or the family's own
+    activation_refusal: Refusal = SILU_ONLY
+    # ModelSpec fields the family reads itself from a validated HF config (Gemma's structure), over the common ones
+    spec_fields: Callable[[Any], dict[str, Any]] | None = None
+    config_name: str | None = None  # the config class when it is not ``{hf_prefix}Config``
+    critic_name: str | None = None  # the critic class when it is not ``{hf_prefix}ForTokenClassification``
     # head_dim is hidden_size / num_attention_heads by construction (the HF config has no head_dim field)
     derives_head_dim: bool = False
     tiny_shape: dict[str, Any] = field(default_factory=dict)  # TinySpec fields of ``tiny:<model_type>``
@@ -112,7 +157,7 @@ class Family:
 
     @property
     def config_class(self) -> str:
-        return f"{self.hf_prefix}Config"
+        return self.config_name or f"{self.hf_prefix}Config"
 
     @property
     def policy_class(self) -> str:
@@ -120,7 +165,7 @@ class Family:
 
     @property
     def critic_class(self) -> str:
-        return f"{self.hf_prefix}ForTokenClassification"
+        return self.critic_name or f"{self.hf_prefix}ForTokenClassification"
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -142,12 +187,15 @@ def model_spec(hf_config) -> ModelSpec:
     """
     model_type = getattr(hf_config, "model_type", None)
     fam = family(model_type)
-    problems = [p for r in COMMON_REFUSALS + fam.refusals if (p := r.problem(hf_config))]
+    refusals = (fam.activation_refusal,) + COMMON_REFUSALS + fam.refusals
+    problems = [p for r in refusals if (p := r.problem(hf_config))]
     if problems:
         raise ValueError(f"{model_type} config not supported by meshrl: " + "; ".join(problems))
     heads = hf_config.num_attention_heads
     params = getattr(hf_config, "rope_parameters", None) or {}
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    own = fam.spec_fields(hf_config) if fam.spec_fields else {}
+    theta = own.pop("rope_theta", theta)
     if theta is None:
         raise ValueError("the HF config has no rope_theta")
     return ModelSpec(
@@ -165,17 +213,33 @@ def model_spec(hf_config) -> ModelSpec:
         qkv_bias=fam.qkv_bias,
         max_position_embeddings=hf_config.max_position_embeddings,
         qk_norm=fam.qk_norm,
+        **own,
     )
 
 
-def transformer_options(spec: ModelSpec) -> dict[str, Any]:
-    """megatron-core ``TransformerConfig`` options of the spec's structure: RMSNorm, SwiGLU, no bias
-    except the family's QKV bias, q/k RMSNorm (eps ``rms_norm_eps``, as HF's q_norm / k_norm)."""
+def gelu_tanh(x):
+    """GELU with the tanh approximation: HF's ``gelu_pytorch_tanh``."""
     import torch.nn.functional as F
 
-    return dict(normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
-                activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
-                qk_layernorm=spec.qk_norm)
+    return F.gelu(x, approximate="tanh")
+
+
+def transformer_options(spec: ModelSpec) -> dict[str, Any]:
+    """megatron-core ``TransformerConfig`` options of the spec's structure: RMSNorm (zero-centred gamma or
+    not), a gated MLP with SiLU or tanh-GELU, no bias except the family's QKV bias, q/k RMSNorm (eps
+    ``rms_norm_eps``, as HF's q_norm / k_norm), the softmax scale, and the sliding-window layers
+    (``window_size=(window - 1, 0)``: ``window`` keys including the query's own; ``window_attn_skip_freq``
+    as a per-layer list, 1 = windowed)."""
+    import torch.nn.functional as F
+
+    options = dict(normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
+                   activation_func=F.silu if spec.activation == "silu" else gelu_tanh, add_bias_linear=False,
+                   add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
+                   layernorm_zero_centered_gamma=spec.zero_centered_norms, softmax_scale=spec.softmax_scale)
+    if spec.sliding_window is not None:
+        options.update(window_size=(spec.sliding_window - 1, 0),
+                       window_attn_skip_freq=[int(i in spec.sliding_layers) for i in range(spec.num_layers)])
+    return options
 
 
 def layer_spec_options(spec: ModelSpec) -> dict[str, Any]:
@@ -231,13 +295,26 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
         pieces += [piece("self_attn.q_norm.weight", attn + "q_layernorm.weight", None, None, (d,), "head_dim"),
                    piece("self_attn.k_norm.weight", attn + "k_layernorm.weight", None, None, (d,), "head_dim")]
     fc1, fc2, ffn = layer + "mlp.linear_fc1.weight", layer + "mlp.linear_fc2.weight", "intermediate_size, hidden_size"
+    pieces.append(piece("self_attn.o_proj.weight", attn + "linear_proj.weight", 1, None, (h, nq * d),
+                        f"hidden_size, {q_rows}"))
+    if spec.post_norms:
+        # Gemma2/3: HF's post_attention_layernorm normalises the attention output (meshrl.parallel.layers'
+        # norm after linear_proj); the MLP's input norm is pre_feedforward_layernorm.
+        pieces += [piece("post_attention_layernorm.weight", attn + "linear_proj.post_norm.weight", None, None, (h,),
+                         "hidden_size"),
+                   piece("pre_feedforward_layernorm.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,),
+                         "hidden_size")]
+    else:
+        pieces.append(piece("post_attention_layernorm.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,),
+                            "hidden_size"))
     pieces += [
-        piece("self_attn.o_proj.weight", attn + "linear_proj.weight", 1, None, (h, nq * d), f"hidden_size, {q_rows}"),
-        piece("post_attention_layernorm.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,), "hidden_size"),
         piece("mlp.gate_proj.weight", fc1, 0, "gate", (f, h), ffn),
         piece("mlp.up_proj.weight", fc1, 0, "up", (f, h), ffn),
         piece("mlp.down_proj.weight", fc2, 1, None, (h, f), "hidden_size, intermediate_size"),
     ]
+    if spec.post_norms:
+        pieces.append(piece("post_feedforward_layernorm.weight", layer + "mlp.linear_fc2.post_norm.weight", None,
+                            None, (h,), "hidden_size"))
     return pieces
 
 
