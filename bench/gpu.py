@@ -188,7 +188,7 @@ def section_parity(args) -> dict:
 
 
 def make_worker(args, overrides: list[str]):
-    """The trainer's policy worker, in-process at world size 1 on this GPU."""
+    """The trainer's policy worker, in-process at world size 1 on this GPU; (worker, model folder, config)."""
     from omegaconf import OmegaConf
 
     from meshrl.config import load_config
@@ -206,10 +206,10 @@ def make_worker(args, overrides: list[str]):
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.token_budget}",
         "actor_rollout_ref.actor.use_kl_loss=False", "algorithm.use_kl_in_reward=False",
         "actor_rollout_ref.actor.optim.lr=1e-6", *overrides])
-    worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg, resolve=True), str(model_dir),
-                                   validate_config(cfg))
+    worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg.actor_rollout_ref, resolve=True),
+                                   str(model_dir), validate_config(cfg))
     worker.setup(worker.address())
-    return worker, model_dir
+    return worker, model_dir, cfg
 
 
 def prompts_batch(args, vocab: int, seed: int):
@@ -226,15 +226,13 @@ def section_rl_step_padded(args) -> dict:
 
 def section_rl_step(args, overrides: list[str] = ()) -> dict:
     """Per-phase time of RL steps through the worker's own calls, in the trainer's order."""
-    from omegaconf import OmegaConf
-
     from bench.machine import model_shape, transformer_flops
     from meshrl.algorithms import GlobalNorm
     from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
 
-    worker, model_dir = make_worker(args, list(overrides))
+    worker, model_dir, cfg = make_worker(args, list(overrides))
     shape = model_shape(model_dir)
-    algo = OmegaConf.create(worker.cfg_dict).algorithm
+    algo = cfg.algorithm
     steps = []
     for step in range(args.steps + 1):  # step 0 warms up (allocator, kernels)
         phases: dict[str, float] = {}
@@ -291,9 +289,10 @@ def section_update_mfu(args) -> dict:
     """The worker's actor update alone, on synthetic batches of ``seq``-token sequences."""
     from bench.machine import model_shape, transformer_flops
     from meshrl.algorithms import GlobalNorm
+    from meshrl.config.run_plan import build_run_plan
     from meshrl.protocol import Batch
 
-    worker, model_dir = make_worker(args, [])
+    worker, model_dir, cfg = make_worker(args, [])
     shape = model_shape(model_dir)
     results = []
     for rows, seq, budget in args.mfu_shapes:
@@ -307,7 +306,8 @@ def section_update_mfu(args) -> dict:
                       non_tensors={"prompt_ids": [torch.randint(0, vocab, (prompt,), generator=g).tolist()
                                                   for _ in range(rows)]})
         worker.response_length = response
-        worker.cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = budget
+        cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = budget
+        worker.plan = build_run_plan(cfg)  # the worker's micro-batching comes from the run plan
         norm = GlobalNorm.from_mask(mask, max_len=response)
         torch.cuda.reset_peak_memory_stats()
         try:
@@ -331,7 +331,7 @@ def section_offload(args) -> dict:
     from meshrl.algorithms import GlobalNorm
     from meshrl.protocol import Batch
 
-    worker, _ = make_worker(args, [])
+    worker, _, _ = make_worker(args, [])
     # One update so that gradients and Adam state exist.
     rows, response = 8, 64
     mask = torch.ones(rows, response)
@@ -367,7 +367,7 @@ def section_offload(args) -> dict:
 def section_checkpoint(args) -> dict:
     from meshrl.parallel.checkpoint import load_checkpoint, save_checkpoint
 
-    worker, _ = make_worker(args, [])
+    worker, _, _ = make_worker(args, [])
     root = Path(args.work) / "ckpt"
     before = {n: p.detach().clone() for c in worker.policy for n, p in c.named_parameters()}
     start = time.perf_counter()
@@ -441,7 +441,7 @@ def section_profile(args) -> dict:
     from meshrl.parallel.forward import OutputRequest
     from meshrl.parallel.schedule import forward_backward, forward_only
 
-    worker, model_dir = make_worker(args, [])
+    worker, model_dir, _ = make_worker(args, [])
     shape = model_shape(model_dir)
     rows, seq = 12, 640
     g = torch.Generator().manual_seed(0)

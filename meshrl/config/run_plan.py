@@ -18,6 +18,9 @@ registries (a typo fails here with a did-you-mean, before Ray, models or a rollo
   log-probs are evaluated at.
 - **the train/rollout log-prob alarm** (``mismatch_tolerance``, ``meshrl.trainer.alarms``): whether the
   engine's log-probs are comparable with the trainer's at all, and the tolerance its precision allows.
+- **what every worker process needs of the run** (``workers``: ``WorkerSettings``): the device, the collective
+  timeout, the non-finite number policy, where logs go. A worker gets this plan and its own role's config
+  section (``actor_rollout_ref`` or ``critic``), never the whole config.
 """
 
 from __future__ import annotations
@@ -70,6 +73,25 @@ class UpdateSchedule:
 
 
 @dataclass(frozen=True)
+class WorkerSettings:
+    """The run-wide settings a worker process reads (its role's own keys come in its config section)."""
+
+    device: str  # trainer.device: cpu | cuda | auto
+    collective_timeout_s: int  # actor_rollout_ref.nccl_timeout (verl's), for the critic's ranks too
+    nonfinite_loss: str  # trainer.on_nonfinite_loss
+    nonfinite_grad_norm: str  # trainer.on_nonfinite_grad_norm
+    verbose: bool  # trainer.verbose: library output stays on the console
+    run_dir: str  # trainer.default_local_dir: the logs folder is under it
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> WorkerSettings:
+        trainer = cfg.trainer
+        return cls(device=trainer.device, collective_timeout_s=int(cfg.actor_rollout_ref.nccl_timeout),
+                   nonfinite_loss=trainer.on_nonfinite_loss, nonfinite_grad_norm=trainer.on_nonfinite_grad_norm,
+                   verbose=bool(trainer.verbose), run_dir=str(trainer.default_local_dir))
+
+
+@dataclass(frozen=True)
 class RunPlan:
     adv_estimator: str
     policy_loss: str
@@ -92,6 +114,7 @@ class RunPlan:
     # The train/rollout log-prob alarm's tolerance on the token-mean |old - rollout| (meshrl.trainer.alarms);
     # None: no alarm (trainer.on_mismatch=ignore, or the engine's log-probs are not the trainer's by config).
     mismatch_tolerance: float | None = None
+    workers: WorkerSettings | None = None
 
     @property
     def use_reference(self) -> bool:
@@ -198,7 +221,7 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
         rollout_tensor_parallel=rollout.tensor_model_parallel_size, on_policy=on_policy_update(cfg),
         actor_update=actor_update,
         critic_update=critic_update, micro_batching=batching, warnings=tuple(warnings),
-        mismatch_tolerance=mismatch_tolerance,
+        mismatch_tolerance=mismatch_tolerance, workers=WorkerSettings.from_config(cfg),
     ), []
 
 

@@ -72,6 +72,8 @@ def load_initial_weights(chunks, megatron_cfg, model_dir: str, hf_config) -> Non
 
 
 class ActorRolloutRefWorker(RankWorker):
+    SECTION = "actor_rollout_ref"
+
     # ---------------------------------------------------------------------------------- set-up
     def setup(self, address: tuple[str, int]) -> dict[str, Any]:
         from transformers import AutoConfig, AutoTokenizer
@@ -83,11 +85,10 @@ class ActorRolloutRefWorker(RankWorker):
         from meshrl.rollout.base import EngineConfig, SamplingConfig
         from meshrl.rollout.engines import create_engine
 
-        actor_cfg = self._cfg_section("actor_rollout_ref.actor")
+        arr = self.section
+        actor = arr.actor
         threads = int(os.environ.get("MESHRL_THREADS", "1"))
-        layout = self._init_distributed(address, actor_cfg.megatron, threads)
-        cfg = self.cfg
-        arr, actor = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
+        layout = self._init_distributed(address, actor.megatron, threads)
         trust = {"trust_remote_code": arr.model.trust_remote_code}
         self.hf_config = AutoConfig.from_pretrained(self.model_dir, **trust)
         tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir, **trust)
@@ -101,7 +102,7 @@ class ActorRolloutRefWorker(RankWorker):
             self.policy, optimizer_config(actor.optim, distributed_opt))
         self.train_engine = TrainingEngine(
             "actor", self.policy, self.optimizer, self.scheduler, self.pad_id,
-            min_micro=actor.megatron.pipeline_model_parallel_size, nonfinite=NonFinitePolicy.from_config(cfg.trainer),
+            min_micro=actor.megatron.pipeline_model_parallel_size, nonfinite=NonFinitePolicy.from_settings(self.plan.workers),
             hint="check the rewards and advantages, or lower actor_rollout_ref.actor.optim.lr")
         self.ref = self.ref_offloaded = None
         # Pinned host memory for offloads, allocated once and reused every step (pinning is the slow part).
@@ -139,11 +140,6 @@ class ActorRolloutRefWorker(RankWorker):
                 "replica_leader": self.rank % rollout.tensor_model_parallel_size == 0,
                 "num_replicas": self.world_size // rollout.tensor_model_parallel_size}
 
-    def _cfg_section(self, dotted: str):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.select(OmegaConf.create(self.cfg_dict), dotted)
-
     # ---------------------------------------------------------------------------------- rollout
     def generate(self, prompts: Batch, mode: str) -> Batch | None:
         """``rollout.n`` responses per prompt (``mode``: train | greedy | val); rows prompt-major."""
@@ -154,13 +150,13 @@ class ActorRolloutRefWorker(RankWorker):
         with colocated_rollout(self.engine, offload_trainer=offload, onload_trainer=onload):
             completions = self.engine.generate([list(p) for p in prompts["prompt_ids"]], sampling)
         out = responses_batch(prompts, completions, sampling.n, self.response_length, self.pad_id)
-        return out if self.rank % self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 0 else None
+        return out if self.rank % self.section.rollout.tensor_model_parallel_size == 0 else None
 
     def _offload_hooks(self):
         """Trainer state to move to host memory while the engine generates (``*_offload`` keys)."""
         from meshrl.parallel.offload import offload
 
-        actor = self.cfg.actor_rollout_ref.actor
+        actor = self.section.actor
         params = actor.megatron.param_offload or actor.fsdp_config.param_offload
         optimizer_state = actor.megatron.optimizer_offload or actor.fsdp_config.optimizer_offload
         grads = actor.megatron.grad_offload
@@ -281,7 +277,7 @@ class ActorRolloutRefGroup(DispatchGroup):
     """Driver-side handle: the calls of ``RLTrainer.train_step`` on the policy workers."""
 
     def __init__(self, cfg, plan, model_dir) -> None:
-        super().__init__(ActorRolloutRefWorker, cfg, plan, model_dir, name="actor_rollout_ref")
+        super().__init__(ActorRolloutRefWorker, cfg, plan, model_dir)
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         return self.dispatch("generate", prompts, by="replica", mode=mode)

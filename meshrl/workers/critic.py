@@ -27,17 +27,18 @@ from meshrl.workers.sequences import response_part
 
 
 class CriticWorker(RankWorker):
+    SECTION = "critic"
+
     def setup(self, address: tuple[str, int]) -> dict[str, Any]:
-        from omegaconf import OmegaConf
         from transformers import AutoConfig, AutoTokenizer
 
         from meshrl.parallel.forward import OutputRequest
         from meshrl.parallel.model_builder import build_model, packed_sequences, param_dtype
         from meshrl.parallel.optimizer import build_optimizer
 
-        megatron = OmegaConf.create(self.cfg_dict).critic.megatron
+        critic = self.section
+        megatron = critic.megatron
         self._init_distributed(address, megatron, int(os.environ.get("MESHRL_THREADS", "1")))
-        critic = self.cfg.critic
         trust = {"trust_remote_code": critic.model.trust_remote_code}
         self.hf_config = AutoConfig.from_pretrained(self.model_dir, **trust)
         tokenizer = AutoTokenizer.from_pretrained(critic.model.tokenizer_path or self.model_dir, **trust)
@@ -48,14 +49,14 @@ class CriticWorker(RankWorker):
         load_initial_weights(self.model, megatron, self.model_dir, self.hf_config)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, optimizer_config(critic.optim, megatron.use_distributed_optimizer))
-        self.objective = CriticObjective.from_config(self.cfg)
+        self.objective = CriticObjective.from_config(critic, self.plan)
         # Packed THD micro-batches (no compute on padding) unless critic.model.use_remove_padding says no
         # or the device has no fast variable-length attention (model_builder.packed_sequences).
         self.request = OutputRequest(remove_padding=packed_sequences(critic.model.use_remove_padding))
         self.response_length = self.plan.response_length
         self.train_engine = TrainingEngine("critic", self.model, self.optimizer, self.scheduler, self.pad_id,
                                            min_micro=megatron.pipeline_model_parallel_size,
-                                           nonfinite=NonFinitePolicy.from_config(self.cfg.trainer),
+                                           nonfinite=NonFinitePolicy.from_settings(self.plan.workers),
                                            hint="check the rewards and returns, or lower critic.optim.lr")
         self._init_offload()
         return {**self.layout_dict(), "num_replicas": self.layout.dp_size}
@@ -64,7 +65,7 @@ class CriticWorker(RankWorker):
     def _init_offload(self) -> None:
         from meshrl.parallel.offload import HostBuffers
 
-        mg, critic = self.cfg.critic.megatron, self.cfg.critic
+        mg, critic = self.section.megatron, self.section
         fsdp = (critic.fsdp_config, critic.model.fsdp_config, critic.fsdp)  # verl's three places of the section
         self.offload_params = mg.param_offload or any(f.param_offload for f in fsdp)
         self.offload_training = {"grads": mg.grad_offload,
@@ -135,7 +136,7 @@ class CriticWorker(RankWorker):
 
 class CriticGroup(DispatchGroup):
     def __init__(self, cfg, plan, model_dir) -> None:
-        super().__init__(CriticWorker, cfg, plan, model_dir, name="critic")
+        super().__init__(CriticWorker, cfg, plan, model_dir)
 
     def compute_values(self, batch: Batch) -> Batch:
         needed = batch.select(["prompt_ids", "responses", "response_mask"])

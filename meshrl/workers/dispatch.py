@@ -45,7 +45,10 @@ def use_cuda(cfg: DictConfig) -> bool:
 
 
 class DispatchGroup:
-    def __init__(self, worker_cls: type, cfg: DictConfig, plan: RunPlan, model_dir, *, name: str) -> None:
+    """Start ``world_size(cfg)`` workers of ``worker_cls``, each given its role's config section
+    (``worker_cls.SECTION``) and the run plan."""
+
+    def __init__(self, worker_cls: type, cfg: DictConfig, plan: RunPlan, model_dir) -> None:
         import ray
 
         from meshrl.workers.group import WorkerGroup
@@ -59,12 +62,13 @@ class DispatchGroup:
         # PPO's critic group shares each device with the policy group (colocated, half a GPU each).
         groups_per_device = groups_per_rank(plan)
         self.group = WorkerGroup(
-            worker_cls, world, name=name, num_cpus_per_worker=1,
+            worker_cls, world, name=worker_cls.SECTION, num_cpus_per_worker=1,
             num_gpus_per_worker=1 / groups_per_device if cuda else 0,
             timeout_s=cfg.trainer.worker_timeout_s,
             env_vars={"OMP_NUM_THREADS": str(threads), "MESHRL_THREADS": str(threads),
                       **{k: v for k, v in os.environ.items() if k.startswith(("MESHRL_", "VLLM_", "TORCHDYNAMO"))}},
-            init_kwargs={"cfg": OmegaConf.to_container(cfg, resolve=True), "model_dir": str(model_dir), "plan": plan},
+            init_kwargs={"section": OmegaConf.to_container(cfg[worker_cls.SECTION], resolve=True),
+                         "model_dir": str(model_dir), "plan": plan},
         )
         try:
             address = ray.get(self.group.workers[0].address.remote(), timeout=cfg.trainer.worker_timeout_s)

@@ -62,8 +62,9 @@ class NonFinitePolicy:
                 raise ValueError(f"{source}={action!r} is not one of {', '.join(NONFINITE_ACTIONS)}")
 
     @classmethod
-    def from_config(cls, trainer) -> NonFinitePolicy:
-        return cls(loss=trainer.on_nonfinite_loss, grad_norm=trainer.on_nonfinite_grad_norm)
+    def from_settings(cls, workers) -> NonFinitePolicy:
+        """From the run plan's ``WorkerSettings`` (``trainer.on_nonfinite_loss`` / ``on_nonfinite_grad_norm``)."""
+        return cls(loss=workers.nonfinite_loss, grad_norm=workers.nonfinite_grad_norm)
 
 
 @dataclass

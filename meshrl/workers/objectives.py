@@ -85,9 +85,9 @@ class CriticObjective:
     cliprange_value: float
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> "CriticObjective":
-        mode = cfg.critic.loss_agg_mode or cfg.actor_rollout_ref.actor.loss_agg_mode
-        return cls(loss_agg_mode=mode, cliprange_value=cfg.critic.cliprange_value)
+    def from_config(cls, critic: DictConfig, plan) -> "CriticObjective":
+        """From the ``critic`` section; its ``loss_agg_mode`` defaults to the actor's (the plan's), as in verl."""
+        return cls(loss_agg_mode=critic.loss_agg_mode or plan.loss_agg_mode, cliprange_value=critic.cliprange_value)
 
     def __call__(self, values: Tensor, mb: dict[str, Tensor], norm: GlobalNorm) -> tuple[Tensor, dict[str, Tensor]]:
         mask = mb["response_mask"]

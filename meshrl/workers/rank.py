@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from meshrl.config.run_plan import RunPlan
 from meshrl.logs import logs_dir, route_worker_output, worker_log_name
 from meshrl.runtime import configure_environment
@@ -36,15 +38,20 @@ class RankLayout:
 
 
 class RankWorker:
-    def __init__(self, rank: int, world_size: int, cfg: dict, model_dir: str, plan: RunPlan) -> None:
+    """A training rank of one role. It reads its role's config section (``SECTION`` of the config: its model,
+    parallel layout, optimizer... keys) and the run plan (``meshrl.config.run_plan``: the decisions the driver
+    made once, and the run-wide ``WorkerSettings``); never the whole config."""
+
+    SECTION: str  # the role's top-level config section
+
+    def __init__(self, rank: int, world_size: int, section: dict, model_dir: str, plan: RunPlan) -> None:
         configure_environment()
-        if not cfg["trainer"]["verbose"] and _in_ray_actor():
+        if not plan.workers.verbose and _in_ray_actor():
             # Before the rank imports its libraries (in setup): their output goes to the run's logs folder.
-            route_worker_output(logs_dir(cfg["trainer"]["default_local_dir"]),
-                                worker_log_name(type(self).__name__, rank))
+            route_worker_output(logs_dir(plan.workers.run_dir), worker_log_name(type(self).__name__, rank))
         self.rank = rank
         self.world_size = world_size
-        self.cfg_dict = cfg
+        self.section = OmegaConf.create(section)  # plain containers travel to Ray actors
         self.model_dir = model_dir
         self.plan = plan  # the run's decisions (roles, widths, micro-batching), made once by the driver
 
@@ -63,19 +70,17 @@ class RankWorker:
     def _init_distributed(self, address: tuple[str, int], megatron_cfg, threads: int) -> RankLayout:
         import torch
         import torch.distributed as dist
-        from omegaconf import OmegaConf
 
         from meshrl.parallel import state
 
-        self.cfg = OmegaConf.create(self.cfg_dict)
         torch.set_num_threads(threads)
-        cuda = torch.cuda.is_available() and self.cfg.trainer.device != "cpu"
+        cuda = torch.cuda.is_available() and self.plan.workers.device != "cpu"
         if cuda:
             torch.cuda.set_device(0)  # Ray exposes one GPU per worker as device 0
         os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         # verl times out its policy workers at this key; meshrl applies it to the critic workers as well
-        timeout = timedelta(seconds=self.cfg.actor_rollout_ref.nccl_timeout)
+        timeout = timedelta(seconds=self.plan.workers.collective_timeout_s)
         dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size,
                                 timeout=timeout)
         parallel = state.ParallelConfig(
@@ -83,7 +88,7 @@ class RankWorker:
             pipeline_parallel=megatron_cfg.pipeline_model_parallel_size,
             virtual_pipeline=megatron_cfg.virtual_pipeline_model_parallel_size,
             context_parallel=megatron_cfg.context_parallel_size,
-            timeout_s=self.cfg.actor_rollout_ref.nccl_timeout,
+            timeout_s=self.plan.workers.collective_timeout_s,
             seed=megatron_cfg.seed,
         )
         state.initialize(parallel)

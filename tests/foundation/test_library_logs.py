@@ -125,5 +125,9 @@ def test_a_worker_process_writes_everything_to_its_file_and_meshrl_lines_to_its_
 def test_a_rank_built_in_process_keeps_its_callers_output(tmp_path):
     from meshrl.workers.rank import RankWorker
 
-    RankWorker(0, 1, {"trainer": {"verbose": False, "default_local_dir": str(tmp_path)}}, "model", plan=None)
+    from meshrl.config import load_config
+    from meshrl.config.run_plan import build_run_plan
+
+    plan = build_run_plan(load_config([f"trainer.default_local_dir={tmp_path}"]))
+    RankWorker(0, 1, {}, "model", plan=plan)
     assert not (tmp_path / "logs").exists()

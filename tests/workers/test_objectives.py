@@ -5,6 +5,7 @@ import torch
 
 from meshrl.algorithms import GlobalNorm
 from meshrl.config import load_config
+from meshrl.config.run_plan import build_run_plan
 from meshrl.workers.objectives import ActorObjective, CriticObjective, sum_metrics
 
 
@@ -66,7 +67,8 @@ def test_kl_loss_zero_for_identical_policies():
 
 
 def test_critic_objective_is_split_invariant():
-    objective = CriticObjective.from_config(load_config(["algorithm.adv_estimator=gae"]))
+    cfg = load_config(["algorithm.adv_estimator=gae"])
+    objective = CriticObjective.from_config(cfg.critic, build_run_plan(cfg))
     mb, values, _ = mini_batch(seed=1)
     norm = GlobalNorm.from_mask(mb["response_mask"])
     whole, _ = objective(values, mb, norm)

@@ -34,9 +34,10 @@ def make_worker(overrides: list[str]):
                        "actor_rollout_ref.actor.optim.clip_grad=1e9", "actor_rollout_ref.actor.optim.lr=1e-3",
                        f"data.max_response_length={WIDTH}", *overrides], recipe="cpu_tiny_grpo")
     model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
-    worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg, resolve=True), str(model_dir),
-                                   validate_config(cfg))
+    worker = ActorRolloutRefWorker(0, 1, OmegaConf.to_container(cfg.actor_rollout_ref, resolve=True),
+                                   str(model_dir), validate_config(cfg))
     worker.setup(worker.address())
+    worker.cfg = cfg  # the checks' copy of the run's config (the worker reads its section and the plan only)
     return worker
 
 
