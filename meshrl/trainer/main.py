@@ -111,7 +111,6 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     import ray
 
     from meshrl.models.resolve import resolve_model_path
-    from meshrl.rewards.dispatch import RewardSpec
     from meshrl.rewards.pool import RewardPool
     from meshrl.rollout.vllm_shm import remove_stale_segments
     from meshrl.logs import DRIVER_LOG, logs_dir
@@ -141,9 +140,7 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     owns_ray = not ray.is_initialized()
     start_ray(cfg)
     policy = critic = trainer = None
-    reward = RewardPool(RewardSpec(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
-                                   dict(cfg.custom_reward_function.reward_kwargs)),
-                        num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
+    reward = RewardPool(reward_spec(cfg), num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
                         on_nonfinite_score=cfg.reward_model.on_nonfinite_score,
                         max_failed_batches=cfg.reward_model.max_failed_batches)
     failure = None
@@ -205,7 +202,28 @@ def preflight(cfg):
         raise ConfigError("invalid rollout configuration ({} problem(s)):\n  - {}".format(
             len(problems), "\n  - ".join(problems)), [line.split(":")[0] for line in problems])
     ray_init_kwargs(cfg)  # ray_kwargs that cannot map are refused before any model loads
+    check_reward_function(cfg)
     return plan
+
+
+def reward_spec(cfg):
+    """The run's reward function, as the reward processes rebuild it (``custom_reward_function.*``)."""
+    from meshrl.rewards.dispatch import RewardSpec
+
+    custom = cfg.custom_reward_function
+    return RewardSpec(custom.path, custom.name, dict(custom.reward_kwargs))
+
+
+def check_reward_function(cfg) -> None:
+    """Load the reward function once in the driver: a missing file, a missing function, a wrong signature or
+    an error while importing the file is a ``ConfigError`` naming the key, before Ray starts."""
+    from meshrl.config import ConfigError
+
+    try:
+        reward_spec(cfg).build()
+    except Exception as exc:  # the user's file runs here: any import-time error is theirs to fix
+        key = "custom_reward_function.name" if isinstance(exc, AttributeError) else "custom_reward_function.path"
+        raise ConfigError(f"{key}: {type(exc).__name__}: {exc}", [key]) from None
 
 
 def model_config(cfg):

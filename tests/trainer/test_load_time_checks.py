@@ -80,3 +80,18 @@ def test_a_batch_larger_than_the_data_is_refused_with_the_numbers(command):
 def test_a_group_estimator_with_one_response_per_prompt_is_refused(command):
     code, err = command("actor_rollout_ref.rollout.n=1")
     assert code == 2 and "actor_rollout_ref.rollout.n: grpo baselines each response against the other" in err
+
+
+@pytest.mark.parametrize("source, name, expected", [
+    (None, "compute_score", "custom_reward_function.path: FileNotFoundError: custom_reward_function.path="),
+    ("def score(a, b, c, d=None):\n    return 0.0\n", "compute_score",
+     "custom_reward_function.name: AttributeError: custom_reward_function.name='compute_score' is not a function"),
+    ("def compute_score(a):\n    return 0.0\n", "compute_score", "must accept (data_source, solution_str"),
+    ("import no_such_module_here\n", "compute_score", "ModuleNotFoundError: No module named 'no_such_module_here'"),
+])
+def test_a_broken_reward_file_stops_before_ray(command, tmp_path, source, name, expected):
+    reward = tmp_path / "reward.py"
+    if source is not None:
+        reward.write_text(source)
+    code, err = command(f"custom_reward_function.path={reward}", f"custom_reward_function.name={name}")
+    assert code == 2 and expected in err, err
