@@ -106,19 +106,24 @@ def _alive(pid: int) -> bool:
 
 # A training run's own temporary folder: <TMPDIR>/meshrl-run-<driver pid>-<random>.
 RUN_TEMP_PREFIX = "meshrl-run-"
+_run_temp: Path | None = None  # this process's, once made
 
 
 def use_run_temp_dir() -> Path:
     """Give this process and every process it starts (Ray's daemons and workers inherit ``TMPDIR``) one
     temporary folder, removed when this process exits. Temporary files of a process killed with ``kill -9``
     (a worker's ``multiprocessing`` sockets, say) go with it; the folder of a killed driver is removed by the
-    next run's start (``prune_run_temp_dirs``). Call before Ray starts."""
+    next run's start (``prune_run_temp_dirs``). Call before Ray starts. A process calls it once: later calls (a
+    test or notebook running several trainings in one process) return the same folder."""
+    global _run_temp
+    if _run_temp is not None and _run_temp.is_dir():
+        return _run_temp
     base = Path(tempfile.gettempdir())
     prune_run_temp_dirs(base)
-    path = Path(tempfile.mkdtemp(prefix=f"{RUN_TEMP_PREFIX}{os.getpid()}-", dir=base))
-    os.environ["TMPDIR"] = tempfile.tempdir = str(path)
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
+    _run_temp = Path(tempfile.mkdtemp(prefix=f"{RUN_TEMP_PREFIX}{os.getpid()}-", dir=base))
+    os.environ["TMPDIR"] = tempfile.tempdir = str(_run_temp)
+    atexit.register(shutil.rmtree, _run_temp, ignore_errors=True)
+    return _run_temp
 
 
 def prune_run_temp_dirs(base: Path) -> list[Path]:

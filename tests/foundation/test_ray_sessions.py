@@ -26,3 +26,18 @@ def test_old_sessions_of_dead_drivers_go_and_live_ones_stay(tmp_path):
     assert sorted(p.name for p in removed) == sorted(names[:3])  # the three oldest dead ones
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([*names[3:], "session_latest", "unrelated"])
+
+
+def test_a_process_makes_one_run_temp_dir_however_often_it_asks(monkeypatch, tmp_path):
+    # In-process trainings (tests, notebooks) call main() again and again: the folder must not nest, or socket
+    # paths under it grow past AF_UNIX's 107 characters.
+    import tempfile
+
+    import meshrl.runtime as runtime
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setattr(runtime, "_run_temp", None)
+    first = runtime.use_run_temp_dir()
+    assert first.parent == tmp_path and first.name.startswith(f"meshrl-run-{subprocess.os.getpid()}-")
+    assert runtime.use_run_temp_dir() == first and tempfile.gettempdir() == str(first)
