@@ -1,11 +1,13 @@
 """The local code sandbox (meshrl.rewards.sandbox): hostile programs are contained and score 0 with a
 reason while the server keeps serving; correct/wrong solutions score 1/0; nothing is left behind."""
 
+import concurrent.futures
 import glob
 import json
 import os
 import sys
 import tempfile
+import time
 import uuid
 from urllib.parse import urlparse
 
@@ -67,6 +69,18 @@ def test_fork_bomb_is_bounded_and_reaped(sandbox_url):
     score, meta = _score_hostile(sandbox_url, body, timeout=1)
     assert (score, meta["status"]) == (0.0, "timeout")
     assert _sandbox_processes() == []
+
+
+@pytest.mark.slow
+def test_a_fork_bomb_does_not_starve_the_other_slot(sandbox_url):
+    # Each slot has its own uid, so the bomb's RLIMIT_NPROC count is not the other program's.
+    bomb = "```python\nimport os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n```"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        bombed = pool.submit(compute_score, sandbox_url, bomb, ECHO_CASES, timeout=3)
+        time.sleep(0.5)  # the bomb is at its process limit by now
+        fine = pool.submit(compute_score, sandbox_url, GOOD, ECHO_CASES, timeout=3)
+        assert fine.result()[0] == 1.0, fine.result()[1]
+        assert bombed.result()[0] == 0.0
 
 
 def test_memory_bomb_fails_with_memory_error(sandbox_url):
