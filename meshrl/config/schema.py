@@ -116,8 +116,9 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    # A local HF folder, or "embedded:smollm2" (the packaged SmolLM2-135M-Instruct), or
-    # "tiny:<model_type>" (tiny:llama, tiny:qwen2, tiny:qwen3, tiny:mistral: tiny random models of each family).
+    # A local HF folder, or "embedded:smollm2" (the packaged SmolLM2-135M-Instruct), "embedded:gemma3-270m", or
+    # "tiny:<family>" (tiny:llama, tiny:qwen2, tiny:qwen3, tiny:mistral, tiny:gemma, tiny:gemma2, tiny:gemma3:
+    # tiny random models of each family).
     path: str = "embedded:smollm2"
     tokenizer_path: Optional[str] = None
     use_remove_padding: bool = True

@@ -1,6 +1,7 @@
 """``actor_rollout_ref.model.path`` → a local Hugging Face folder.
 
     embedded:smollm2       the packaged SmolLM2-135M-Instruct (converted once into the cache)
+    embedded:gemma3-270m   the packaged Gemma-3-270M (pretrained; converted once into the cache)
     tiny:<family>          a tiny random model of a registered family, named by its module in
                            meshrl.models.families (tiny:llama, tiny:qwen2, tiny:qwen3, tiny:mistral, tiny:gemma,
                            tiny:gemma2, tiny:gemma3 for model_type gemma3_text; tests, smoke runs)
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from meshrl.models.families import FAMILY_MODULES
 
-EMBEDDED_MODELS = ("embedded:smollm2",)
+EMBEDDED_MODELS = ("embedded:smollm2", "embedded:gemma3-270m")
 # tiny:<family module> -> its model_type
 TINY_MODELS = {f"tiny:{module}": model_type for model_type, module in FAMILY_MODULES.items()}
 
@@ -26,6 +27,10 @@ def resolve_model_path(path: str) -> Path:
         from meshrl.models.embedded import smollm2_hf_dir
 
         return smollm2_hf_dir()
+    if path == "embedded:gemma3-270m":
+        from meshrl.models.embedded import gemma3_270m_hf_dir
+
+        return gemma3_270m_hf_dir()
     if path in TINY_MODELS:
         from meshrl.models.tiny import tiny_model_dir, tiny_spec
 
