@@ -135,8 +135,10 @@ def test_slurm_template_runs_ray_on_two_loopback_nodes(started, short_tmp, tiny_
         "NNODES": "2", "GPUS_PER_NODE": "1", "CPUS_PER_NODE": "1", "RECIPE": "cpu_tiny_grpo",
         "MESHRL_ROOT": str(REPO), "PYTHON": sys.executable, "RAY_PORT": str(free_port(HEAD_IP)),
         "WAIT_TIMEOUT_S": "120",
+        # trainer.verbose: the workers' output reaches the job log with Ray's "(pid=..., ip=...)" prefixes,
+        # which say on which node each rank ran.
         "OVERRIDES": f"trainer.total_training_steps=1 trainer.val_before_train=False trainer.test_freq=-1 "
-                     f"trainer.default_local_dir={run_dir}",
+                     f"trainer.verbose=True trainer.default_local_dir={run_dir}",
     }))
     env = {**os.environ, "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}",
            "FAKE_SLURM_NODES": f"node-a={HEAD_IP},node-b={WORKER_IP}", "SLURM_JOB_NODELIST": "node-a,node-b",

@@ -68,12 +68,13 @@ def test_segments_carry_the_run_tag_and_are_released(tmp_path, cleanup_names):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
                             timeout=timedelta(seconds=30))
     try:
+        ident = os.environ.get("VLLM_DIST_IDENT")  # an engine created earlier in this process may have set it
         first, second = EngineSegments(1), EngineSegments(1)
         assert first.tag.startswith(f"meshrl-{os.getpid()}-") and first.tag != second.tag
         with first.naming():
             ring = shared_memory.SharedMemory(create=True, size=64)  # as vLLM's message queues create theirs
             group = _CPUSHMDistributed.make_group_name(SimpleNamespace(unique_name="tp:0", ranks=[0, 1]))
-        assert "VLLM_DIST_IDENT" not in os.environ
+        assert os.environ.get("VLLM_DIST_IDENT") == ident  # restored
         cpu_segment = shm_file(f"{group}_0")  # what vLLM's C++ SHMManager creates from the group name
         cleanup_names.extend([cpu_segment, SHM_DIR / ring.name])
         assert ring.name.startswith(f"{first.tag}-") and group.startswith(f"{first.tag}-tp:0-")
