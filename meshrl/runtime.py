@@ -121,6 +121,8 @@ def use_run_temp_dir() -> Path:
     base = Path(tempfile.gettempdir())
     prune_run_temp_dirs(base)
     _run_temp = Path(tempfile.mkdtemp(prefix=f"{RUN_TEMP_PREFIX}{os.getpid()}-", dir=base))
+    # Others may pass, not list: the code sandbox's programs run under their own uids inside it.
+    os.chmod(_run_temp, 0o711)
     os.environ["TMPDIR"] = tempfile.tempdir = str(_run_temp)
     atexit.register(shutil.rmtree, _run_temp, ignore_errors=True)
     return _run_temp

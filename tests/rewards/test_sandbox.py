@@ -188,3 +188,17 @@ def test_bad_requests_are_refused_with_what_to_do():
 def test_fn_name_cases_are_refused():
     with pytest.raises(ValueError, match="fn_name"):
         compute_score("http://127.0.0.1:9/run_code", GOOD, {"inputs": ["1"], "outputs": ["2"], "fn_name": "f"})
+
+
+def test_a_private_tmpdir_does_not_break_the_runs(tmp_path, monkeypatch):
+    # A caller whose TMPDIR other users cannot pass (mode 0700, as a training run's was) still gets working runs.
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    jail = Jail(1)
+    try:
+        assert not jail.root.startswith(str(private))
+        result = jail.run("print(6 * 7)", Limits(run_timeout_s=10))
+        assert result.stdout.strip() == "42", result
+    finally:
+        jail.close()

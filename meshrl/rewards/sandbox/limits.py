@@ -42,10 +42,12 @@ import queue
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 _JAIL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail.py")
 # Slot uids: high, unnamed uids (no passwd entry), spread per server process so that two servers on a
@@ -126,6 +128,18 @@ def program_interpreter(python: str | None = None) -> str:
                        "install python3 readable by all users (o+rx on it and its directories) or pass python=<path>")
 
 
+def _traversable_temp_dir() -> str:
+    """The temporary folder, if every directory on its path lets other users pass (a program runs under its
+    slot's uid and must reach its directory); else ``/tmp``. A caller's private ``TMPDIR`` (mode 0700) would
+    otherwise make every run fail with "Permission denied"."""
+    for candidate in (tempfile.gettempdir(), "/tmp"):
+        path = Path(candidate).resolve()
+        if all(p.stat().st_mode & stat.S_IXOTH for p in (path, *path.parents)):
+            return str(path)
+    raise RuntimeError(f"neither {tempfile.gettempdir()} nor /tmp can be traversed by other users (o+x), which the "
+                       "sandbox's programs need; set TMPDIR to such a folder")
+
+
 class Jail:
     """A root directory for runs and ``slots`` uids; :meth:`run` blocks for a free slot.
 
@@ -135,7 +149,7 @@ class Jail:
         if slots < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {slots}")
         self.python = program_interpreter(python)
-        self.root = tempfile.mkdtemp(prefix="meshrl-sandbox-")
+        self.root = tempfile.mkdtemp(prefix="meshrl-sandbox-", dir=_traversable_temp_dir())
         os.chmod(self.root, 0o711)  # runs can reach their own directory, not list the others
         self._slots: queue.Queue[int] = queue.Queue()
         base = _UID_BASE + (os.getpid() % 1_000_000) * _UID_STRIDE
