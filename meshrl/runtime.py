@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import psutil
+
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -86,22 +88,12 @@ def prune_ray_sessions(root: Path | None = None, keep: int = KEPT_RAY_SESSIONS) 
     stale = []
     for folder in root.glob("session_2*"):
         pid = folder.name.rsplit("_", 1)[-1]
-        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _alive(int(pid)):
+        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not psutil.pid_exists(int(pid)):
             stale.append(folder)
     stale.sort(key=lambda folder: folder.name, reverse=True)  # the name starts with the start time
     for folder in stale[keep:]:
         shutil.rmtree(folder, ignore_errors=True)
     return stale[keep:]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 # A training run's own temporary folder: <TMPDIR>/meshrl-run-<driver pid>-<random>.
@@ -133,7 +125,7 @@ def prune_run_temp_dirs(base: Path) -> list[Path]:
     stale = []
     for folder in base.glob(f"{RUN_TEMP_PREFIX}*"):
         pid = folder.name[len(RUN_TEMP_PREFIX):].split("-", 1)[0]
-        if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        if folder.is_dir() and pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             stale.append(folder)
     return stale

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 from meshrl.atomic_io import publish_dir, write_text_atomically
@@ -293,7 +294,7 @@ class CheckpointManager:
             if match is None:
                 continue
             pid = int(match.group(1))
-            if pid != os.getpid() and _process_alive(pid):
+            if pid != os.getpid() and psutil.pid_exists(pid):
                 logger.warning("leaving %s: process %d is alive and may be saving into this root", path, pid)
                 continue
             logger.info("removing %s, left by an interrupted save", path)
@@ -384,12 +385,3 @@ def _json_view(value: Any) -> Any:
         return value
     return f"<{type(value).__name__}>"
 
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True

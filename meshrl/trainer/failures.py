@@ -21,7 +21,7 @@ from pathlib import Path
 
 from meshrl.rewards.pool import RewardError
 from meshrl.trainer.alarms import LogProbMismatchError
-from meshrl.trainer.interrupts import resume_hint
+from meshrl.trainer.interrupts import at_step, resume_hint
 from meshrl.workers.group import WorkerError
 
 RECOGNISED = (WorkerError, RewardError, LogProbMismatchError)
@@ -43,5 +43,4 @@ def run_failed(cause: BaseException, step: int, checkpoint: Path | None, resume_
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "a", encoding="utf-8") as out:
             traceback.print_exception(cause, file=out)
-    where = f"at step {step}" if step > 0 else "before the first step"
-    return RunFailed(f"meshrl: the run failed {where}: {cause}\nmeshrl: {resume_hint(checkpoint, resume_mode)}")
+    return RunFailed(f"meshrl: the run failed {at_step(step)}: {cause}\nmeshrl: {resume_hint(checkpoint, resume_mode)}")

@@ -97,9 +97,13 @@ class Interrupts:
 def stop_line(signum: int, step: int, checkpoint: Path | None, resume_mode: str) -> str:
     """``meshrl: interrupted by SIGINT at step N; last checkpoint: PATH; resume with the same command``, or the
     variant that says what the same command does when it would not resume from ``checkpoint``."""
-    stopped = f"meshrl: interrupted by {signal.Signals(signum).name} " + \
-        (f"at step {step}" if step > 0 else "before the first step")
+    stopped = f"meshrl: interrupted by {signal.Signals(signum).name} {at_step(step)}"
     return f"{stopped}; {resume_hint(checkpoint, resume_mode)}"
+
+
+def at_step(step: int) -> str:
+    """``at step N`` for the step in progress, or ``before the first step``."""
+    return f"at step {step}" if step > 0 else "before the first step"
 
 
 def resume_hint(checkpoint: Path | None, resume_mode: str) -> str:

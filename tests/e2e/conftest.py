@@ -1,9 +1,9 @@
 """End-to-end helpers: run the real trainer (Ray + Megatron worker + vLLM engine) on the tiny model."""
 
-import json
 from pathlib import Path
 
 import pytest
+from e2e_checks import steps_of
 
 from meshrl.config import load_config
 from meshrl.config.validate import validate_config
@@ -29,10 +29,6 @@ def train(tmp_path):
         cfg = load_config([f"trainer.default_local_dir={run_dir}", f"custom_reward_function.path={reward}",
                            *overrides], recipe=recipe)
         final = run_training(cfg, validate_config(cfg))
-        steps = {}
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            steps.setdefault(record["step"], {}).update(record)
-        return final, steps
+        return final, steps_of(run_dir)
 
     return run

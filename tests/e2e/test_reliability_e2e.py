@@ -16,10 +16,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from e2e_checks import steps_of
 from run_sandbox import TINY, RunSandbox, run_main
 
 from meshrl.trainer.checkpoint import CheckpointManager
-from meshrl.trainer.tracking import METRICS_FILE, read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -29,13 +29,6 @@ def sandbox():
     box = RunSandbox()
     yield box
     box.cleanup()
-
-
-def steps_of(run_dir: Path) -> dict[int, dict]:
-    steps: dict[int, dict] = {}
-    for record in read_metrics(run_dir / METRICS_FILE):
-        steps.setdefault(record["step"], {}).update(record)
-    return steps
 
 
 def test_a_finished_run_leaves_nothing_and_the_same_command_trains_again(sandbox, tmp_path):
