@@ -76,49 +76,10 @@ from math import prod
 from pathlib import Path
 from typing import Any, Sequence
 
-from meshrl.models.families import family, layer_pieces
+from meshrl.models.families import layer_pieces
+from meshrl.models.known import KNOWN_MODELS, known_config
 
 GIB = 1024**3
-
-# Public config.json numbers of the models the recipes name, so a plan needs no download. Source: each
-# model's config.json on the Hugging Face hub (copied by hand; tests/launch/test_plan.py checks the
-# totals against the published parameter counts: 0.49B, 1.54B, 3.09B, 7.62B, 14.7B, 32.8B, 7.62B, 6.91B).
-KNOWN_MODELS: dict[str, dict[str, Any]] = {
-    # Qwen2.5 (model_type qwen2: QKV bias, SwiGLU, RMSNorm eps 1e-6, rope_theta 1e6; small ones tied)
-    "Qwen/Qwen2.5-0.5B-Instruct": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896,
-                                       num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-                                       vocab_size=151936, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-1.5B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=1536,
-                                       num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
-                                       vocab_size=151936, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-3B-Instruct": dict(model_type="qwen2", num_hidden_layers=36, hidden_size=2048,
-                                     num_attention_heads=16, num_key_value_heads=2, intermediate_size=11008,
-                                     vocab_size=151936, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-7B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584,
-                                     num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
-                                     vocab_size=152064, tie_word_embeddings=False),
-    "Qwen/Qwen2.5-14B-Instruct": dict(model_type="qwen2", num_hidden_layers=48, hidden_size=5120,
-                                      num_attention_heads=40, num_key_value_heads=8, intermediate_size=13824,
-                                      vocab_size=152064, tie_word_embeddings=False),
-    "Qwen/Qwen2.5-32B-Instruct": dict(model_type="qwen2", num_hidden_layers=64, hidden_size=5120,
-                                      num_attention_heads=40, num_key_value_heads=8, intermediate_size=27648,
-                                      vocab_size=152064, tie_word_embeddings=False),
-    # Qwen2-7B has the Qwen2.5-7B shape.
-    "Qwen/Qwen2-7B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584,
-                                   num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
-                                   vocab_size=152064, tie_word_embeddings=False),
-    # deepseek-llm-7b is a Llama (no biases, full multi-head attention, rope_theta 1e4, 4k context).
-    "deepseek-ai/deepseek-llm-7b-chat": dict(model_type="llama", num_hidden_layers=30, hidden_size=4096,
-                                             num_attention_heads=32, num_key_value_heads=32,
-                                             intermediate_size=11008, vocab_size=102400,
-                                             tie_word_embeddings=False, rope_theta=10000.0,
-                                             max_position_embeddings=4096),
-}
-# Config fields the KNOWN_MODELS of a model_type share.
-_KNOWN_DEFAULTS = {
-    "qwen2": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, use_sliding_window=False),
-    "llama": dict(rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False),
-}
 
 # Bytes per element. bf16 compute with fp32 gradients and AdamW master copy (megatron.dtype bfloat16, the
 # GPU default), or fp32 throughout (float32, the CPU default).
@@ -156,12 +117,7 @@ def load_hf_config(path: str):
 
         return AutoConfig.from_pretrained(resolve_model_path(path))
     if path in KNOWN_MODELS:
-        import transformers
-
-        fields = dict(KNOWN_MODELS[path])
-        model_type = fields.pop("model_type")
-        config_class = getattr(transformers, family(model_type).config_class)
-        return config_class(**{**_KNOWN_DEFAULTS[model_type], **fields})
+        return known_config(path)
     raise PlanError(f"model '{path}' is not a local Hugging Face folder (no config.json) and not a known config; "
                     f"known: {', '.join(KNOWN_MODELS)}. Pass the model's folder.")
 

@@ -1,0 +1,86 @@
+"""Architecture configs of the hub models meshrl's recipes and verl's example scripts name, so that
+``meshrl plan`` needs no download.
+
+Source: each model's ``config.json`` on the Hugging Face hub, copied by hand (only the fields that differ
+from the family's transformers config defaults or that meshrl reads). ``tests/launch/test_launch_plan.py``
+checks every total against the parameter count the hub publishes for the checkpoint, which catches a
+mistyped shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Fields every KNOWN_MODELS entry of a model_type shares (its release's config.json), under the entry's own.
+_SHARED: dict[str, dict[str, Any]] = {
+    # Qwen2 / Qwen2.5: QKV bias, SwiGLU, RMSNorm eps 1e-6, rope_theta 1e6; the small ones tied.
+    "qwen2": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, use_sliding_window=False),
+    # Qwen3: Qwen2 without QKV bias, with per-head q/k RMSNorm and an explicit head_dim of 128.
+    "qwen3": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960, head_dim=128,
+                  vocab_size=151936, attention_bias=False, use_sliding_window=False),
+    "llama": dict(rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False),
+    # Mistral v0.3: Llama's structure, no sliding window, 32768-token vocabulary.
+    "mistral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None,
+                    vocab_size=32768, head_dim=128, tie_word_embeddings=False),
+    # Gemma 2: 256k vocabulary (tied), head_dim 256, soft-capping, alternating 4096-token sliding window.
+    "gemma2": dict(vocab_size=256000, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192,
+                   rope_theta=10000.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+                   tie_word_embeddings=True),
+}
+
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-0.5B-Instruct": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896,
+                                       num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                                       vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-1.5B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=1536,
+                                       num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
+                                       vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-3B-Instruct": dict(model_type="qwen2", num_hidden_layers=36, hidden_size=2048,
+                                     num_attention_heads=16, num_key_value_heads=2, intermediate_size=11008,
+                                     vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-7B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584,
+                                     num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                                     vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-14B-Instruct": dict(model_type="qwen2", num_hidden_layers=48, hidden_size=5120,
+                                      num_attention_heads=40, num_key_value_heads=8, intermediate_size=13824,
+                                      vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-32B-Instruct": dict(model_type="qwen2", num_hidden_layers=64, hidden_size=5120,
+                                      num_attention_heads=40, num_key_value_heads=8, intermediate_size=27648,
+                                      vocab_size=152064, tie_word_embeddings=False),
+    # Qwen2-7B has the Qwen2.5-7B shape.
+    "Qwen/Qwen2-7B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584,
+                                   num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                                   vocab_size=152064, tie_word_embeddings=False),
+    # deepseek-llm-7b is a Llama (no biases, full multi-head attention, rope_theta 1e4, 4k context).
+    "deepseek-ai/deepseek-llm-7b-chat": dict(model_type="llama", num_hidden_layers=30, hidden_size=4096,
+                                             num_attention_heads=32, num_key_value_heads=32,
+                                             intermediate_size=11008, vocab_size=102400,
+                                             tie_word_embeddings=False, rope_theta=10000.0,
+                                             max_position_embeddings=4096),
+    # Qwen3 (verl's run_qwen3-8b.sh and its 32B NPU twin)
+    "Qwen/Qwen3-8B": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, num_attention_heads=32,
+                          num_key_value_heads=8, intermediate_size=12288, tie_word_embeddings=False),
+    "Qwen/Qwen3-32B": dict(model_type="qwen3", num_hidden_layers=64, hidden_size=5120, num_attention_heads=64,
+                           num_key_value_heads=8, intermediate_size=25600, tie_word_embeddings=False),
+    # Gemma 2 (verl's run_gemma.sh trains gemma-2-2b-it)
+    "google/gemma-2-2b-it": dict(model_type="gemma2", num_hidden_layers=26, hidden_size=2304,
+                                 num_attention_heads=8, num_key_value_heads=4, intermediate_size=9216),
+    "google/gemma-2-9b-it": dict(model_type="gemma2", num_hidden_layers=42, hidden_size=3584,
+                                 num_attention_heads=16, num_key_value_heads=8, intermediate_size=14336),
+    "mistralai/Mistral-7B-Instruct-v0.3": dict(model_type="mistral", num_hidden_layers=32, hidden_size=4096,
+                                               num_attention_heads=32, num_key_value_heads=8,
+                                               intermediate_size=14336),
+}
+
+
+def known_config(model_id: str):
+    """The transformers config of a ``KNOWN_MODELS`` id (KeyError for any other)."""
+    import transformers
+
+    from meshrl.models.families import family
+
+    fields = dict(KNOWN_MODELS[model_id])
+    model_type = fields.pop("model_type")
+    config_class = getattr(transformers, family(model_type).config_class)
+    return config_class(**{**_SHARED[model_type], **fields})
