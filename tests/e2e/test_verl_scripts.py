@@ -26,6 +26,10 @@ SCRIPTS = {
     "ppo_megatron": ("volcengine/verl", "examples/ppo_trainer/run_deepseek_math_gsm8k_megatron.sh"),
     # current verl, an FSDP script (fsdp_config offload keys, gradient checkpointing) with CISPO's loss
     "cispo_fsdp": ("verl-project/verl", "examples/cispo_trainer/run_qwen3_8b_fsdp.sh"),
+    # the family scripts, each on the tiny model of its own family: PPO with a Gemma 2 policy and critic (soft-
+    # capping, sliding-window layers, GeGLU) unpadded; GRPO with a KL loss on Qwen3 (q/k norms) packed
+    "gemma2_ppo": ("volcengine/verl", "examples/ppo_trainer/run_gemma.sh", "tiny:gemma2"),
+    "qwen3_grpo": ("volcengine/verl", "examples/grpo_trainer/run_qwen3-8b.sh", "tiny:qwen3"),
 }
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
@@ -37,8 +41,8 @@ SIZES = {
     r"actor_rollout_ref\.rollout\.tensor_model_parallel_size": "1", r"trainer\.n_gpus_per_node": "1",
     r"trainer\.nnodes": "1",
 }
-PATHS = {r"actor_rollout_ref\.model\.path": "tiny:llama", r"critic\.model\.path": "tiny:llama",
-         r"data\.train_files": "embedded:gsm8k/train", r"data\.val_files": "embedded:gsm8k/test"}
+MODEL_KEYS = r"(actor_rollout_ref|critic)\.model\.path"
+DATA = {r"data\.train_files": "embedded:gsm8k/train", r"data\.val_files": "embedded:gsm8k/test"}
 
 
 def vendored_args(mirror: str, path: str) -> list[str]:
@@ -48,11 +52,12 @@ def vendored_args(mirror: str, path: str) -> list[str]:
     return call["args"]
 
 
-def swapped(args: list[str], run_dir: Path) -> list[str]:
+def swapped(args: list[str], run_dir: Path, model: str) -> list[str]:
+    swaps = {MODEL_KEYS: model, **DATA, **SIZES}
     out = []
     for arg in args:
         key, sep, _ = arg.lstrip("+").partition("=")
-        replacement = next((v for pattern, v in {**PATHS, **SIZES}.items() if sep and re.fullmatch(pattern, key)), None)
+        replacement = next((v for pattern, v in swaps.items() if sep and re.fullmatch(pattern, key)), None)
         out.append(arg if replacement is None else f"{key}={replacement}")
     return out + ["trainer.total_training_steps=1", "trainer.val_before_train=False", "trainer.test_freq=-1",
                   "trainer.save_freq=-1", "trainer.device=cpu", f"trainer.default_local_dir={run_dir}",
@@ -63,7 +68,8 @@ def swapped(args: list[str], run_dir: Path) -> list[str]:
 def test_verl_script_trains_one_cpu_step(name, tmp_path):
     from meshrl.trainer.main import run
 
-    recipe, overrides = parse_args(swapped(vendored_args(*SCRIPTS[name]), tmp_path))
+    mirror, path, *model = SCRIPTS[name]
+    recipe, overrides = parse_args(swapped(vendored_args(mirror, path), tmp_path, model[0] if model else "tiny:llama"))
     cfg = load_config(overrides, recipe=recipe)
     plan = preflight(cfg)
     final = run(cfg, plan)
@@ -72,7 +78,7 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
     assert step["rollout/log_prob_max_abs_diff"] < 1e-3  # the engine serves the policy the trainer evaluates
     if plan.use_reference:
         assert step["actor/ref_log_prob_max_abs_diff"] == 0.0  # step 1: the policy is still the reference
-    if name == "ppo_megatron":
+    if name in ("ppo_megatron", "gemma2_ppo"):
         assert plan.use_critic and step["critic/optimizer_steps"] >= 1
     if name == "cispo_fsdp":
         assert plan.policy_loss == "cispo" and "actor/pg_loss" in step
