@@ -1,0 +1,320 @@
+"""LoRA adapters on megatron-core's tensor-parallel linear layers, applied to built model chunks.
+
+For a targeted linear ``y = W x`` the adapted layer computes (PEFT's LoRA)::
+
+    y = W x + scaling * B (A dropout(x)),        scaling = alpha / rank,
+    A: [rank, in]  (kaiming-uniform(a=sqrt(5)) as PEFT, or xavier-normal as Megatron-Bridge),  B: [out, rank] = 0
+
+so with B = 0 the adapted model's outputs are the base model's, bit for bit. Targets are HF module names
+(``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``); the fused megatron layers hold several:
+
+- ``linear_qkv`` (column-parallel) holds q, k, v, its rows grouped per KV group ``[q_g; k_g; v_g]``
+  (``hf_conversion``): each targeted part has its own B, TP-split along its output rows like its HF rows
+  (rank t holds the contiguous q/k/v heads of its groups), and the deltas are interleaved into the fused
+  layout. ``linear_fc1`` holds ``[gate; up]`` per TP rank, likewise.
+- Each part has its own A (PEFT's separate ``q_proj`` / ``k_proj`` / ``v_proj`` adapters; verl's
+  ``canonical_lora``), or all parts of a fused layer share one A (``shared_a``: verl's Megatron ``lora``
+  type, one adapter on ``linear_qkv``; in PEFT's format each part gets a copy of that A).
+
+Tensor parallelism: on a column-parallel layer A is replicated and B split along its output; the rank-r
+activation ``h = A x`` enters megatron's ``copy_to_tensor_model_parallel_region`` (identity forward,
+all-reduce backward), so A's and x's gradients are complete and equal on every TP rank. On a row-parallel
+layer (``o_proj``, ``down_proj``) A is split along its input and B replicated: ``h`` is the all-reduce of
+the ranks' partial ``A_t x_t`` (``reduce_from_tensor_model_parallel_region``), B's gradient is then the same
+on every rank. Pipeline parallelism: each stage adapts the layers it holds, named by their global index.
+
+The base model is frozen (``requires_grad=False``: no gradient, no DDP buffer, no optimizer state; megatron
+runs its frozen-weight linear); only the adapters train. ``adapters_disabled(chunks)`` runs the base model
+(the KL reference without a reference copy). The adapter parameters live in a sibling module of the linear
+(``linear_qkv_lora`` beside ``linear_qkv``), whose ``sharded_state_dict`` marks the split ones, so
+megatron's distributed checkpoints save model and optimizer state of every TP shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+# HF module name -> (megatron submodule of a decoder layer, its kind): which fused layer holds it.
+HF_TARGETS: dict[str, str] = {
+    "q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
+    "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+    "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2",
+}
+# The HF module path of each target inside ``model.layers.N`` (PEFT's key names).
+HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+INIT_METHODS = ("kaiming", "xavier")
+SHARED = "shared"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What to adapt and how; ``targets`` are HF module names (``HF_TARGETS``)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+    shared_a: bool = False
+    init_a: str = "kaiming"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+        unknown = [name for name in self.targets if name not in HF_TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"LoRA targets {unknown or '(none)'}: choose among {sorted(HF_TARGETS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.init_a not in INIT_METHODS:
+            raise ValueError(f"LoRA A init {self.init_a!r} is not one of {INIT_METHODS}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraAdapter(torch.nn.Module):
+    """The adapter of one megatron linear (``parts``: the HF modules it holds that are targeted), and the
+    hook that adds its delta to the linear's output.
+
+    ``out_sizes``: each part's full (HF) output size; ``layout`` tells how the parts' local deltas form the
+    linear's local output: ``"qkv"`` (grouped per KV group), ``"concat"`` (``[gate; up]``) or ``"single"``.
+    """
+
+    def __init__(self, parts: tuple[str, ...], all_parts: tuple[str, ...], in_size: int,
+                 out_sizes: dict[str, int], row_parallel: bool, layout: str, spec, settings: LoraSettings,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.parts, self.all_parts, self.layout, self.row_parallel = parts, all_parts, layout, row_parallel
+        self.scaling, self.spec, self.tp = settings.scaling, spec, tp
+        self.enabled = True
+        self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout > 0 else torch.nn.Identity()
+        local_in = in_size // tp if row_parallel else in_size
+        a_names = (SHARED,) if settings.shared_a and len(parts) > 1 else parts
+        self.lora_A = torch.nn.ParameterDict({
+            name: torch.nn.Parameter(torch.empty(settings.rank, local_in, dtype=dtype, device=device))
+            for name in a_names})
+        self.lora_B = torch.nn.ParameterDict({
+            name: torch.nn.Parameter(torch.zeros(out_sizes[name] if row_parallel else out_sizes[name] // tp,
+                                                 settings.rank, dtype=dtype, device=device))
+            for name in parts})
+        self.out_sizes = {name: size if row_parallel else size // tp for name, size in out_sizes.items()}
+        for param in self.lora_A.values():
+            set_tensor_model_parallel_attributes(param, row_parallel, 1, 1)
+            _init_a(param, settings.init_a, in_size)
+        for param in self.lora_B.values():
+            set_tensor_model_parallel_attributes(param, not row_parallel, 0, 1)
+
+    def a_of(self, part: str) -> torch.nn.Parameter:
+        return self.lora_A[SHARED] if SHARED in self.lora_A else self.lora_A[part]
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """``scaling * B (A dropout(x))`` in the linear's local output layout (this TP rank's rows)."""
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region)
+
+        x = self._dropped(x)
+        names = list(self.lora_A)
+        h = torch.nn.functional.linear(x, torch.cat([self.lora_A[n] for n in names]) if len(names) > 1
+                                       else self.lora_A[names[0]])
+        h = reduce_from_tensor_model_parallel_region(h) if self.row_parallel \
+            else copy_to_tensor_model_parallel_region(h)
+        rank = self.lora_B[self.parts[0]].shape[1]
+        by_a = dict(zip(names, h.split(rank, dim=-1)))
+        deltas = {part: torch.nn.functional.linear(by_a[SHARED if SHARED in by_a else part], self.lora_B[part])
+                  * self.scaling for part in self.parts}
+        return self._assemble(deltas, x.shape[:-1])
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.dropout, torch.nn.Identity) or not self.training:
+            return x
+        if self.row_parallel:
+            # Each TP rank holds other input columns: draw its mask from megatron's model-parallel RNG, as
+            # megatron does for any TP-split activation; a replicated input draws the same mask everywhere.
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self.dropout(x)
+        return self.dropout(x)
+
+    def _assemble(self, deltas: dict[str, torch.Tensor], lead: torch.Size) -> torch.Tensor:
+        def part(name: str) -> torch.Tensor:
+            return deltas[name] if name in deltas else deltas[self.parts[0]].new_zeros(*lead, self.out_sizes[name])
+
+        if self.layout == "single":
+            return deltas[self.parts[0]]
+        if self.layout == "concat":
+            return torch.cat([part(name) for name in self.all_parts], dim=-1)
+        groups = self.spec.num_kv_heads // self.tp
+        per_group, head_dim = self.spec.num_attention_heads // self.spec.num_kv_heads, self.spec.head_dim
+        heads = {"q_proj": per_group, "k_proj": 1, "v_proj": 1}
+        grouped = [part(name).reshape(*lead, groups, heads[name], head_dim) for name in self.all_parts]
+        return torch.cat(grouped, dim=-2).reshape(*lead, -1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """megatron's distributed-checkpoint view: split parameters named with their TP axis."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        axes = {name: (1 if name.startswith("lora_A.") else 0) for name, param in state.items()
+                if getattr(param, "tensor_model_parallel", False)}
+        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets)
+
+
+def _init_a(param: torch.Tensor, method: str, fan_in: int) -> None:
+    """PEFT's kaiming-uniform(a=sqrt(5)) (bound 1/sqrt(in)), or xavier-normal (std sqrt(2/(in + rank)));
+    computed on the full A's fan-in, so a TP-split A has the distribution of the unsplit one."""
+    with torch.no_grad():
+        if method == "kaiming":
+            bound = 1.0 / math.sqrt(fan_in)
+            param.uniform_(-bound, bound)
+        else:
+            param.normal_(0.0, math.sqrt(2.0 / (fan_in + param.shape[0])))
+
+
+def _hook(adapter: LoraAdapter, linear: torch.nn.Module) -> None:
+    """Add the adapter's delta to the linear's output; a post-normed projection (Gemma 2/3) gets it before
+    its norm: the input is kept by a pre-hook on the linear and the delta added to the norm's input."""
+    if hasattr(linear, "post_norm"):
+        held: list[torch.Tensor] = []
+
+        def keep_input(module, args):
+            held.append(args[0])
+
+        def add_before_norm(module, args):
+            x = held.pop()
+            return (args[0] + adapter.delta(x),) + tuple(args[1:]) if adapter.enabled else None
+
+        linear.register_forward_pre_hook(keep_input)
+        linear.post_norm.register_forward_pre_hook(add_before_norm)
+        return
+
+    def add(module, args, kwargs, output):
+        if not adapter.enabled:
+            return None
+        x = args[0] if args else kwargs["input_"]
+        out, bias = output
+        return out + adapter.delta(x), bias
+
+    linear.register_forward_hook(add, with_kwargs=True)
+
+
+def _fused_parts(submodule: str) -> tuple[tuple[str, ...], str]:
+    parts = tuple(name for name, where in HF_TARGETS.items() if where == submodule)
+    layout = {"self_attention.linear_qkv": "qkv", "mlp.linear_fc1": "concat"}.get(submodule, "single")
+    return parts, layout
+
+
+def _out_sizes(spec, parts: tuple[str, ...]) -> dict[str, int]:
+    sizes = {"q_proj": spec.num_attention_heads * spec.head_dim, "k_proj": spec.num_kv_heads * spec.head_dim,
+             "v_proj": spec.num_kv_heads * spec.head_dim, "o_proj": spec.hidden_size,
+             "gate_proj": spec.ffn_hidden_size, "up_proj": spec.ffn_hidden_size, "down_proj": spec.hidden_size}
+    return {name: sizes[name] for name in parts}
+
+
+def _in_size(spec, submodule: str) -> int:
+    return {"self_attention.linear_qkv": spec.hidden_size, "self_attention.linear_proj":
+            spec.num_attention_heads * spec.head_dim, "mlp.linear_fc1": spec.hidden_size,
+            "mlp.linear_fc2": spec.ffn_hidden_size}[submodule]
+
+
+def _get(module: torch.nn.Module, path: str) -> torch.nn.Module:
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def adapt(gpt: torch.nn.Module, settings: LoraSettings) -> None:
+    """Freeze every parameter of one bare ``GPTModel`` chunk and add the adapters of ``settings.targets`` to
+    its decoder layers (``submodule_lora`` beside each adapted linear)."""
+    from meshrl.parallel.model_builder import unwrap
+
+    gpt = unwrap(gpt)
+    if gpt.meshrl_uses_te:
+        raise NotImplementedError("LoRA on Transformer Engine layers is not built: TE fuses the input norm into "
+                                  "linear_qkv / linear_fc1, so the adapter would see the un-normed input")
+    if gpt.meshrl_critic:
+        raise NotImplementedError("LoRA adapts the policy only; the critic trains every weight")
+    for param in gpt.parameters():
+        param.requires_grad_(False)
+    spec = gpt.meshrl_spec
+    gpt.meshrl_lora = settings
+    sample = next(gpt.parameters())
+    for layer in gpt.decoder.layers:
+        for submodule in dict.fromkeys(HF_TARGETS[name] for name in settings.targets):
+            all_parts, layout = _fused_parts(submodule)
+            parts = tuple(name for name in all_parts if name in settings.targets)
+            adapter = LoraAdapter(parts, all_parts, _in_size(spec, submodule), _out_sizes(spec, all_parts),
+                                  submodule in ROW_PARALLEL, layout, spec, settings, sample.dtype, sample.device)
+            adapter.global_layer = layer.layer_number - 1
+            parent_path, name = submodule.rsplit(".", 1)
+            parent = _get(layer, parent_path)
+            parent.add_module(f"{name}_lora", adapter)
+            _hook(adapter, getattr(parent, name))
+
+
+def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings) -> list[torch.nn.Module]:
+    """The chunks of ``model_builder.build_model`` with the base frozen and adapters added, re-wrapped in
+    megatron DDP so that its gradient buffers (and hence the optimizer) hold the adapters only.
+
+    Call after loading the base weights and before building the optimizer. The old wrappers' buffers are
+    released (their ``main_grad`` views on the frozen parameters are dropped).
+    """
+    from megatron.core.distributed import DistributedDataParallel
+
+    from meshrl.parallel.model_builder import model_config, unwrap
+
+    config = model_config(chunks)
+    ddp_config = chunks[0].ddp_config
+    rewrapped = []
+    for index, chunk in enumerate(chunks):
+        gpt = unwrap(chunk)
+        for param in gpt.parameters():
+            for attribute in ("main_grad", "grad_added_to_main_grad"):
+                if hasattr(param, attribute):
+                    delattr(param, attribute)
+        adapt(gpt, settings)
+        rewrapped.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt,
+                                                 disable_bucketing=index > 0))
+    # The schedule reaches the DDP wrappers through these hooks (build_model set them on the old ones).
+    config.no_sync_func = [c.no_sync for c in rewrapped] if len(rewrapped) > 1 else rewrapped[0].no_sync
+    if config.grad_sync_func is not None:
+        config.grad_sync_func = ([c.start_grad_sync for c in rewrapped] if len(rewrapped) > 1
+                                 else rewrapped[0].start_grad_sync)
+    return rewrapped
+
+
+def adapters(chunks: list[torch.nn.Module]) -> Iterator[tuple[int, LoraAdapter]]:
+    """(chunk index, adapter) of every adapter in ``chunks``, in module order."""
+    for index, chunk in enumerate(chunks):
+        for module in chunk.modules():
+            if isinstance(module, LoraAdapter):
+                yield index, module
+
+
+def has_adapters(chunks: list[torch.nn.Module]) -> bool:
+    return any(True for _ in adapters(chunks))
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """Inside the block the chunks compute the base model (the adapters add nothing)."""
+    found = [adapter for _, adapter in adapters(chunks)]
+    for adapter in found:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in found:
+            adapter.enabled = True
