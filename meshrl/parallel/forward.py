@@ -40,6 +40,11 @@ Full-vocabulary logits are never materialised on one rank: log-probs use megatro
 ``vocab_parallel_cross_entropy`` and entropy uses ``vocab_parallel_entropy`` below, both reducing over
 the TP group, both differentiable, both from the logits upcast to fp32 whatever the model's dtype and
 divided by the temperature in place (no further copy of the ``[tokens, V/TP]`` logits).
+
+With ``OutputRequest.fused_chunk_size`` the last stage does not build even this rank's ``[tokens, V/TP]``
+logits: the model returns the hidden states (``fused_output.projection_skipped``) and
+``fused_output.fused_log_probs_entropy`` projects, reduces and differentiates them a chunk of tokens at a
+time, with the same operations (same numbers up to the rounding of the chunked products).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from meshrl.parallel.fused_output import OutputHead, fused_log_probs_entropy
 from meshrl.parallel.packing import pad_multiple_for, pack_padded
 
 MicroBatch = dict[str, Any]
@@ -202,14 +208,22 @@ class OutputRequest:
     ``entropy = -sum_i p_i log p_i`` with ``p = softmax(logits / T)``; gradients flow through the
     division (d/dlogits = (1/T) d/d(logits/T)). Pass the temperature the evaluated tokens were sampled
     at (the rollout's). Critic values ignore it.
+
+    ``fused_chunk_size`` N: a policy's log-probs and entropy come from the hidden states through the fused
+    output layer (``meshrl.parallel.fused_output``), N tokens at a time, never holding more than
+    ``[N, V/TP]`` logits; None: from the output layer's ``[tokens, V/TP]`` logits. Critic values ignore it.
     """
 
     log_probs: bool = True
     entropy: bool = False
     temperature: float = 1.0
     remove_padding: bool = False
+    fused_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.fused_chunk_size is not None and not self.fused_chunk_size >= 1:
+            raise ValueError(f"OutputRequest.fused_chunk_size must be >= 1 token (or None: unfused), got "
+                             f"{self.fused_chunk_size}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"OutputRequest.temperature must be a finite number > 0, got {self.temperature}: log-probs "
@@ -218,12 +232,29 @@ class OutputRequest:
                 "rollout sampled with")
 
 
+def _targets(inputs: ModelInputs) -> torch.Tensor:
+    """The token each output position predicts, shaped like the outputs (``[r, n]``, or ``[1, K]``)."""
+    # Position p predicts the token at p+1; targets that cross into another row or slot (or wrap
+    # around) belong to positions unpack drops.
+    target = torch.roll(inputs.input_ids.reshape(-1), shifts=-1)
+    return target.view_as(inputs.input_ids) if inputs.selected is None else target[inputs.selected][None]
+
+
 def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: OutputRequest,
-                    critic: bool) -> dict[str, torch.Tensor]:
+                    critic: bool, head: OutputHead | None = None) -> dict[str, torch.Tensor]:
     """Turn the last stage's ``[r, n, V/TP]`` logits (or ``[r, n, 1]`` values) into aligned outputs; with
-    ``inputs.selected`` they are ``[1, K, V/TP]`` (or ``[1, K, 1]``), one per selected position."""
+    ``inputs.selected`` they are ``[1, K, V/TP]`` (or ``[1, K, 1]``), one per selected position.
+    With ``head`` (a fused pass, ``fused_output.projection_skipped``) ``model_output`` holds the hidden
+    states, ``[r, n, H]`` or ``[1, K, H]``, that ``head`` projects."""
     if critic:
         return {"values": unpack(model_output.squeeze(-1).float(), inputs)}
+    if head is not None:
+        log_probs, entropy = fused_log_probs_entropy(
+            model_output, head.weight, _targets(inputs) if request.log_probs else None,
+            temperature=request.temperature, softcap=head.softcap, chunk_size=request.fused_chunk_size,
+            entropy=request.entropy)
+        return {**({"entropy": unpack(entropy, inputs)} if request.entropy else {}),
+                **({"log_probs": unpack(log_probs, inputs)} if request.log_probs else {})}
     # The log-softmax in fp32 whatever the parameters' dtype: in bf16 it would sum the vocabulary's
     # exponentials and round each log-prob to 8 mantissa bits (±0.03 near -10). Entropy and log-probs
     # share this one copy (a no-op for fp32 models); the bf16 logits' own rounding remains.
@@ -237,9 +268,5 @@ def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: Ou
     if request.entropy:
         outputs["entropy"] = unpack(vocab_parallel_entropy(logits), inputs)
     if request.log_probs:
-        # Position p predicts the token at p+1; targets that cross into another row or slot (or wrap
-        # around) belong to positions unpack drops.
-        target = torch.roll(inputs.input_ids.reshape(-1), shifts=-1)
-        target = target.view_as(inputs.input_ids) if inputs.selected is None else target[inputs.selected][None]
-        outputs["log_probs"] = unpack(vocab_parallel_log_probs(logits, target), inputs)
+        outputs["log_probs"] = unpack(vocab_parallel_log_probs(logits, _targets(inputs)), inputs)
     return outputs

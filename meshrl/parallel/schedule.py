@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from meshrl.parallel.forward import (LossFn, MicroBatch, OutputRequest, compute_outputs, model_inputs,
                                      select_hidden)
+from meshrl.parallel.fused_output import projection_skipped
 from meshrl.parallel.model_builder import model_config, unwrap
 
 
@@ -65,12 +66,15 @@ def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | N
         micro_batch = _to_device(next(data_iterator), device)
         inputs = model_inputs(micro_batch["input_ids"], micro_batch["attention_mask"], request.remove_padding,
                               micro_batch.get("output_mask"))
-        with _output_layer_on(model, inputs.selected):
+        # A fused pass: the last stage returns hidden states, and head projects them in compute_outputs.
+        fused = projection_skipped(unwrap(model)) if request.fused_chunk_size and not critic \
+            else contextlib.nullcontext()
+        with fused as head, _output_layer_on(model, inputs.selected):
             output = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=None,
                            packed_seq_params=inputs.packed_seq_params)
 
         def loss_func(output_tensor: torch.Tensor):
-            outputs = compute_outputs(output_tensor, inputs, request, critic)
+            outputs = compute_outputs(output_tensor, inputs, request, critic, head)
             if loss_fn is None:
                 return (torch.zeros((), device=device), zero_tokens,
                         {key: value.detach() for key, value in outputs.items()})
