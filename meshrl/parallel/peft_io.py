@@ -79,8 +79,9 @@ def _split_dim(adapter: LoraAdapter, which: str) -> int | None:
 
 
 @torch.no_grad()
-def iter_adapter_weights(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(peft_key, full tensor)`` for every adapter tensor (see the module docstring for the contract)."""
+def iter_adapter_weights(chunks: list[torch.nn.Module], grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(peft_key, full tensor)`` for every adapter tensor (see the module docstring for the contract);
+    with ``grads=True`` their accumulated gradients (DDP ``main_grad``) instead, for checks."""
     from megatron.core import parallel_state
 
     settings = settings_of(chunks)
@@ -93,9 +94,11 @@ def iter_adapter_weights(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, t
     dist.all_gather_object(owners, sorted({layer for layer, _, _ in local}), group=pp_group)
     owner_of = {layer: pp_ranks[stage] for stage, layers in enumerate(owners) for layer in layers}
     sample = next(iter(local.values()))[1]
+    sample = sample.main_grad if grads else sample
     for layer, part, which in _keys(gpt.meshrl_spec.num_layers, settings):
         if (layer, part, which) in local:
             adapter, param = local[(layer, part, which)]
+            param = param.main_grad if grads else param
             dim = _split_dim(adapter, which)
             if dim is None:
                 tensor = param.detach().clone()

@@ -1,0 +1,114 @@
+"""LoRA at TP2 and PP2 against PEFT on the HF model, under torchrun (2 ranks); one launch, several phases.
+
+    torchrun --nproc-per-node 2 tests/parallel/lora_mp_worker.py --workdir DIR --out DIR/lora.json
+
+PEFT writes a random adapter (``init_lora_weights=False``: B != 0, so every adapter tensor has a gradient);
+each phase loads it into meshrl's adapters at its layout, and records the largest differences from PEFT's
+log-probs and adapter gradients (policy loss of ``mp_worker``), the adapter saved back from the layout
+against PEFT's file, and the merged weights against PEFT's ``merge_and_unload``. Rank 0 writes the results
+(max over ranks) at the end; ``test_lora_multiproc.py`` asserts the bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mp_worker import build, hf_model, hf_outputs, make_micro_batches, policy_loss  # noqa: E402
+
+from meshrl.models.tiny import TinySpec, tiny_model_dir  # noqa: E402
+from meshrl.parallel import lora, peft_io, schedule, state  # noqa: E402
+from meshrl.parallel.forward import OutputRequest  # noqa: E402
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODELS = {"llama": TinySpec(), "qwen2": TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False)}
+PHASES = [("tp2", "llama", dict(tensor_parallel=2), ALL), ("pp2", "llama", dict(pipeline_parallel=2), ALL),
+          ("tp2", "qwen2", dict(tensor_parallel=2), ("q_proj", "v_proj", "gate_proj", "down_proj"))]
+RANK, ALPHA = 4, 8
+REQUEST = OutputRequest(entropy=True)
+
+
+def peft_reference(path: Path, targets: tuple[str, ...], folder: Path) -> dict:
+    """PEFT's random adapter saved in ``folder``; its log-probs, adapter gradients and merged weights."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(hf_model(path, critic=False), LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=list(targets), init_lora_weights=False))
+    batches = make_micro_batches()
+    log_probs = []
+    for mb in batches:
+        out = hf_outputs(model, mb, critic=False)
+        policy_loss(out, mb)[0].backward()
+        log_probs.append(out["log_probs"].detach())
+    grads = {name.replace(".default", ""): p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    if dist.get_rank() == 0:
+        model.save_pretrained(folder)
+    dist.barrier()
+    merged = {name: p.detach().clone() for name, p in model.merge_and_unload().named_parameters()}
+    return {"log_probs": log_probs, "grads": grads, "merged": merged}
+
+
+def run_phase(name: str, family: str, layout: dict, targets: tuple[str, ...], workdir: Path) -> dict:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    path = tiny_model_dir(MODELS[family])
+    folder = workdir / f"peft-{family}"
+    reference = peft_reference(path, targets, folder)
+    state.initialize(state.ParallelConfig(**layout))
+    try:
+        chunks = lora.apply_lora(build(path), lora.LoraSettings(rank=RANK, alpha=ALPHA, targets=targets))
+        peft_io.load_adapter(chunks, folder)
+        out = schedule.forward_only(chunks, make_micro_batches(), REQUEST)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        schedule.forward_backward(chunks, make_micro_batches(), policy_loss, REQUEST)
+        grads = dict(peft_io.iter_adapter_weights(chunks, grads=True))
+        saved = peft_io.save_adapter(chunks, workdir / f"saved-{name}-{family}")
+        merged = dict(peft_io.iter_merged_weights(chunks, AutoConfig.from_pretrained(path)))
+    finally:
+        state.destroy()
+    result = {
+        "log_probs": max(float((o["log_probs"] - r).abs().max()) for o, r in zip(out, reference["log_probs"])),
+        "grad_names_mismatch": len(set(grads) ^ set(reference["grads"])),
+        "grads": max(float((grads[k] - reference["grads"][k]).abs().max()) for k in grads),
+        "grad_scale": min(float(g.abs().max()) for g in reference["grads"].values()),
+        "merged": max(float((t - reference["merged"][k]).abs().max()) for k, t in merged.items()),
+    }
+    if saved is not None:
+        theirs, mine = load_file(folder / peft_io.WEIGHTS_FILE), load_file(saved / peft_io.WEIGHTS_FILE)
+        result["saved_names_mismatch"] = len(set(theirs) ^ set(mine))
+        result["saved"] = max(float((mine[k] - theirs[k]).abs().max()) for k in mine)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    mine = {f"{name}-{family}": run_phase(name, family, layout, targets, args.workdir)
+            for name, family, layout, targets in PHASES}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        merged = {phase: {key: max(ranks[phase][key] for ranks in gathered if key in ranks[phase])
+                          for key in set().union(*(ranks[phase] for ranks in gathered))} for phase in mine}
+        args.out.write_text(json.dumps(merged, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
