@@ -36,9 +36,11 @@ weights follow ``EngineConfig.load_format`` (verl's ``rollout.load_format``): ``
 ``dummy_hf``, ``dummy_dtensor``) starts from random weights, faster, and ``generate`` refuses to run
 until a full weight sync has replaced them, so a rollout never samples from them.
 
-verl's ``rollout`` keys for features meshrl's rollout does not have (multi-turn tool calling, agent
-loops, SGLang's and TensorRT-LLM's engine arguments) parse, and ``unsupported_rollout_features`` names
-every one set to other than verl's default, with what to do instead.
+Multi-turn tool calling (``rollout.multi_turn``) drives an engine turn by turn through ``generate``'s
+per-prompt ``max_tokens`` (``meshrl.rollout.agent_loop``). verl's ``rollout`` keys for features meshrl's
+rollout does not have (its async agent-loop server, SGLang's and TensorRT-LLM's engine arguments) parse,
+and ``unsupported_rollout_features`` / ``meshrl.config.key_policy`` name every one set to other than
+verl's default, with what to do instead.
 """
 
 from __future__ import annotations
@@ -300,11 +302,16 @@ class Completion:
     sample_index: int
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length"; a multi-turn sample also "max_turns" (meshrl.rollout.agent_loop)
+    # 1 where the policy sampled the token, 0 where it was appended (a tool's output in a multi-turn
+    # sample, whose log-prob is 0); None: every token was sampled.
+    loss_mask: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.loss_mask)} loss-mask entries")
 
 
 @dataclass
@@ -342,11 +349,16 @@ class RolloutEngine(abc.ABC):
     # --- generation -------------------------------------------------------------------------
     @abc.abstractmethod
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                  seeds: list[int]) -> list[Completion]:
-        """Generate for ``prompts``; ``seeds[i]`` seeds prompt i's samples (ignored when greedy)."""
+                  seeds: list[int], max_tokens: list[int]) -> list[Completion]:
+        """Generate for ``prompts``; ``seeds[i]`` seeds prompt i's samples (ignored when greedy), and
+        ``max_tokens[i]`` (<= ``sampling.max_response_length``) caps their length."""
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Completion]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 max_tokens: Sequence[int] | None = None) -> list[Completion]:
         """Sample ``sampling.n`` responses per prompt; see the class docstring for the layout.
+
+        ``max_tokens``: per prompt, a cap below ``sampling.max_response_length`` (a multi-turn sample's
+        remaining response budget, ``meshrl.rollout.agent_loop``); None: that length for every prompt.
 
         Seeding: call ``c`` of this engine gives prompt ``i`` the seed derived from
         ``(sampling.seed + dp_rank, c, i)``, so engines of one replica (same ``dp_rank``, same call
@@ -361,12 +373,16 @@ class RolloutEngine(abc.ABC):
             if len(prompt) >= self.config.max_model_len:
                 raise ValueError(f"prompt {index} has {len(prompt)} tokens; rollout.max_model_len is "
                                  f"{self.config.max_model_len} (prompt + response)")
+        caps = [sampling.max_response_length] * len(prompts) if max_tokens is None else [int(m) for m in max_tokens]
+        if len(caps) != len(prompts) or any(not 1 <= m <= sampling.max_response_length for m in caps):
+            raise ValueError(f"max_tokens must give each of the {len(prompts)} prompts a cap in "
+                             f"[1, {sampling.max_response_length}], got {list(max_tokens or [])[:8]}")
         replica_seed = sampling.seed + self.dp_rank
         seeds = [request_seed(replica_seed, self._calls, i) for i in range(len(prompts))]
         self._calls += 1
         if not prompts:
             return []
-        return self._generate(prompts, sampling, seeds)
+        return self._generate(prompts, sampling, seeds, caps)
 
     def stop_token_ids(self, sampling: SamplingConfig) -> list[int]:
         """Token ids that end a response under ``sampling``."""

@@ -113,7 +113,7 @@ class HFEngine(RolloutEngine):
 
     # --- generation -------------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                  seeds: list[int]) -> list[Completion]:
+                  seeds: list[int], max_tokens: list[int]) -> list[Completion]:
         rows = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
         order = sorted(range(len(rows)), key=lambda r: len(prompts[rows[r][0]]))
         results: dict[int, Completion] = {}
@@ -122,15 +122,17 @@ class HFEngine(RolloutEngine):
             chunk = order[start:start + size]
             batch = [prompts[rows[r][0]] for r in chunk]
             # seeds[0] is already unique to this (replica, call); one RNG stream per micro-batch.
-            tokens, logprobs = self._generate_batch(batch, sampling, seeds[0] + batch_index)
-            for r, ids, lps in zip(chunk, tokens, logprobs):
+            caps = [max_tokens[rows[r][0]] for r in chunk]
+            tokens, logprobs = self._generate_batch(batch, sampling, seeds[0] + batch_index, max(caps))
+            for r, ids, lps, cap in zip(chunk, tokens, logprobs, caps):
                 prompt_index, sample_index = rows[r]
-                results[r] = self._completion(prompt_index, sample_index, ids, lps, sampling)
+                # A row decodes to its batch's longest cap; the tokens past its own were sampled after it ended.
+                results[r] = self._completion(prompt_index, sample_index, ids[:cap], lps[:cap], sampling)
         return [results[r] for r in range(len(rows))]
 
     @torch.no_grad()
-    def _generate_batch(self, batch: list[list[int]], sampling: SamplingConfig,
-                        seed: int) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate_batch(self, batch: list[list[int]], sampling: SamplingConfig, seed: int,
+                        max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
         width = max(len(p) for p in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -146,7 +148,7 @@ class HFEngine(RolloutEngine):
             warpers = {} if sampling.greedy else dict(temperature=1.0, top_k=0, top_p=1.0)
             sequences = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                do_sample=not sampling.greedy, num_beams=1, max_new_tokens=sampling.max_response_length,
+                do_sample=not sampling.greedy, num_beams=1, max_new_tokens=max_new_tokens,
                 eos_token_id=stops or None, pad_token_id=self.pad_token_id, logits_processor=[recorder],
                 **warpers)
         generated = sequences[:, width:]

@@ -290,19 +290,19 @@ class VLLMEngine(RolloutEngine):
 
     # --- generation -------------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                  seeds: list[int]) -> list[Completion]:
+                  seeds: list[int], max_tokens: list[int]) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         stops = self.stop_token_ids(sampling)
-        common = dict(n=sampling.n, max_tokens=sampling.max_response_length, stop_token_ids=stops,
-                      ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
+        common = dict(n=sampling.n, stop_token_ids=stops, ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
         if sampling.greedy:
-            params = SamplingParams(temperature=0.0, **common)
+            params = [SamplingParams(temperature=0.0, max_tokens=cap, **common) for cap in max_tokens]
         else:
             params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                     top_k=0 if sampling.top_k == -1 else sampling.top_k, seed=seed, **common)
-                      for seed in seeds]
+                                     top_k=0 if sampling.top_k == -1 else sampling.top_k, seed=seed, max_tokens=cap,
+                                     **common)
+                      for seed, cap in zip(seeds, max_tokens)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         with contained_process_state():
             if self.config.generation_threads is not None:

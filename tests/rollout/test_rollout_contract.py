@@ -37,7 +37,7 @@ class StubEngine(RolloutEngine):
         self.weights = {name: torch.zeros(shape) for name, shape in shapes.items()}
         self.events: list = []
 
-    def _generate(self, prompts, sampling, seeds):
+    def _generate(self, prompts, sampling, seeds, max_tokens):
         return [Completion(i, j, [7], [-0.5], "length") for i in range(len(prompts)) for j in range(sampling.n)]
 
     def expected_weights(self):
