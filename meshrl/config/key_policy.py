@@ -91,10 +91,9 @@ INERT = {
 LORA = "LoRA is not built yet (meshrl trains every weight of the policy); leave the LoRA keys at their defaults"
 REWARD_MODEL = ("learned reward models (verl's reward model workers and reward loop engines) are not built yet; score "
                 "with rule rewards or custom_reward_function.path, and set reward_model.enable=False")
-REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' manager (one score per response, dispatched by data source); "
-                  "other managers and their reward_kwargs (e.g. DAPO's overlong buffer) are not built yet")
-SANDBOX = ("executing generated code in verl's sandbox (sandbox_fusion) is not built yet; score with rule rewards or "
-           "custom_reward_function.path")
+REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one score per response, dispatched by "
+                  "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
+                  "(e.g. DAPO's overlong buffer) are not built yet")
 MOE = ("mixture-of-experts models (expert parallelism, router replay, MoE settings) are not built yet: meshrl builds "
        "dense Llama / Qwen2 models; leave the expert and MoE keys at their defaults")
 MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
@@ -109,11 +108,9 @@ REFUSED = {
     "reward_model.max_length": REWARD_MODEL,
     "reward_model.rollout.*": REWARD_MODEL,
     "reward.reward_model.*": REWARD_MODEL,
-    "reward_model.reward_manager": REWARD_MANAGER,
     "reward_model.reward_kwargs": REWARD_MANAGER,
     "reward.reward_manager.*": REWARD_MANAGER,
     "reward.reward_kwargs": REWARD_MANAGER,
-    "*.sandbox_fusion.*": SANDBOX,
     "reward_model.launch_reward_fn_async": "rewards are scored in a process pool after generation; overlapping them "
                                            "with the next phase is not built yet: set False",
     "algorithm.use_pf_ppo": PF_PPO,
@@ -172,6 +169,9 @@ ALIASES = {
     "reward.num_workers": "reward_model.num_workers",
     "reward.custom_reward_function.path": "custom_reward_function.path",
     "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.sandbox_fusion.url": "reward_model.sandbox_fusion.url",
+    "reward.sandbox_fusion.max_concurrent": "reward_model.sandbox_fusion.max_concurrent",
+    "reward.sandbox_fusion.memory_limit_mb": "reward_model.sandbox_fusion.memory_limit_mb",
 }
 
 

@@ -544,11 +544,22 @@ class RewardModelRolloutConfig:
 
 @dataclass
 class SandboxFusionConfig:
-    """verl's sandbox for executing generated code in rewards (refused)."""
+    """verl-project's ``reward.sandbox_fusion``, followed by ``reward_model.sandbox_fusion`` (which meshrl reads)."""
 
     url: Optional[str] = None
     max_concurrent: int = 64
     memory_limit_mb: int = 1024
+
+
+@dataclass
+class RewardModelSandboxConfig:
+    """Where code rewards run (``meshrl.rewards.code``): a SandboxFusion ``/run_code`` URL, or null for a local
+    sandbox the run starts when its data holds code; programs in flight at once; memory per program. Each
+    follows verl-project's ``reward.sandbox_fusion`` unless set itself."""
+
+    url: Optional[str] = II("reward.sandbox_fusion.url")
+    max_concurrent: int = II("reward.sandbox_fusion.max_concurrent")
+    memory_limit_mb: int = II("reward.sandbox_fusion.memory_limit_mb")
 
 
 @dataclass
@@ -576,7 +587,7 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: Optional[int] = None
     max_length: Optional[int] = None
     rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
-    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
+    sandbox_fusion: RewardModelSandboxConfig = field(default_factory=RewardModelSandboxConfig)
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)  # a reward manager's arguments (DAPO's overlong buffer)
 
 
@@ -621,8 +632,8 @@ class LearnedRewardModelConfig:
 class RewardConfig:
     """verl-project's ``reward`` section, its newer home of the reward keys. ``num_workers`` and
     ``custom_reward_function`` are the older keys' other names (``reward_model.num_workers``,
-    ``custom_reward_function.*`` follow them); reward managers other than naive, learned reward models
-    and the sandbox are refused."""
+    ``custom_reward_function.*`` follow them), and so is ``sandbox_fusion`` (``reward_model.sandbox_fusion``);
+    reward managers other than naive and learned reward models are refused."""
 
     num_workers: int = 2  # meshrl's default (verl's is 8)
     custom_reward_function: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)

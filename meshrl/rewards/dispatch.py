@@ -17,6 +17,9 @@ Built-in dispatch (the ``data_source`` names verl's preprocess scripts write, pl
   number, numeric). Only generators with numeric answers are registered there.
 - MATH: ``DigitalLearningGmbH/MATH-lighteval``, ``lighteval/MATH``, ``HuggingFaceH4/MATH-500``,
   ``math``, ``math500`` -> :func:`meshrl.rewards.math.judge` (math-verify).
+- Code: ``codecontests``, ``apps``, ``codeforces``, ``taco`` (verl's) and ``openai/openai_humaneval``
+  -> :func:`meshrl.rewards.code.compute_score`: the response's program against the row's test cases in
+  the sandbox at ``sandbox_fusion_url`` (verl's argument; ``reward_model.sandbox_fusion.*``).
 
 A custom reward (``custom_reward_function.path`` / ``.name`` in the config, as in verl) is a Python
 file defining ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshrl.rewards import gsm8k
+from meshrl.rewards import code, gsm8k
 from meshrl.rewards import math as math_reward
 
 RewardOutput = float | dict[str, Any]
@@ -50,22 +53,36 @@ DATA_SOURCE_PREFIX = "reasoning_gym/"
 MATH_SOURCES = frozenset(
     {"DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500", "math", "math500"}
 )
+# verl's reward managers meshrl's pool is: "naive" scores each response with the function, "prime" does
+# the same in parallel processes with a per-call timeout and 0 for a failed call, which the pool does for both.
+REWARD_MANAGERS = ("naive", "prime")
 
 
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: Mapping[str, Any] | None = None,
-    **rule_kwargs: Any,
+    sandbox_fusion_url: str | None = None, concurrent_semaphore=None, memory_limit_mb: int = 1024,
+    code_case_timeout_s: float = code.CASE_TIMEOUT_S, **rule_kwargs: Any,
 ) -> RewardOutput:
-    """Built-in rule reward chosen by ``data_source``.
+    """Built-in reward chosen by ``data_source`` (verl's signature, plus the code cases' time limit).
 
     GSM8K and MAWPS return a float; MATH returns ``{"score", "math_verify_fallback"}`` so that fallbacks to
-    string comparison are counted. ``rule_kwargs`` (``custom_reward_function.reward_kwargs`` when no
-    custom path is set) go to the GSM8K/MAWPS rule, e.g. ``{method: strict, format_score: 0.1}``
-    (verl's partial credit for a well-formed but wrong answer).
+    string comparison are counted; code returns ``{"score", "reward_error"}`` (:mod:`meshrl.rewards.code`).
+    ``rule_kwargs`` (``custom_reward_function.reward_kwargs`` when no custom path is set) go to the
+    GSM8K/MAWPS rule, e.g. ``{method: strict, format_score: 0.1}`` (verl's partial credit for a well-formed
+    but wrong answer).
 
     Raises:
         NotImplementedError: unknown ``data_source`` (the message says how to plug in a custom reward).
+        ValueError: a code source without ``sandbox_fusion_url`` (verl would run it unsandboxed in-process).
     """
+    if data_source in code.CODE_SOURCES:
+        if not sandbox_fusion_url:
+            raise ValueError(f"data_source={data_source!r} is scored by running the response's code, which needs a "
+                             "sandbox: pass sandbox_fusion_url (reward_model.sandbox_fusion.url; a training run "
+                             "starts a local one when it is null)")
+        return code.compute_score(data_source, solution_str, ground_truth, extra_info,
+                                  sandbox_fusion_url=sandbox_fusion_url, concurrent_semaphore=concurrent_semaphore,
+                                  memory_limit_mb=memory_limit_mb, timeout=code_case_timeout_s)
     if data_source in GSM8K_SOURCES:
         return gsm8k.compute_score(solution_str, ground_truth, **rule_kwargs)
     if data_source in MAWPS_SOURCES or data_source.startswith(DATA_SOURCE_PREFIX):
@@ -73,7 +90,8 @@ def default_compute_score(
     if data_source in MATH_SOURCES:
         verdict = math_reward.judge(solution_str, ground_truth)
         return {"score": verdict.score, "math_verify_fallback": verdict.math_verify_fallback}
-    known = ", ".join(sorted(GSM8K_SOURCES | MAWPS_SOURCES | MATH_SOURCES | {DATA_SOURCE_PREFIX + "*"}))
+    known = ", ".join(sorted(GSM8K_SOURCES | MAWPS_SOURCES | MATH_SOURCES | code.CODE_SOURCES
+                             | {DATA_SOURCE_PREFIX + "*"}))
     raise NotImplementedError(
         f"No built-in reward for data_source={data_source!r} (built-in: {known}). Write a "
         f"compute_score(data_source, solution_str, ground_truth, extra_info=None) function and point "
@@ -127,15 +145,28 @@ def load_custom_reward_function(path: str | Path, name: str = "compute_score") -
 
 
 @dataclass(frozen=True)
+class SandboxSettings:
+    """Where and how code sources run (``reward_model.sandbox_fusion.*``; ``case_timeout_s``:
+    :func:`meshrl.rewards.code.case_timeout`)."""
+
+    url: str
+    max_concurrent: int = 64
+    memory_limit_mb: int = 1024
+    case_timeout_s: float = code.CASE_TIMEOUT_S
+
+
+@dataclass(frozen=True)
 class RewardSpec:
     """Picklable description of the reward function, so that worker processes can rebuild it.
 
-    ``custom_path`` None selects :func:`default_compute_score`; ``reward_kwargs`` are passed to every call.
+    ``custom_path`` None selects :func:`default_compute_score`; ``reward_kwargs`` are passed to every call;
+    ``sandbox`` is where the built-in reward runs code sources (None: the run has none to score).
     """
 
     custom_path: str | None = None
     custom_name: str = "compute_score"
     reward_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    sandbox: SandboxSettings | None = None
 
     @property
     def label(self) -> str:
@@ -144,9 +175,16 @@ class RewardSpec:
             return f"reward function {self.custom_name} ({Path(self.custom_path).expanduser().resolve()})"
         return "built-in reward (meshrl.rewards.dispatch.default_compute_score)"
 
-    def build(self) -> RewardFn:
-        """The callable ``fn(data_source, solution_str, ground_truth, extra_info)``."""
-        fn = default_compute_score
+    def build(self, concurrent_semaphore=None) -> RewardFn:
+        """The callable ``fn(data_source, solution_str, ground_truth, extra_info)``. ``concurrent_semaphore``
+        bounds the sandbox requests in flight across every process holding it (verl's argument)."""
         if self.custom_path:
             fn = load_custom_reward_function(self.custom_path, self.custom_name)
+        elif self.sandbox is not None:
+            fn = functools.partial(default_compute_score, sandbox_fusion_url=self.sandbox.url,
+                                   concurrent_semaphore=concurrent_semaphore,
+                                   memory_limit_mb=self.sandbox.memory_limit_mb,
+                                   code_case_timeout_s=self.sandbox.case_timeout_s)
+        else:
+            fn = default_compute_score
         return functools.partial(fn, **self.reward_kwargs) if self.reward_kwargs else fn

@@ -9,6 +9,12 @@ scores it 0.0, counts it (``reward/num_nonfinite``) and warns naming the functio
 ``stop`` raises :class:`RewardError` with the same details. A pool whose calls all fail for
 ``max_failed_batches`` batches in a row (``reward_model.max_failed_batches``) raises
 :class:`RewardError`: training on all-zero scores teaches nothing and would exit as if it had worked.
+A call that returns a dict whose ``reward_error`` entry names a reason (code rewards: a program that timed
+out, crashed or was killed; :mod:`meshrl.rewards.code`) has a score like any other, and is counted per
+batch as ``reward/errors/<reason>``.
+
+Code rewards: with ``spec.sandbox`` set, one semaphore of ``sandbox.max_concurrent`` slots, shared by the
+workers, bounds the programs in flight at the sandbox (verl's ``concurrent_semaphore``).
 
 Why processes, and why the parent enforces the timeout: a reward function can hang in C code (a
 catastrophic regex, a SymPy simplification) where no Python-level signal handler runs, and
@@ -45,6 +51,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from meshrl.config.schema import NONFINITE_ACTIONS
+from meshrl.rewards.code import ERROR_KEY
 from meshrl.rewards.dispatch import RewardFn, RewardSpec
 
 logger = logging.getLogger(__name__)
@@ -90,7 +97,7 @@ class RewardError(RuntimeError):
     ``max_failed_batches`` batches in a row in which no call succeeded. The message names the function."""
 
 
-def _worker_main(conn: Connection, spec: RewardSpec) -> None:
+def _worker_main(conn: Connection, spec: RewardSpec, concurrency) -> None:
     """Worker loop: build the reward function once, then score chunks, answering item by item."""
     # A terminal's Ctrl-C reaches the whole process group; the driver closes the pool itself, and a
     # traceback from each worker would bury its one "interrupted" line.
@@ -98,7 +105,7 @@ def _worker_main(conn: Connection, spec: RewardSpec) -> None:
     # Imported before "ready" so that the first call's timeout is not spent importing SymPy.
     import math_verify  # noqa: F401
 
-    fn = spec.build()
+    fn = spec.build(concurrency)
     conn.send(("ready",))
     while True:
         chunk = conn.recv()
@@ -168,7 +175,10 @@ class RewardPool:
         if max_failed_batches < 0:
             raise ValueError(f"max_failed_batches must be >= 0, got {max_failed_batches}")
         self.spec = spec or RewardSpec()
-        self._fn: RewardFn = self.spec.build()
+        self._ctx = multiprocessing.get_context("spawn")
+        # Passed to each worker at its start (a semaphore crosses processes only by inheritance).
+        self._concurrency = self._ctx.BoundedSemaphore(self.spec.sandbox.max_concurrent) if self.spec.sandbox else None
+        self._fn: RewardFn = self.spec.build(self._concurrency)
         self.num_workers = min(8, len(os.sched_getaffinity(0))) if num_workers is None else num_workers
         if self.num_workers < 0:
             raise ValueError(f"reward num_workers must be >= 0, got {num_workers}")
@@ -182,14 +192,13 @@ class RewardPool:
         self.failed_batches = 0  # batches in a row in which no call succeeded
         self.totals: dict[str, float] = {"num_scored": 0, "num_errors": 0, "num_timeouts": 0, "num_nonfinite": 0,
                                          "num_worker_restarts": 0}
-        self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = [self._spawn() for _ in range(self.num_workers)]
         self._finalizer = weakref.finalize(self, RewardPool._shutdown, self._workers)
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(child, self.spec), daemon=True, name="meshrl-reward")
+        process = self._ctx.Process(target=_worker_main, args=(child, self.spec, self._concurrency), daemon=True, name="meshrl-reward")
         process.start()
         child.close()
         return _Worker(process, parent)
@@ -358,6 +367,8 @@ class RewardPool:
             "reward/seconds": seconds,
             "reward/pooled": float(pooled),
         }
+        for reason in filter(None, extras.get(ERROR_KEY, ())):
+            metrics[f"reward/errors/{reason}"] = metrics.get(f"reward/errors/{reason}", 0.0) + 1.0
         for key, values in extras.items():
             present = [v for v in values if v is not None]
             if present and all(isinstance(v, bool) for v in present):

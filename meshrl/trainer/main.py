@@ -12,6 +12,7 @@ started it). Ctrl-C and SIGTERM end a run with one line and exit code 130 / 143 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,14 +140,16 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     # only a session this call started is shut down at the end.
     owns_ray = not ray.is_initialized()
     start_ray(cfg)
-    policy = critic = trainer = None
-    reward = RewardPool(reward_spec(cfg), num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
-                        on_nonfinite_score=cfg.reward_model.on_nonfinite_score,
-                        max_failed_batches=cfg.reward_model.max_failed_batches)
+    policy = critic = trainer = reward = None
+    sandbox = contextlib.ExitStack()  # the local code sandbox, when this run starts one
     failure = None
     # Installed after ray.init, which sets a SIGTERM handler of its own.
     with Interrupts(cfg.trainer.save_on_preempt) as interrupts:
         try:
+            reward = RewardPool(reward_spec(cfg, sandbox.enter_context(code_sandbox(cfg, inputs))),
+                                num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
+                                on_nonfinite_score=cfg.reward_model.on_nonfinite_score,
+                                max_failed_batches=cfg.reward_model.max_failed_batches)
             policy = ActorRolloutRefGroup(cfg, plan, inputs.model_dir)
             if plan.use_critic:
                 critic = CriticGroup(cfg, plan, resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path
@@ -169,7 +172,9 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
             failure = exc
         finally:
             interrupts.stopping = True
-            reward.close()
+            if reward is not None:
+                reward.close()
+            sandbox.close()
             for group in (policy, critic):
                 if group is not None:
                     group.shutdown()
@@ -206,24 +211,65 @@ def preflight(cfg):
     return plan
 
 
-def reward_spec(cfg):
-    """The run's reward function, as the reward processes rebuild it (``custom_reward_function.*``)."""
-    from meshrl.rewards.dispatch import RewardSpec
+def reward_spec(cfg, sandbox_url: str | None = None):
+    """The run's reward function, as the reward processes rebuild it (``custom_reward_function.*``; code
+    sources run at ``sandbox_url`` with ``reward_model.sandbox_fusion.*``'s limits)."""
+    from meshrl.rewards.code import case_timeout
+    from meshrl.rewards.dispatch import RewardSpec, SandboxSettings
 
-    custom = cfg.custom_reward_function
-    return RewardSpec(custom.path, custom.name, dict(custom.reward_kwargs))
+    custom, box = cfg.custom_reward_function, cfg.reward_model.sandbox_fusion
+    sandbox = None if sandbox_url is None else SandboxSettings(
+        sandbox_url, box.max_concurrent, box.memory_limit_mb, case_timeout(cfg.reward_model.timeout_s))
+    return RewardSpec(custom.path, custom.name, dict(custom.reward_kwargs), sandbox)
+
+
+def code_sandbox(cfg, inputs: RunInputs):
+    """The run's code sandbox (``meshrl.rewards.code.run_sandbox``): a local one when
+    ``reward_model.sandbox_fusion.url`` is null and the built-in reward will meet code sources in the data."""
+    from meshrl.rewards.code import run_sandbox, uses_code_sources
+
+    datasets = [d for d in (inputs.train_data, inputs.val_data) if d is not None]
+    box = cfg.reward_model.sandbox_fusion
+    needed = not cfg.custom_reward_function.path and uses_code_sources(
+        d[i].reward_source for d in datasets for i in range(len(d)))
+    return run_sandbox(box.url, needed=needed, max_concurrent=box.max_concurrent, memory_limit_mb=box.memory_limit_mb,
+                       say=lambda line: print(line, file=sys.stderr))
 
 
 def check_reward_function(cfg) -> None:
     """Load the reward function once in the driver: a missing file, a missing function, a wrong signature or
-    an error while importing the file is a ``ConfigError`` naming the key, before Ray starts."""
+    an error while importing the file is a ``ConfigError`` naming the key, before Ray starts. So are a reward
+    manager meshrl's pool is not, sandbox limits out of range, a sandbox URL beside a custom function (which
+    gets no sandbox, as in verl) and a sandbox that does not answer at ``reward_model.sandbox_fusion.url``."""
     from meshrl.config import ConfigError
+    from meshrl.rewards.code import check_sandbox
+    from meshrl.rewards.dispatch import REWARD_MANAGERS
 
+    rm = cfg.reward_model
+    if rm.reward_manager not in REWARD_MANAGERS:
+        raise ConfigError(f"reward_model.reward_manager={rm.reward_manager!r}: meshrl's reward pool is verl's "
+                          f"{' / '.join(REWARD_MANAGERS)} manager; other managers are not built yet",
+                          ["reward_model.reward_manager"])
+    box = rm.sandbox_fusion
+    if box.max_concurrent < 1 or box.memory_limit_mb < 64:
+        raise ConfigError(f"reward_model.sandbox_fusion: max_concurrent must be >= 1 and memory_limit_mb >= 64 (a "
+                          f"Python program needs ~30 MB), got {box.max_concurrent} and {box.memory_limit_mb}",
+                          ["reward_model.sandbox_fusion.max_concurrent", "reward_model.sandbox_fusion.memory_limit_mb"])
+    if box.url and cfg.custom_reward_function.path:
+        raise ConfigError("reward_model.sandbox_fusion.url is where the built-in reward runs code; "
+                          "custom_reward_function.path replaces it and gets no sandbox (as in verl): call "
+                          "meshrl.rewards.code.compute_score(..., sandbox_fusion_url=...) from your function and "
+                          "unset reward_model.sandbox_fusion.url", ["reward_model.sandbox_fusion.url"])
     try:
         reward_spec(cfg).build()
     except Exception as exc:  # the user's file runs here: any import-time error is theirs to fix
         key = "custom_reward_function.name" if isinstance(exc, AttributeError) else "custom_reward_function.path"
         raise ConfigError(f"{key}: {type(exc).__name__}: {exc}", [key]) from None
+    if box.url:
+        try:
+            check_sandbox(box.url)
+        except ConnectionError as exc:
+            raise ConfigError(f"reward_model.sandbox_fusion.url: {exc}", ["reward_model.sandbox_fusion.url"]) from None
 
 
 def model_config(cfg):

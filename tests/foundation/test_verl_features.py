@@ -58,7 +58,6 @@ def test_a_script_needing_a_missing_feature_stops_with_one_message_naming_it(scr
 
 @pytest.mark.parametrize("script, features", [
     # each missing feature in one message of its own
-    ("volcengine/verl:examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh", ["'naive' manager", "sandbox"]),
     ("verl-project/verl:examples/grpo_trainer/run_deepseek_v3_671b_megatron.sh",
      ["mixture-of-experts", "DAPO's overlong buffer"]),
 ])

@@ -11,7 +11,13 @@ style: inputs/outputs then default to ``""``/``None``). Each case is one run; it
 ``-3`` time limit. score = passed cases / cases, or over the first 10 cases when ``continuous``.
 Returns ``(score, metadata)``, one metadata dict per case with ``status`` (``success``,
 ``wrong_answer``, ``runtime_error``, ``timeout``, ``api_error``, ``sandbox_error``) and the sandbox's
-``reason`` (e.g. ``output_limit``), so failures are data the trainer can count.
+``reason`` (e.g. ``output_limit``), so failures are data the trainer can count. A sandbox that does not
+answer after the retries is not data: :class:`SandboxUnreachable` (naming the URL) propagates, so a run
+whose sandbox went down stops with that message instead of training on zeros.
+
+Concurrency: the cases of one completion run on threads, and ``concurrent_semaphore`` (verl's argument,
+``reward_model.sandbox_fusion.max_concurrent`` slots shared by every reward process) bounds the requests
+in flight across all of them; without one, at most ``MAX_CASE_THREADS`` per completion.
 
 Not yet supported (refused with :class:`ValueError`): ``fn_name`` cases (verl wraps the code into a
 function-call harness for LeetCode-style sets).
@@ -20,6 +26,7 @@ function-call harness for LeetCode-style sets).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import time
 import urllib.error
@@ -28,6 +35,7 @@ import urllib.request
 # Seconds added to compile + run timeouts for the HTTP round trip (verl: API_TIMEOUT = 10).
 API_TIMEOUT_S = 10.0
 CONTINUOUS_CASES = 10
+MAX_CASE_THREADS = 32
 
 
 class SandboxUnreachable(ConnectionError):
@@ -91,13 +99,16 @@ def _case_result(response: dict, expected) -> tuple[bool | int, str]:
     return -1, "sandbox_error"
 
 
-def check_case(url: str, code: str, stdin, expected, *, timeout: float, memory_limit_mb: int) -> tuple[bool | int, dict]:
-    """Run one case; never raises for an unreachable or failing sandbox (that case is ``-1``)."""
+def check_case(url: str, code: str, stdin, expected, *, timeout: float, memory_limit_mb: int,
+               concurrent_semaphore=None) -> tuple[bool | int, dict]:
+    """Run one case (holding a slot of ``concurrent_semaphore`` while the request is in flight). A request the
+    sandbox refuses is case result ``-1``; an unreachable sandbox raises :class:`SandboxUnreachable`."""
     meta = {"input": stdin, "expected_output": None if expected is None else str(expected)}
     try:
-        response = run_code(url, code, run_timeout=timeout, compile_timeout=timeout, memory_limit_mb=memory_limit_mb,
-                            stdin=None if stdin is None else str(stdin))
-    except (SandboxUnreachable, RuntimeError) as exc:
+        with concurrent_semaphore if concurrent_semaphore is not None else contextlib.nullcontext():
+            response = run_code(url, code, run_timeout=timeout, compile_timeout=timeout,
+                                memory_limit_mb=memory_limit_mb, stdin=None if stdin is None else str(stdin))
+    except RuntimeError as exc:
         return -1, {**meta, "status": "api_error", "api_request_error": str(exc)}
     result, status = _case_result(response, expected)
     run = response.get("run_result") or {}
@@ -108,7 +119,7 @@ def check_case(url: str, code: str, stdin, expected, *, timeout: float, memory_l
 
 
 def compute_score(url: str, completion: str, test_cases, *, continuous: bool = False, timeout: float = 10,
-                  memory_limit_mb: int = 1024, max_concurrent: int = 4) -> tuple[float, list[dict]]:
+                  memory_limit_mb: int = 1024, concurrent_semaphore=None) -> tuple[float, list[dict]]:
     """Score a completion against its test cases (contract in the module docstring)."""
     code = extract_code(completion)
     if code is None:
@@ -129,8 +140,9 @@ def compute_score(url: str, completion: str, test_cases, *, continuous: bool = F
                          f"keys {sorted(cases)} with lengths {[len(v) for v in (inputs or [], outputs or [], asserts)]}")
     if not inputs:
         return 0.0, []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrent) as pool:
-        futures = [pool.submit(check_case, url, code + "\n\n" + a, i, o, timeout=timeout, memory_limit_mb=memory_limit_mb)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(inputs), MAX_CASE_THREADS)) as pool:
+        futures = [pool.submit(check_case, url, code + "\n\n" + a, i, o, timeout=timeout,
+                               memory_limit_mb=memory_limit_mb, concurrent_semaphore=concurrent_semaphore)
                    for i, o, a in zip(inputs, outputs, asserts)]
         results = [f.result() for f in futures]
     verdicts = [r for r, _ in results]
