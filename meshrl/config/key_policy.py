@@ -48,10 +48,9 @@ FSDP_ONLY = FSDP_CONFIG + (
     "actor_rollout_ref.actor.pad_to_length",
     "actor_rollout_ref.model.enable_activation_offload",
     "actor_rollout_ref.model.torch_dtype",  # the Megatron parameters' dtype is *.megatron.dtype
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend",  # verl's Megatron fused kernels ignore it too
 )
 
-FUSED_KERNELS = ("meshrl computes log-probs and entropy from vocab-parallel logits of the response tokens only; the "
-                 "chunked fused kernel is not built (same numbers)")
 PROFILER = "verl's profiler hooks; meshrl's profiling lives in bench/"
 
 INERT = {
@@ -68,8 +67,6 @@ INERT = {
     "reward_model.strategy": "it names a learned reward model's backend; meshrl has none (reward_model.enable)",
     "trainer.ray_wait_register_center_timeout": "meshrl's worker start and calls time out at trainer.worker_timeout_s",
     "trainer.use_legacy_worker_impl": "it picks between verl's two worker generations; meshrl has one",
-    "actor_rollout_ref.model.use_fused_kernels": FUSED_KERNELS,
-    "actor_rollout_ref.model.fused_kernel_options.*": FUSED_KERNELS,
     "actor_rollout_ref.*.entropy_from_logits_with_chunking": "meshrl's entropy is computed from vocab-parallel logits "
                                                              "of the response tokens only, without verl's chunked "
                                                              "pass over the full vocabulary (same numbers)",

@@ -143,3 +143,18 @@ def test_a_model_pass_matches_the_unfused_pass(tp1, tied: bool) -> None:
             assert close_grads(grads_b, grads_a), where
             head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
             assert float(grads_b[f"module.{head}"].abs().max()) > 1e-3, "the output weight got no gradient"
+
+
+def test_the_run_plan_takes_the_chunk_from_verls_key_and_refuses_an_empty_chunk() -> None:
+    from meshrl.config import ConfigError, load_config
+    from meshrl.config.validate import validate_config
+
+    assert validate_config(load_config([], recipe="cpu_tiny_grpo")).fused_chunk_size == 512
+    plan = validate_config(load_config(["actor_rollout_ref.model.fused_kernel_options.chunk_size=64"],
+                                       recipe="cpu_tiny_grpo"))
+    assert plan.fused_chunk_size == 64
+    off = load_config(["actor_rollout_ref.model.use_fused_kernels=False"], recipe="cpu_tiny_grpo")
+    assert validate_config(off).fused_chunk_size is None
+    with pytest.raises(ConfigError, match="fused_kernel_options.chunk_size: must be >= 1 token"):
+        validate_config(load_config(["actor_rollout_ref.model.fused_kernel_options.chunk_size=0"],
+                                    recipe="cpu_tiny_grpo"))
