@@ -94,6 +94,17 @@ def validate_config(cfg: DictConfig) -> RunPlan:
         p.positive(rollout.kv_cache_memory_bytes, "actor_rollout_ref.rollout.kv_cache_memory_bytes")
 
     p.choice(rollout.mode, "actor_rollout_ref.rollout.mode", ROLLOUT_MODES)
+    # The workers render tool messages with the chat template but receive only their own config section.
+    p.require(not (rollout.multi_turn.enable and cfg.data.apply_chat_template_kwargs), "data.apply_chat_template_kwargs",
+              "with rollout.multi_turn.enable the workers render tool messages without these template arguments "
+              "(passing them on is not built yet), so the turns after a tool call would be rendered unlike the "
+              "prompt; remove them, or set rollout.multi_turn.enable=False")
+    # Every rank of a replica runs the tools itself; one whose output depends on timing (a time limit) could
+    # make the ranks of one engine feed it different tokens.
+    p.require(not (rollout.multi_turn.enable and rollout.tensor_model_parallel_size > 1),
+              "actor_rollout_ref.rollout.tensor_model_parallel_size",
+              "multi-turn rollouts run their tools on every rank of an inference replica, and sharing one rank's "
+              "tool outputs with the others is not built yet; set it to 1 with rollout.multi_turn.enable")
     if rollout.mode == "async":
         notes.append("rollout.mode=async: meshrl generates with one batched call per engine replica (the samples an "
                      "async single-turn rollout gives); the async agent-loop server is not built yet")

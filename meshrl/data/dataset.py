@@ -332,13 +332,18 @@ class RLDataset(torch.utils.data.Dataset):
         )
 
 
-def load_datasets(data: DictConfig, tokenizer: Any) -> tuple[RLDataset, RLDataset | None]:
+def load_datasets(data: DictConfig, tokenizer: Any,
+                  tools: list[dict[str, Any]] | None = None) -> tuple[RLDataset, RLDataset | None]:
     """The training and validation prompts of the ``data`` config section (no validation set without
     ``data.val_files``): each file list resolved (``meshrl.data.embedded``), templated with
-    ``apply_chat_template_kwargs``, and cut to ``train_max_samples`` / ``val_max_samples`` rows."""
+    ``apply_chat_template_kwargs`` and, for a multi-turn rollout, its tools' OpenAI schemas (``tools``, which
+    the template renders where the model expects them, as verl's agent loop does), and cut to
+    ``train_max_samples`` / ``val_max_samples`` rows."""
+    template_kwargs = OmegaConf.to_container(data.apply_chat_template_kwargs, resolve=True)
+    if tools:
+        template_kwargs["tools"] = tools
     common = dict(max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts,
-                  truncation=data.truncation, prompt_key=data.prompt_key,
-                  chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs, resolve=True),
+                  truncation=data.truncation, prompt_key=data.prompt_key, chat_template_kwargs=template_kwargs,
                   reward_fn_key=data.reward_fn_key, media_keys=(data.image_key, data.video_key),
                   shuffle=data.shuffle, seed=data.seed)
     train = RLDataset(resolve_data_files(data.train_files), tokenizer, max_samples=data.train_max_samples, **common)

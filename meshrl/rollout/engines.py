@@ -46,9 +46,10 @@ def unsupported_rollout_features(rollout: Any) -> list[str]:
     One ``"key: message"`` line per problem (the form of ``meshrl.config.validate``'s problems), each
     saying what to do instead; empty when the section is fine. Checked: ``engine_kwargs.sglang.*`` /
     ``engine_kwargs.trtllm.*``, ``engine_kwargs.vllm.*`` (as ``EngineConfig`` checks them: unknown to
-    vLLM, owned by meshrl, or given to the hf engine) and ``load_format``. ``rollout`` is an OmegaConf
-    node, a mapping or an attribute object; absent sections count as defaults. (``multi_turn.*`` and
-    ``agent.*``, features meshrl lacks, are refused with the config: ``meshrl.config.key_policy``.)
+    vLLM, owned by meshrl, or given to the hf engine), ``load_format``, and with ``multi_turn.enable`` the
+    multi-turn settings (``multi_turn_problems``). ``rollout`` is an OmegaConf node, a mapping or an
+    attribute object; absent sections count as defaults. (``agent.*`` and the multi-turn features meshrl
+    lacks are refused with the config: ``meshrl.config.key_policy``.)
     """
     get = section_getter(rollout)
     lines = []
@@ -60,4 +61,23 @@ def unsupported_rollout_features(rollout: Any) -> list[str]:
                          "have no engine to go to. Remove them; vLLM's go under engine_kwargs.vllm.")
     vllm = {key: value for key, value in (engine_kwargs.get("vllm") or {}).items() if value is not None}
     lines += load_format_problems(get("load_format", "auto")) + vllm_kwargs_problems(get("name", "vllm"), vllm)
+    lines += multi_turn_problems(get("multi_turn") or {})
     return [f"actor_rollout_ref.rollout.{line}" for line in lines]
+
+
+def multi_turn_problems(multi_turn: Any) -> list[str]:
+    """``multi_turn: why`` when the multi-turn rollout cannot run with these settings (nothing when it is off):
+    turn limits, parser ``format``, truncation, and the tools of ``tool_config_path``, built here so that a bad
+    file stops the run before any worker starts."""
+    if not section_getter(multi_turn)("enable", False):
+        return []
+    from meshrl.rollout.agent_loop import MultiTurnSettings, tool_runner
+
+    try:
+        MultiTurnSettings.from_rollout(multi_turn)
+        tool_runner(multi_turn).shutdown()
+    except ValueError as error:  # ToolConfigError included; a problem inside the tool file names the file
+        prefix = "actor_rollout_ref.rollout."
+        message = str(error)
+        return [message.removeprefix(prefix) if message.startswith(prefix) else f"multi_turn.tool_config_path: {message}"]
+    return []

@@ -17,13 +17,16 @@ from meshrl.protocol import Batch
 
 
 def outcome_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each response's outcome score on its last valid token: r_{i,t} = s_i·[t = last_i]."""
-    lengths = response_mask.sum(-1).long()
-    if (lengths == 0).any():
-        empty = torch.nonzero(lengths == 0).flatten().tolist()
+    """Place each response's outcome score on its last valid token: r_{i,t} = s_i·[t = last_i], last_i the
+    last t with m_{i,t} = 1 (a multi-turn response's mask has gaps at tool outputs, so not its count − 1)."""
+    valid = response_mask.bool()
+    if not valid.any(-1).all():
+        empty = torch.nonzero(~valid.any(-1)).flatten().tolist()
         raise ValueError(f"responses {empty[:8]} have no valid token; cannot place their scores")
+    positions = torch.arange(valid.shape[-1]).expand_as(valid)
+    last = torch.where(valid, positions, -1).max(-1).values
     token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
-    token_scores[torch.arange(len(scores)), lengths - 1] = scores.float()
+    token_scores[torch.arange(len(scores)), last] = scores.float()
     return token_scores
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from meshrl.atomic_io import write_text_atomically
 from meshrl.protocol import Batch
 from meshrl.trainer.tracking import read_metrics
+from meshrl.workers.sequences import attended
 
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
 # Batch.meta key naming the non-tensor fields that hold the reward function's extra outputs (verl's name).
@@ -35,9 +36,10 @@ _VAL_SAMPLE_SEED = 42  # verl's
 
 
 def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
-    """Each row's response text: its masked tokens, decoded without special tokens."""
+    """Each row's response text, decoded without special tokens: all its tokens, a multi-turn response's tool
+    outputs included (what verl's reward managers decode)."""
     return tokenizer.batch_decode(
-        [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])], skip_special_tokens=True)
+        [r[m.bool()].tolist() for r, m in zip(batch["responses"], attended(batch))], skip_special_tokens=True)
 
 
 def set_reward_extras(batch: Batch, extras: dict[str, list[Any]]) -> None:

@@ -69,13 +69,15 @@ def load_inputs(cfg) -> RunInputs:
     from meshrl.config import ConfigError
     from meshrl.data.dataset import load_datasets
     from meshrl.models.resolve import resolve_model_path
+    from meshrl.rollout.agent_loop import prompt_tool_schemas
 
     model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
     # The driver's tokenizer builds the prompts: verl trusts its remote code by data.trust_remote_code.
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_dir,
                                               trust_remote_code=cfg.data.trust_remote_code)
     try:
-        train_data, val_data = load_datasets(cfg.data, tokenizer)
+        train_data, val_data = load_datasets(cfg.data, tokenizer,
+                                             tools=prompt_tool_schemas(cfg.actor_rollout_ref.rollout.multi_turn))
     except (OSError, ValueError) as exc:  # meshrl.data.dataset's errors name the file and the rows
         raise ConfigError(f"cannot load the prompts: {exc}", ["data.train_files", "data.val_files"]) from None
     batch, available = cfg.data.train_batch_size, len(train_data)

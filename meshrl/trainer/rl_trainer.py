@@ -36,11 +36,13 @@ from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
 from meshrl.protocol import Batch
 from meshrl.rewards.pool import RewardPool
+from meshrl.rollout.agent_loop import AGENT_STATS, agent_metrics
 from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
 from meshrl.trainer.alarms import MismatchAlarm
 from meshrl.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager, hf_export_roles
 from meshrl.trainer.dumps import GenerationDumps, decode_responses, set_reward_extras
 from meshrl.trainer.tracking import Timer, Tracker
+from meshrl.workers.sequences import attended
 
 
 class RLTrainer:
@@ -279,9 +281,11 @@ def total_training_steps(cfg: DictConfig, num_prompts: int) -> int:
 
 
 def batch_metrics(batch: Batch, plan: RunPlan) -> dict[str, float]:
-    """Response-length and log-prob diagnostics of a trained batch (those of ``old_log_probs`` when it has them)."""
+    """Response-length and log-prob diagnostics of a trained batch (those of ``old_log_probs`` when it has them),
+    and a multi-turn rollout's ``agent/*`` and ``tool/*`` metrics. A response's length counts its tool outputs
+    (verl's); the log-prob diagnostics cover the sampled tokens."""
     mask = batch["response_mask"].bool()
-    lengths = mask.sum(-1).float()
+    lengths = attended(batch).sum(-1).float()
     width = mask.shape[-1]
     out = {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
            "response_length/clip_ratio": float((lengths >= width).float().mean()),
@@ -296,4 +300,6 @@ def batch_metrics(batch: Batch, plan: RunPlan) -> dict[str, float]:
         out["rollout/log_prob_mean_abs_diff"] = float(gap.mean())
     if plan.use_critic:
         out["critic/values/mean"] = float(batch["values"][mask].mean())
+    if AGENT_STATS in batch:
+        out.update(agent_metrics(list(batch[AGENT_STATS]), list(batch["finish_reason"])))
     return out

@@ -21,7 +21,7 @@ from meshrl.workers.dispatch import DispatchGroup
 from meshrl.workers.engine import MICRO_INDEX, NonFinitePolicy, TrainingEngine
 from meshrl.workers.objectives import ActorObjective
 from meshrl.workers.rank import RankWorker
-from meshrl.workers.sequences import response_part, responses_batch
+from meshrl.workers.sequences import response_part, responses_batch, sequence_fields
 
 
 def optimizer_config(optim, distributed: bool):
@@ -83,6 +83,7 @@ class ActorRolloutRefWorker(RankWorker):
         from meshrl.parallel.offload import HostBuffers, offload
         from meshrl.parallel.optimizer import build_optimizer
         from meshrl.rollout.base import EngineConfig, SamplingConfig
+        from meshrl.rollout.agent_loop import agent_loop_for
         from meshrl.rollout.engines import create_engine
 
         arr = self.section
@@ -134,6 +135,8 @@ class ActorRolloutRefWorker(RankWorker):
         self.sampling = {"train": train, "greedy": train.as_greedy(),
                          "val": SamplingConfig.from_rollout(rollout, max_response_length=self.response_length,
                                                             validation=True)}
+        # rollout.multi_turn: conversations with tools, turn by turn on this engine (None: single-turn).
+        self.agent_loop = agent_loop_for(rollout, self.engine, tokenizer, self.response_length)
         # The engine sleeps between rollouts (releases its GPU memory; a no-op on CPU).
         self.engine.sleep()
         return {**self.layout_dict(), "replica": self.replica,
@@ -142,14 +145,22 @@ class ActorRolloutRefWorker(RankWorker):
 
     # ---------------------------------------------------------------------------------- rollout
     def generate(self, prompts: Batch, mode: str) -> Batch | None:
-        """``rollout.n`` responses per prompt (``mode``: train | greedy | val); rows prompt-major."""
+        """``rollout.n`` responses per prompt (``mode``: train | greedy | val); rows prompt-major. With
+        ``rollout.multi_turn.enable`` each is a conversation with tools and the rows carry its ``agent_stats``."""
+        from meshrl.rollout.agent_loop import AGENT_STATS, tools_kwargs_of
         from meshrl.rollout.weight_sync import colocated_rollout
 
         sampling = self.sampling[mode]
         offload, onload = self._offload_hooks()
         with colocated_rollout(self.engine, offload_trainer=offload, onload_trainer=onload):
-            completions = self.engine.generate([list(p) for p in prompts["prompt_ids"]], sampling)
+            if self.agent_loop is None:
+                completions = self.engine.generate([list(p) for p in prompts["prompt_ids"]], sampling)
+            else:
+                completions, stats = self.agent_loop.generate([list(p) for p in prompts["prompt_ids"]], sampling,
+                                                              tools_kwargs_of(prompts["extra_info"]))
         out = responses_batch(prompts, completions, sampling.n, self.response_length, self.pad_id)
+        if self.agent_loop is not None:
+            out.set(AGENT_STATS, stats)
         return out if self.rank % self.section.rollout.tensor_model_parallel_size == 0 else None
 
     def _offload_hooks(self):
@@ -182,8 +193,7 @@ class ActorRolloutRefWorker(RankWorker):
             raise RuntimeError("compute_log_probs(model='ref') without a reference model: "
                                "enable algorithm.use_kl_in_reward or actor.use_kl_loss")
         # The samples came from softmax(logits / T): the reference and the policy are evaluated at T too (verl).
-        request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding,
-                                fused_chunk_size=self.plan.fused_chunk_size)
+        request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding)
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext():
             log_probs = self.train_engine.forward(shard, self.plan.micro_batching[phase], request, "log_probs",
                                                   self.response_length, chunks=chunks)
@@ -224,7 +234,7 @@ class ActorRolloutRefWorker(RankWorker):
         fields = ("advantages",) + (() if on_policy else ("old_log_probs",)) \
             + (("ref_log_probs",) if self.plan.kl_loss is not None else ())
         request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy, temperature=self.plan.temperature,
-                                remove_padding=self.remove_padding, fused_chunk_size=self.plan.fused_chunk_size)
+                                remove_padding=self.remove_padding)
         seen = {}
 
         def loss_fn(outputs, micro, norm):
@@ -284,14 +294,14 @@ class ActorRolloutRefGroup(DispatchGroup):
         return self.dispatch("generate", prompts, by="replica", mode=mode)
 
     def compute_log_probs(self, batch: Batch, model: str) -> Batch:
-        needed = batch.select(["prompt_ids", "responses", "response_mask"])
+        needed = batch.select(sequence_fields(batch))
         return batch.union(self.dispatch("compute_log_probs", needed, model=model))
 
     def update(self, updates: list[tuple[Batch, Any]], on_policy: bool = False
                ) -> tuple[dict[str, float], Batch | None]:
         """Metrics of the actor update, and for an ``on_policy`` one (a single mini-batch, which is the
         whole batch in row order) the ``old_log_probs`` its forward pass saw, in row order."""
-        fields = ["prompt_ids", "responses", "response_mask", "advantages"]
+        fields = [*sequence_fields(updates[0][0]), "advantages"]
         if not on_policy:
             fields.append("old_log_probs")
         if self.plan.kl_loss is not None:

@@ -23,7 +23,7 @@ from meshrl.workers.dispatch import DispatchGroup
 from meshrl.workers.engine import NonFinitePolicy, TrainingEngine
 from meshrl.workers.objectives import CriticObjective
 from meshrl.workers.rank import RankWorker
-from meshrl.workers.sequences import response_part
+from meshrl.workers.sequences import response_part, sequence_fields
 
 
 class CriticWorker(RankWorker):
@@ -139,13 +139,13 @@ class CriticGroup(DispatchGroup):
         super().__init__(CriticWorker, cfg, plan, model_dir)
 
     def compute_values(self, batch: Batch) -> Batch:
-        needed = batch.select(["prompt_ids", "responses", "response_mask"])
+        needed = batch.select(sequence_fields(batch))
         return batch.union(self.dispatch("compute_values", needed))
 
     def update(self, updates: list[tuple[Batch, Any]]) -> dict[str, float]:
         per_dp: list[list[tuple[Batch, Any]]] = [[] for _ in range(self.dp_size)]
         for mini, norm in updates:
-            mini = mini.select(["prompt_ids", "responses", "response_mask", "values", "returns"])
+            mini = mini.select([*sequence_fields(mini), "values", "returns"])
             for dp_rank, rows in enumerate(self.split(mini, self.dp_size, balance=True)):
                 per_dp[dp_rank].append((mini.take(rows), norm))
         return self.group.call_per_rank("update", self.per_dp_rank(per_dp))[0]

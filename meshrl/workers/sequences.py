@@ -2,13 +2,17 @@
 
 RL layout (a ``Batch``): ragged ``prompt_ids`` (object array of token lists), ``responses`` (B, R) and
 ``response_mask`` (B, R), right-padded, R = ``data.max_response_length``; per-token quantities
-(log-probs, advantages, ...) are (B, R) aligned with ``responses``.
+(log-probs, advantages, ...) are (B, R) aligned with ``responses``. ``response_mask`` is 1 on the tokens
+the policy sampled, the ones trained on. A multi-turn rollout (``meshrl.rollout.agent_loop``) also has
+tool-output tokens inside the response: 0 in ``response_mask``, yet read by the model like any other, so
+its batch carries ``response_attention_mask`` (B, R), 1 on every response token; without that field the
+two masks are one (``attended``).
 
 Micro-batch layout (``meshrl.parallel.schedule``): ``input_ids`` / ``attention_mask`` (b, P + R_mb) with
 prompts left-padded to the micro-batch's longest prompt P and responses trimmed to its longest
 response R_mb, so every response starts at column P. The parallel layer's output ``out[:, t]``
 concerns token t, hence the response part of any output is ``out[:, P:P + R_mb]``; its
-``output_mask`` asks for the response tokens' outputs only (prompt tokens' are 0).
+``output_mask`` asks for the sampled response tokens' outputs only (prompt and tool tokens' are 0).
 
 Micro-batches are formed by token budget (``meshrl.data.dynamic_batching.plan_micro_batches``:
 Karmarkar–Karp balanced, a strict cap per micro-batch) or, without dynamic batching, by count
@@ -28,18 +32,30 @@ from meshrl.data.dynamic_batching import MicroBatchPlan, plan_fixed_micro_batche
 from meshrl.protocol import Batch
 
 RESPONSE_START = "response_start"
+ATTENTION_MASK = "response_attention_mask"
+SEQUENCE_FIELDS = ("prompt_ids", "responses", "response_mask")
+
+
+def attended(batch: Batch) -> torch.Tensor:
+    """(B, R) 1 on every response token the model reads: ``response_attention_mask``, else ``response_mask``."""
+    return batch[ATTENTION_MASK] if ATTENTION_MASK in batch else batch["response_mask"]
+
+
+def sequence_fields(batch: Batch) -> list[str]:
+    """The fields a forward pass over ``batch``'s sequences needs (the attention mask when it has one)."""
+    return [*SEQUENCE_FIELDS, *([ATTENTION_MASK] if ATTENTION_MASK in batch else [])]
 
 
 def sequence_lengths(batch: Batch) -> np.ndarray:
-    """Tokens per sample: prompt + valid response tokens."""
+    """Tokens per sample: prompt + response tokens (tool outputs included)."""
     prompt = np.fromiter((len(p) for p in batch["prompt_ids"]), dtype=np.int64, count=len(batch))
-    return prompt + batch["response_mask"].sum(-1).long().numpy()
+    return prompt + attended(batch).sum(-1).long().numpy()
 
 
 def build_micro_batch(batch: Batch, pad_id: int, response_fields: tuple[str, ...] = ()) -> dict[str, Any]:
     """One micro-batch dict from ``batch`` (see the module docstring); ``response_fields`` are trimmed to R_mb."""
     prompts = list(batch["prompt_ids"])
-    mask = batch["response_mask"]
+    mask = attended(batch)
     width = max(int(mask.sum(-1).max()), 1)
     start = max(len(p) for p in prompts)
     b = len(prompts)
@@ -50,9 +66,9 @@ def build_micro_batch(batch: Batch, pad_id: int, response_fields: tuple[str, ...
         attention[i, start - len(p):start] = 1
     input_ids[:, start:] = torch.where(mask[:, :width].bool(), batch["responses"][:, :width], pad_id)
     attention[:, start:] = mask[:, :width].long()
-    # Outputs for the response tokens only: the last stage skips the prompts' output layer.
+    # Outputs for the sampled response tokens only: the last stage skips the prompts' (and tools') output layer.
     output_mask = torch.zeros_like(attention)
-    output_mask[:, start:] = attention[:, start:]
+    output_mask[:, start:] = batch["response_mask"][:, :width].long()
     micro = {"input_ids": input_ids, "attention_mask": attention, "output_mask": output_mask, RESPONSE_START: start}
     for name in ("response_mask", *response_fields):
         micro[name] = batch[name][:, :width]
@@ -61,21 +77,27 @@ def build_micro_batch(batch: Batch, pad_id: int, response_fields: tuple[str, ...
 
 def responses_batch(prompts: Batch, completions, n: int, width: int, pad_id: int) -> Batch:
     """The RL batch of ``n`` completions per prompt, prompt-major (row = prompt · n + sample): the prompts'
-    fields repeated, ``responses`` (pad-filled), ``response_mask``, ``rollout_log_probs`` (B, ``width``) and
-    ``finish_reason``. Engines return completions in any order (vLLM: as they finish); each lands in its row."""
+    fields repeated, ``responses`` (pad-filled), ``response_mask`` (a completion's ``loss_mask`` where it has
+    one), ``rollout_log_probs`` (B, ``width``) and ``finish_reason``; when the completions carry loss masks
+    (multi-turn), also ``response_attention_mask``. Engines return completions in any order (vLLM: as they
+    finish); each lands in its row."""
     out = prompts.repeat_interleave(n) if n > 1 else prompts.take(np.arange(len(prompts)))
     responses = torch.full((len(out), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(out), width), dtype=torch.float32)
+    attention = torch.zeros((len(out), width), dtype=torch.float32)
     log_probs = torch.zeros((len(out), width), dtype=torch.float32)
     finish_reasons = [""] * len(out)
     for c in completions:
         row, length = c.prompt_index * n + c.sample_index, len(c.token_ids)
         responses[row, :length] = torch.as_tensor(c.token_ids)
-        mask[row, :length] = 1.0
+        attention[row, :length] = 1.0
+        mask[row, :length] = 1.0 if c.loss_mask is None else torch.as_tensor(c.loss_mask, dtype=torch.float32)
         log_probs[row, :length] = torch.as_tensor(c.logprobs)
         finish_reasons[row] = c.finish_reason
     out.set("responses", responses)
     out.set("response_mask", mask)
+    if any(c.loss_mask is not None for c in completions):
+        out.set(ATTENTION_MASK, attention)
     out.set("rollout_log_probs", log_probs)
     out.set("finish_reason", finish_reasons)
     return out
@@ -105,7 +127,9 @@ def split_micro_batches(batch: Batch, batching: MicroBatching, group: Any, pad_i
         part = batch.take(indices)
         if not indices:
             placeholder = batch.take([0])
-            placeholder.set("response_mask", torch.zeros_like(placeholder["response_mask"]))
+            for name in ("response_mask", ATTENTION_MASK):
+                if name in placeholder:
+                    placeholder.set(name, torch.zeros_like(placeholder[name]))
             micros.append(build_micro_batch(placeholder, pad_id, response_fields))
         else:
             micros.append(build_micro_batch(part, pad_id, response_fields))
