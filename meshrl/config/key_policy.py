@@ -48,10 +48,9 @@ FSDP_ONLY = FSDP_CONFIG + (
     "actor_rollout_ref.actor.pad_to_length",
     "actor_rollout_ref.model.enable_activation_offload",
     "actor_rollout_ref.model.torch_dtype",  # the Megatron parameters' dtype is *.megatron.dtype
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend",  # verl's Megatron fused kernels ignore it too
 )
 
-FUSED_KERNELS = ("meshrl computes log-probs and entropy from vocab-parallel logits of the response tokens only; the "
-                 "chunked fused kernel is not built (same numbers)")
 PROFILER = "verl's profiler hooks; meshrl's profiling lives in bench/"
 MULTI_TURN_TOKENS = ("meshrl's multi-turn rollout trains on exactly the tokens the engine produced and consumed and "
                      "never re-renders or re-tokenises a conversation, so there is no second rendering to pick or check")
@@ -70,8 +69,6 @@ INERT = {
     "reward_model.strategy": "it names a learned reward model's backend; meshrl has none (reward_model.enable)",
     "trainer.ray_wait_register_center_timeout": "meshrl's worker start and calls time out at trainer.worker_timeout_s",
     "trainer.use_legacy_worker_impl": "it picks between verl's two worker generations; meshrl has one",
-    "actor_rollout_ref.model.use_fused_kernels": FUSED_KERNELS,
-    "actor_rollout_ref.model.fused_kernel_options.*": FUSED_KERNELS,
     "actor_rollout_ref.*.entropy_from_logits_with_chunking": "meshrl's entropy is computed from vocab-parallel logits "
                                                              "of the response tokens only, without verl's chunked "
                                                              "pass over the full vocabulary (same numbers)",
@@ -95,10 +92,9 @@ INERT = {
 LORA = "LoRA is not built yet (meshrl trains every weight of the policy); leave the LoRA keys at their defaults"
 REWARD_MODEL = ("learned reward models (verl's reward model workers and reward loop engines) are not built yet; score "
                 "with rule rewards or custom_reward_function.path, and set reward_model.enable=False")
-REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' manager (one score per response, dispatched by data source); "
-                  "other managers and their reward_kwargs (e.g. DAPO's overlong buffer) are not built yet")
-SANDBOX = ("executing generated code in verl's sandbox (sandbox_fusion) is not built yet; score with rule rewards or "
-           "custom_reward_function.path")
+REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one score per response, dispatched by "
+                  "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
+                  "(e.g. DAPO's overlong buffer) are not built yet")
 MOE = ("mixture-of-experts models (expert parallelism, router replay, MoE settings) are not built yet: meshrl builds "
        "dense Llama / Qwen2 models; leave the expert and MoE keys at their defaults")
 MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
@@ -113,11 +109,9 @@ REFUSED = {
     "reward_model.max_length": REWARD_MODEL,
     "reward_model.rollout.*": REWARD_MODEL,
     "reward.reward_model.*": REWARD_MODEL,
-    "reward_model.reward_manager": REWARD_MANAGER,
     "reward_model.reward_kwargs": REWARD_MANAGER,
     "reward.reward_manager.*": REWARD_MANAGER,
     "reward.reward_kwargs": REWARD_MANAGER,
-    "*.sandbox_fusion.*": SANDBOX,
     "reward_model.launch_reward_fn_async": "rewards are scored in a process pool after generation; overlapping them "
                                            "with the next phase is not built yet: set False",
     "algorithm.use_pf_ppo": PF_PPO,
@@ -181,6 +175,9 @@ ALIASES = {
     "reward.num_workers": "reward_model.num_workers",
     "reward.custom_reward_function.path": "custom_reward_function.path",
     "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.sandbox_fusion.url": "reward_model.sandbox_fusion.url",
+    "reward.sandbox_fusion.max_concurrent": "reward_model.sandbox_fusion.max_concurrent",
+    "reward.sandbox_fusion.memory_limit_mb": "reward_model.sandbox_fusion.memory_limit_mb",
 }
 
 

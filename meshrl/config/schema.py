@@ -89,7 +89,10 @@ class DataConfig:
 
 @dataclass
 class FusedKernelOptionsConfig:
-    impl_backend: str = "torch"
+    impl_backend: str = "torch"  # verl's FSDP kernels' backend; its Megatron backend does not read it either
+    # meshrl's: tokens per chunk of the fused output layer (meshrl.parallel.fused_output), which holds
+    # [chunk_size, vocab / TP] logits at a time
+    chunk_size: int = 512
 
 
 @dataclass
@@ -127,7 +130,9 @@ class ModelConfig:
     use_shm: bool = False
     external_lib: Optional[str] = None
     override_config: Dict[str, Any] = field(default_factory=dict)
-    use_fused_kernels: bool = False  # inert: meshrl's log-probs never build full-vocabulary logits (key_policy)
+    # The policy's and reference's log-probs and entropy by the fused output layer, without [tokens, vocab / TP]
+    # logits (verl's key; on by default, unlike verl: its outputs are the unfused path's up to rounding)
+    use_fused_kernels: bool = True
     fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
     enable_activation_offload: bool = False  # verl's FSDP activation offload
     torch_dtype: Optional[str] = None  # verl's FSDP load dtype (some scripts set it); warned, megatron.dtype rules
@@ -545,11 +550,22 @@ class RewardModelRolloutConfig:
 
 @dataclass
 class SandboxFusionConfig:
-    """verl's sandbox for executing generated code in rewards (refused)."""
+    """verl-project's ``reward.sandbox_fusion``, followed by ``reward_model.sandbox_fusion`` (which meshrl reads)."""
 
     url: Optional[str] = None
     max_concurrent: int = 64
     memory_limit_mb: int = 1024
+
+
+@dataclass
+class RewardModelSandboxConfig:
+    """Where code rewards run (``meshrl.rewards.code``): a SandboxFusion ``/run_code`` URL, or null for a local
+    sandbox the run starts when its data holds code; programs in flight at once; memory per program. Each
+    follows verl-project's ``reward.sandbox_fusion`` unless set itself."""
+
+    url: Optional[str] = II("reward.sandbox_fusion.url")
+    max_concurrent: int = II("reward.sandbox_fusion.max_concurrent")
+    memory_limit_mb: int = II("reward.sandbox_fusion.memory_limit_mb")
 
 
 @dataclass
@@ -577,7 +593,7 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: Optional[int] = None
     max_length: Optional[int] = None
     rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
-    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
+    sandbox_fusion: RewardModelSandboxConfig = field(default_factory=RewardModelSandboxConfig)
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)  # a reward manager's arguments (DAPO's overlong buffer)
 
 
@@ -622,8 +638,8 @@ class LearnedRewardModelConfig:
 class RewardConfig:
     """verl-project's ``reward`` section, its newer home of the reward keys. ``num_workers`` and
     ``custom_reward_function`` are the older keys' other names (``reward_model.num_workers``,
-    ``custom_reward_function.*`` follow them); reward managers other than naive, learned reward models
-    and the sandbox are refused."""
+    ``custom_reward_function.*`` follow them), and so is ``sandbox_fusion`` (``reward_model.sandbox_fusion``);
+    reward managers other than naive and learned reward models are refused."""
 
     num_workers: int = 2  # meshrl's default (verl's is 8)
     custom_reward_function: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)

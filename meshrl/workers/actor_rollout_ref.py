@@ -193,7 +193,8 @@ class ActorRolloutRefWorker(RankWorker):
             raise RuntimeError("compute_log_probs(model='ref') without a reference model: "
                                "enable algorithm.use_kl_in_reward or actor.use_kl_loss")
         # The samples came from softmax(logits / T): the reference and the policy are evaluated at T too (verl).
-        request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding)
+        request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding,
+                                fused_chunk_size=self.plan.fused_chunk_size)
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext():
             log_probs = self.train_engine.forward(shard, self.plan.micro_batching[phase], request, "log_probs",
                                                   self.response_length, chunks=chunks)
@@ -234,7 +235,7 @@ class ActorRolloutRefWorker(RankWorker):
         fields = ("advantages",) + (() if on_policy else ("old_log_probs",)) \
             + (("ref_log_probs",) if self.plan.kl_loss is not None else ())
         request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy, temperature=self.plan.temperature,
-                                remove_padding=self.remove_padding)
+                                remove_padding=self.remove_padding, fused_chunk_size=self.plan.fused_chunk_size)
         seen = {}
 
         def loss_fn(outputs, micro, norm):
