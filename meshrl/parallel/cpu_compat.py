@@ -16,6 +16,9 @@ Mechanisms, narrowest first:
    - ``torch.cuda.synchronize()`` -> no-op: called by ``p2p_communication._communicate_shapes``
      (always), ``_communicate`` (with ``batch_p2p_sync``) and the checkpoint writer; CPU ops are
      synchronous, so there is nothing to wait for.
+   - ``torch.cuda.Stream() / current_stream() / stream(s)`` -> one CPU "stream" whose events are already
+     complete: the MoE all-to-all dispatcher copies its token counts to the host on a side stream
+     (``MoEAlltoAllTokenDispatcher``); CPU ops are synchronous, so there is one stream and nothing to wait for.
    - ``torch.cuda.get_rng_state / set_rng_state / manual_seed`` -> the CPU generator: the CUDA RNG
      tracker (``model_parallel_cuda_manual_seed``, ``CudaRNGStatesTracker.add``) seeds "the device
      generator", which on CPU is the default CPU generator.
@@ -27,6 +30,10 @@ Mechanisms, narrowest first:
      device is rewritten to ``"cpu"``. Any other device is passed through untouched.
 
    Code outside megatron (transformers, vLLM, the rest of meshrl) keeps seeing the real torch.
+
+   The MoE all-to-all dispatcher's ``maybe_move_tensor_to_cpu`` (as ``token_dispatcher`` imported it) is
+   replaced too: it turns token-split sizes into numpy arrays only when they come from CUDA, and torch's
+   ``all_to_all_single`` refuses the tensors that stay otherwise; on CPU they become numpy arrays as well.
 
 2. **Two module functions replaced** in ``megatron.core.tensor_parallel.random``:
    ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` read and write ``torch.cuda.default_generators``
@@ -92,6 +99,9 @@ PATCH_POINTS: tuple[tuple[str, str, str], ...] = (
      "torch.cuda.synchronize()"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_emb",
      "torch.cuda.current_device()"),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.__init__",
+     "torch.cuda.Stream()"),
+    ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", "tensor.is_cuda"),
 )
 
 _applied = False
@@ -112,6 +122,22 @@ def _cpu_factory(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     return factory
+
+
+class _CpuStream:
+    """The one CUDA stream megatron sees on CPU (see ``_CudaOnCpu``): waiting on it and its events is a no-op."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> "_CpuStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
 
 
 class _CudaOnCpu(types.ModuleType):
@@ -140,6 +166,18 @@ class _CudaOnCpu(types.ModuleType):
     def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
 
+    @staticmethod
+    def Stream(*args, **kwargs) -> _CpuStream:  # noqa: N802 (torch.cuda's name)
+        return _CPU_STREAM
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
 
@@ -158,6 +196,11 @@ class _TorchOnCpu(types.ModuleType):
 
 
 _TORCH_ON_CPU = _TorchOnCpu()
+
+
+def _host_tensor(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the host: a numpy array when asked."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -303,6 +346,9 @@ def apply(force: bool = False) -> bool:
             _scoped(build.__func__))
         setup = language_module.LanguageModule.setup_embeddings_and_output_layer
         language_module.LanguageModule.setup_embeddings_and_output_layer = _scoped(setup)
+        from megatron.core.transformer.moe import token_dispatcher
+
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
 
         for name, module in list(sys.modules.items()):
             if module is not None and (name == "megatron.core" or name.startswith("megatron.core.")):

@@ -25,6 +25,11 @@ Megatron layouts handled (local and Transformer Engine specs alike):
   (``layer_norm_weight``); the local spec has ``input_layernorm`` / ``pre_mlp_layernorm``.
 - Tied embeddings: the HF checkpoint has no ``lm_head``; with PP > 1 megatron keeps a copy of the
   embedding on the last stage (``output_layer.weight``), which is loaded from ``embed_tokens``.
+- MoE layers (``Piece.expert``): the router is HF's ``gate`` (replicated); routed expert ``e`` lives on the
+  expert-parallel rank ``e // (num_experts / EP)`` as local expert ``e % (num_experts / EP)`` of megatron's
+  ``SequentialMLP`` (``experts.local_experts.{k}``), its ``linear_fc1`` / ``linear_fc2`` split over the expert-
+  tensor-parallel group like a dense MLP over TP; the shared expert (Qwen2-MoE) is a dense TP-split MLP
+  (``shared_experts``) with a replicated ``gate_weight``. The TE spec keeps an MoE layer's pre-MLP norm apart.
 - A critic's ``ValueHead`` is HF's ``score`` (``*ForTokenClassification``, ``num_labels=1``); when the
   checkpoint is a causal LM without ``score.*``, the head starts at zero.
 """
@@ -67,15 +72,34 @@ def _local_layer(piece: Piece, spec: ModelSpec, parallel: state.ParallelConfig) 
     return piece.layer % (spec.num_layers // (pp * vpp))
 
 
+def _expert_slot(piece: Piece, spec: ModelSpec, parallel: state.ParallelConfig) -> tuple[int, int]:
+    """(expert-parallel rank holding ``piece``'s routed expert, its index among that rank's local experts)."""
+    return divmod(piece.expert, spec.num_experts // parallel.expert_parallel)
+
+
 def _param_name(piece: Piece, spec: ModelSpec, parallel: state.ParallelConfig, uses_te: bool) -> str:
     name = piece.mcore
     if uses_te:
         for local, te in _TE_NAMES.items():
-            if name.endswith(local):
+            # An MoE layer's pre-MLP norm is a module of its own in the TE spec too (its MLP is no TE linear).
+            if name.endswith(local) and not (spec.moe and local.startswith("pre_mlp")):
                 name = name[: -len(local)] + te
     if piece.layer is not None:
-        name = name.format(j=_local_layer(piece, spec, parallel))
+        expert = None if piece.expert is None else _expert_slot(piece, spec, parallel)[1]
+        name = name.format(j=_local_layer(piece, spec, parallel), k=expert)
     return name
+
+
+def _tensor_split(piece: Piece):
+    """(size, this rank's index, group) of the tensor-parallel group splitting ``piece``: the expert-tensor-
+    parallel group for a routed expert's tensors, the TP group otherwise."""
+    from megatron.core import parallel_state as ps
+
+    if piece.expert is not None:
+        return (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_group())
 
 
 def _part_view(param: torch.Tensor, piece: Piece, spec: ModelSpec, tp: int) -> torch.Tensor:
@@ -190,13 +214,14 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, hf
     spec, critic, uses_te = _model_facts(chunks, hf_config)
     reader = HFCheckpointReader(hf_dir)
     check_hf_checkpoint(reader, spec, critic)
-    tp, tp_rank = parallel.tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
     my_pp = parallel_state.get_pipeline_model_parallel_rank()
+    my_ep = parallel_state.get_expert_model_parallel_rank()
     params = _chunk_params(chunks)
     targets: list[tuple[Piece, torch.Tensor]] = []
     for piece in hf_layout(spec, critic):
         pp_rank, vp = _owner(piece, spec, parallel)
-        if pp_rank == my_pp:
+        mine = piece.expert is None or _expert_slot(piece, spec, parallel)[0] == my_ep
+        if pp_rank == my_pp and mine:
             targets.append((piece, params[vp][_param_name(piece, spec, parallel, uses_te)]))
     last_stage = my_pp == parallel.pipeline_parallel - 1
     if spec.tie_word_embeddings and not critic and parallel.pipeline_parallel > 1 and last_stage:
@@ -205,6 +230,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, hf
                      (spec.vocab_size, spec.hidden_size), "vocab_size, hidden_size")
         targets.append((tied, params[-1]["output_layer.weight"]))
     for piece, param in targets:
+        tp, tp_rank, _ = _tensor_split(piece)
         view = _part_view(param.data, piece, spec, tp)
         if piece.hf_name not in reader:  # a critic's value head from a causal-LM checkpoint
             view.zero_()
@@ -242,7 +268,9 @@ def iter_hf_weights(chunks: list[torch.nn.Module], hf_config,
     - **Every rank of the model-parallel group (all TP x PP ranks of one replica) must iterate the
       generator to the end, in lockstep**: each step runs collectives (an all-gather over TP on the
       owning pipeline stage, then a broadcast from that stage over PP). Data-parallel replicas are
-      independent; each may iterate or not.
+      independent; each may iterate or not — except with expert parallelism: a routed expert's tensor is
+      then broadcast over the expert-parallel group from the rank holding it, so every rank of those
+      groups (they span data-parallel replicas) must iterate too.
     - Tensors are full (TP-gathered) and in HF layout: fused QKV is split back into ``q_proj`` /
       ``k_proj`` / ``v_proj``, ``linear_fc1`` into ``gate_proj`` / ``up_proj``. Names follow the family's HF
       ``*ForCausalLM`` (critic: ``*ForTokenClassification`` with ``score``; Qwen3 adds ``q_norm`` / ``k_norm``);
@@ -255,9 +283,9 @@ def iter_hf_weights(chunks: list[torch.nn.Module], hf_config,
 
     parallel = state.current()
     spec, critic, uses_te = _model_facts(chunks, hf_config)
-    tp = parallel.tensor_parallel
-    tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    my_ep, ep_ranks = parallel_state.get_expert_model_parallel_rank(), dist.get_process_group_ranks(ep_group)
     my_pp = parallel_state.get_pipeline_model_parallel_rank()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     params = _chunk_params(chunks)
@@ -265,7 +293,9 @@ def iter_hf_weights(chunks: list[torch.nn.Module], hf_config,
     dtype = next(iter(params[0].values())).main_grad.dtype if grads else model_builder.model_config(chunks).params_dtype
     for piece in hf_layout(spec, critic):
         owner_pp, vp = _owner(piece, spec, parallel)
-        if owner_pp == my_pp:
+        owner_ep = my_ep if piece.expert is None else _expert_slot(piece, spec, parallel)[0]
+        if owner_pp == my_pp and owner_ep == my_ep:
+            tp, _, tp_group = _tensor_split(piece)
             param = params[vp][_param_name(piece, spec, parallel, uses_te)]
             source = param.main_grad if grads else param.data
             local = _part_view(source, piece, spec, tp).reshape(_shard_shape(piece, tp))
@@ -275,6 +305,8 @@ def iter_hf_weights(chunks: list[torch.nn.Module], hf_config,
                 tensor = local.clone()
         else:
             tensor = torch.empty(piece.shape, dtype=dtype, device=device)
+        if owner_pp == my_pp and piece.expert is not None and parallel.expert_parallel > 1:
+            dist.broadcast(tensor, src=ep_ranks[owner_ep], group=ep_group)
         if parallel.pipeline_parallel > 1:
             dist.broadcast(tensor, src=pp_ranks[owner_pp], group=pp_group)
         yield piece.hf_name, tensor
@@ -287,7 +319,8 @@ def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | 
     """Write an HF folder (config, safetensors shards + index, tokenizer files) from ``chunks``.
 
     Collective over the model-parallel group (see ``iter_hf_weights``); its first rank writes. With
-    DP > 1 let one replica call it (the replicas hold identical weights). Shards are flushed as soon
+    DP > 1 let one replica call it (the replicas hold identical weights); with expert parallelism, the replicas
+    of one expert-parallel group (the one whose expert-parallel rank 0 has model-parallel rank 0 writes). Shards are flushed as soon
     as they reach ``max_shard_bytes``, so the writer holds at most one shard. The folder appears
     atomically (written beside it, then ``meshrl.atomic_io.publish_dir``); an existing one is replaced.
     Returns the folder on the writing rank, None elsewhere.
@@ -295,7 +328,7 @@ def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | 
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    writer = dist.get_rank(_model_parallel_group()) == 0
+    writer = dist.get_rank(_model_parallel_group()) == 0 and _expert_parallel_rank() == 0
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     if writer:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -357,3 +390,9 @@ def _model_parallel_group():
     from megatron.core import parallel_state
 
     return parallel_state.get_model_parallel_group()
+
+
+def _expert_parallel_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()

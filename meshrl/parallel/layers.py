@@ -9,6 +9,9 @@ need that megatron-core 0.16.1 has no option for (``meshrl.parallel.model_builde
   2/3's post-attention and post-feed-forward norms, named ``<linear>.post_norm.weight``.
 - ``LocalRopeSelfAttention``: megatron's ``SelfAttention`` whose windowed layers rotate with their own RoPE
   base (Gemma 3's ``sliding_attention`` theta).
+- ``tp_split_moe_layer_class``: megatron's ``MoELayer`` that, at TP > 1 without sequence parallelism (which
+  megatron's MoE layer requires for training, and the local spec's torch norms cannot run), routes each TP
+  rank's share of the tokens only and all-gathers the results, as sequence parallelism would.
 - ``scale_embeddings`` / ``softcap_logits``: forward hooks on the embedding (``x * sqrt(hidden)`` in the
   embedding's dtype) and on the policy's output layer (``c * tanh(logits / c)``, elementwise, so it commutes
   with the vocabulary split).
@@ -180,3 +183,113 @@ def softcap_logits(module, args, output: tuple, *, cap: float) -> tuple:
     """Forward hook of the policy's output layer (``(logits, bias)``): logits -> ``cap * tanh(logits / cap)``."""
     logits, bias = output
     return torch.tanh(logits / cap) * cap, bias
+
+
+# Attribute marking a parameter whose gradient each TP rank computes from its own share of the tokens:
+# ``model_builder``'s gradient finalisation sums it over the TP group.
+TP_PARTIAL_GRAD = "meshrl_tp_partial_grad"
+
+
+def _token_shares(count: int, parts: int) -> list[int]:
+    """``count`` tokens cut into ``parts`` contiguous shares, the first ``count % parts`` one longer."""
+    return [count // parts + (index < count % parts) for index in range(parts)]
+
+
+def _all_gather_rows(rows: torch.Tensor, shares: list[int], group) -> torch.Tensor:
+    """Every rank's ``rows`` (``shares[r]`` of them on rank r) concatenated in rank order, on every rank."""
+    import torch.distributed as dist
+
+    width = max(shares)
+    padded = rows.new_zeros((width,) + tuple(rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    gathered = [torch.empty_like(padded) for _ in shares]
+    dist.all_gather(gathered, padded.contiguous(), group=group)
+    return torch.cat([part[:share] for part, share in zip(gathered, shares)])
+
+
+class _TakeShare(torch.autograd.Function):
+    """Forward: this TP rank's share of replicated rows. Backward: the full gradient, every rank's share of it
+    all-gathered (each rank's share of the tokens flowed through that rank only)."""
+
+    @staticmethod
+    def forward(ctx, rows, shares, rank, group):
+        ctx.shares, ctx.group = shares, group
+        start = sum(shares[:rank])
+        return rows[start:start + shares[rank]].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad.contiguous(), ctx.shares, ctx.group), None, None, None
+
+
+class _GatherShares(torch.autograd.Function):
+    """Forward: every TP rank's share of rows all-gathered. Backward: this rank's share of the gradient (the
+    layers after it compute the same replicated gradient on every TP rank)."""
+
+    @staticmethod
+    def forward(ctx, rows, shares, rank, group):
+        ctx.start, ctx.count = sum(shares[:rank]), shares[rank]
+        return _all_gather_rows(rows, shares, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.start:ctx.start + ctx.count], None, None, None
+
+
+# What megatron's MoE utilities take from Transformer Engine when it is installed (None without it).
+TE_MOE_FUNCTIONS = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                    "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                    "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm")
+
+
+@functools.cache
+def tp_split_moe_layer_class():
+    """megatron's ``MoELayer`` running, at TP > 1 without sequence parallelism, the routed experts on a share of
+    the tokens per TP rank.
+
+    Without sequence parallelism every TP rank holds all tokens; megatron's MoE layer refuses to train so, and
+    its dispatcher would send each token once per TP rank (each expert's gradient TP times over). Here the
+    ``s * b`` tokens are cut into TP contiguous shares (uneven when TP does not divide them); each rank routes,
+    dispatches and runs experts on its share exactly as megatron does for a sequence-parallel share (the
+    load-balancing statistics are summed over the TP group as there), then the outputs are all-gathered. The
+    shared expert runs on all tokens as the dense TP-split MLP it is. The router's weight gradient is then a
+    per-rank partial sum, marked ``TP_PARTIAL_GRAD``. At TP 1 or with sequence parallelism it is megatron's layer.
+    """
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    # megatron-core 0.16.1 imports these from Transformer Engine only when TE is installed and then tests them
+    # against None (``te_general_gemm is not None`` in the router's linear), which without TE is a NameError.
+    for name in TE_MOE_FUNCTIONS:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+    class TPSplitMoELayer(MoELayer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.split_tokens = self.attn_tp_group.size() > 1 and not self.config.sequence_parallel
+            if self.split_tokens:
+                for param in self.router.parameters():
+                    setattr(param, TP_PARTIAL_GRAD, True)
+
+        def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+            if not self.split_tokens:
+                return super().forward(hidden_states, intermediate_tensors, padding_mask)
+            if intermediate_tensors is not None or padding_mask is not None:
+                raise ValueError("meshrl's TP-split MoE layer runs the whole layer at once, without a padding mask")
+            seq, batch, hidden = hidden_states.shape
+            group, rank = self.attn_tp_group, self.attn_tp_group.rank()
+            shares = _token_shares(seq * batch, group.size())
+            tokens = _TakeShare.apply(hidden_states.reshape(seq * batch, hidden), shares, rank, group)
+            tokens = tokens.view(shares[rank], 1, hidden)
+            probs, routing_map = self.route(tokens)
+            tokens, probs = self.preprocess(tokens, probs, routing_map)
+            tokens, probs = self.dispatch(tokens, probs)
+            output, bias = self.routed_experts_compute(tokens, probs)
+            output = self.postprocess(self.combine(output), None)
+            output = _GatherShares.apply(output.reshape(shares[rank], hidden), shares, rank, group)
+            output = output.view(seq, batch, hidden)
+            shared = self.shared_experts_compute(hidden_states)
+            return (output if shared is None else output + shared), bias
+
+    return TPSplitMoELayer

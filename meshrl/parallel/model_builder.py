@@ -64,8 +64,21 @@ def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
         problems.append(f"PP={pp} x virtual PP={vpp} does not divide num_hidden_layers={spec.num_layers}")
     if parallel.context_parallel != 1:
         problems.append("context parallelism is not supported yet (context_parallel must be 1)")
-    if parallel.expert_parallel != 1:
-        problems.append(f"expert parallelism needs an MoE model; {spec.model_type} is dense")
+    etp = parallel.expert_tensor_parallel_size
+    if not spec.moe and (parallel.expert_parallel != 1 or etp != tp):
+        problems.append(f"expert parallelism needs an MoE model; {spec.model_type} is dense (leave "
+                        "expert_model_parallel_size at 1 and expert_tensor_parallel_size unset)")
+    if spec.moe:
+        if spec.num_experts % parallel.expert_parallel:
+            problems.append(f"EP={parallel.expert_parallel} does not divide num_experts={spec.num_experts}")
+        if etp > 1 and not torch.cuda.is_available():
+            problems.append(f"expert TP={etp}: megatron's dispatcher then gathers uneven token counts over the "
+                            "expert-TP group, which gloo (CPU) cannot; set expert_tensor_parallel_size=1 on CPU")
+        if spec.moe_ffn_hidden_size % etp:
+            problems.append(f"expert TP={etp} does not divide the experts' intermediate size {spec.moe_ffn_hidden_size}")
+        if spec.shared_expert_ffn_hidden_size and spec.shared_expert_ffn_hidden_size % tp:
+            problems.append(f"TP={tp} does not divide shared_expert_intermediate_size="
+                            f"{spec.shared_expert_ffn_hidden_size}")
     if problems:
         raise ValueError("impossible parallel layout for this model: " + "; ".join(problems))
 
@@ -135,6 +148,8 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         context_parallel_size=parallel.context_parallel,
@@ -165,6 +180,10 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         deallocate_pipeline_outputs=True,
         calculate_per_token_loss=True,
     )
+    if spec.moe:
+        # verl's default: no load-balancing loss in RL (it hurts there); override_transformer_config's
+        # moe_router_load_balancing_type / moe_aux_loss_coeff / moe_z_loss_coeff turn it on.
+        kwargs.update(moe_router_load_balancing_type="none")
     kwargs.update(overrides)
     if isinstance(kwargs.get("attention_backend"), str):  # verl's configs name the enum member
         from megatron.core.transformer.enums import AttnBackend
@@ -216,6 +235,8 @@ def _layer_spec(use_te: bool, model: ModelSpec):
             if model.qk_norm:
                 spec.submodules.self_attention.submodules.q_layernorm = norm
                 spec.submodules.self_attention.submodules.k_layernorm = norm
+    if model.moe:  # routed per TP rank's share of the tokens when TP > 1 without sequence parallelism
+        spec.submodules.mlp.module = layers.tp_split_moe_layer_class()
     attention = spec.submodules.self_attention
     if model.attn_logit_softcap is not None:
         attention.submodules.core_attention = ModuleSpec(module=layers.sdpa_core_attention_class(),
@@ -243,10 +264,18 @@ def _decoder_spec(layer_spec, use_te: bool, model: ModelSpec, config, vp_stage: 
 
 
 def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-    """megatron's grad finalisation (DP reduction, tied-embedding sync) without per-token rescaling."""
+    """megatron's grad finalisation (DP reduction, tied-embedding sync) without per-token rescaling, then the
+    sum over TP ranks of the gradients each TP rank computed from its share of the tokens only
+    (``layers.TP_PARTIAL_GRAD``: the MoE routers at TP > 1)."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
-    return finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        grads = [param.main_grad for chunk in model for param in chunk.parameters()
+                 if getattr(param, layers.TP_PARTIAL_GRAD, False)]
+        for grad in grads:
+            torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
 
 
 def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: dict[str, Any]):

@@ -8,7 +8,12 @@ The timeout matters more than anything else here: with torch's default (30 min) 
 leaves every other rank blocked in its next collective for half an hour. meshrl defaults to 5 minutes,
 and every group megatron creates inherits it.
 
-Data parallelism is whatever is left: ``world_size / (TP * PP * CP)``.
+Data parallelism is whatever is left: ``world_size / (TP * PP * CP)``. Experts (MoE) have a layout of their own
+over the same ranks, megatron's: ``expert_parallel`` (EP) ranks hold disjoint sets of experts, each expert split
+over ``expert_tensor_parallel`` (ETP; None: TP) ranks, and what is left of ``world_size / (ETP * EP * PP)``
+replicates them (expert data parallelism). EP groups are cut from the attention's data-parallel ranks (and TP
+ranks when ETP < TP), so the ranks of one EP group run different micro-batches and exchange tokens all-to-all.
+megatron builds those groups on gloo as on NCCL.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class ParallelConfig:
     virtual_pipeline: int | None = None
     context_parallel: int = 1
     expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
     timeout_s: float = 300.0
     seed: int = 1234
 
@@ -45,8 +51,15 @@ class ParallelConfig:
                 raise ValueError("virtual_pipeline must be None or >= 2 (chunks per pipeline stage)")
             if self.pipeline_parallel < 2:
                 raise ValueError("virtual_pipeline needs pipeline_parallel >= 2")
+        if self.expert_tensor_parallel is not None and self.expert_tensor_parallel < 1:
+            raise ValueError(f"expert_tensor_parallel must be None or >= 1, got {self.expert_tensor_parallel}")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """ETP as megatron resolves it: the TP size unless set."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
 
     @property
     def model_parallel_size(self) -> int:
@@ -57,6 +70,11 @@ class ParallelConfig:
             raise ValueError(
                 f"world size {world_size} is not divisible by TP*PP*CP = {self.tensor_parallel}*"
                 f"{self.pipeline_parallel}*{self.context_parallel} = {self.model_parallel_size}")
+        experts = self.expert_tensor_parallel_size * self.expert_parallel * self.pipeline_parallel
+        if world_size % experts:
+            raise ValueError(f"world size {world_size} is not divisible by expert TP*EP*PP = "
+                             f"{self.expert_tensor_parallel_size}*{self.expert_parallel}*{self.pipeline_parallel} = "
+                             f"{experts}")
         return world_size // self.model_parallel_size
 
 
@@ -108,6 +126,7 @@ def initialize(config: ParallelConfig = ParallelConfig()) -> ParallelConfig:
         virtual_pipeline_model_parallel_size=config.virtual_pipeline,
         context_parallel_size=config.context_parallel,
         expert_model_parallel_size=config.expert_parallel,
+        expert_tensor_parallel_size=config.expert_tensor_parallel,
         distributed_timeout_minutes=config.timeout_s / 60.0,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)

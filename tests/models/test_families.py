@@ -37,9 +37,12 @@ def hf_model(model_type: str, critic: bool):
 @pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_conversion_table_is_exactly_the_hf_models_tensors(model_type: str, critic: bool) -> None:
-    """Names and shapes of the family's own transformers class (a tied lm_head is not a tensor of its own)."""
+    """Names and shapes of the family's own transformers class as its checkpoints hold them (transformers
+    fuses MoE experts in memory and writes them per expert; a tied lm_head is not a tensor of its own)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
     model = hf_model(model_type, critic)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
+    expected = {name: tuple(t.shape) for name, t in revert_weight_conversion(model, model.state_dict()).items()
                 if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
     table = {piece.hf_name: piece.shape for piece in hf_layout(model_spec(model.config), critic)}
     assert table == expected

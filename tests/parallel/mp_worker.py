@@ -27,13 +27,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from meshrl.models import hf_classes  # noqa: E402,F401  (registers Gemma3TextForTokenClassification)
-from meshrl.models.families import FAMILY_MODULES  # noqa: E402
-from meshrl.models.tiny import TinySpec, tiny_model_dir, tiny_spec  # noqa: E402
+from meshrl.models.families import FAMILY_MODULES, model_spec  # noqa: E402
+from meshrl.models.tiny import TinySpec, tiny_config, tiny_model_dir, tiny_spec  # noqa: E402
 from meshrl.parallel import checkpoint, hf_conversion, model_builder, offload, optimizer, schedule, state  # noqa: E402
 from meshrl.parallel.forward import OutputRequest  # noqa: E402
 
-# The tiny model of every registered family (``tiny:<model_type>``); parity and export run on each.
-FAMILIES = {model_type: tiny_spec(model_type) for model_type in FAMILY_MODULES}
+# The tiny model of every registered dense family (``tiny:<model_type>``); parity and export run on each. The
+# mixture-of-experts families run under expert parallelism in moe_worker.py.
+FAMILIES = {model_type: tiny_spec(model_type) for model_type in FAMILY_MODULES
+            if not model_spec(tiny_config(tiny_spec(model_type))).moe}
 LLAMA, QWEN2 = FAMILIES["llama"], FAMILIES["qwen2"]
 LLAMA4 = TinySpec(num_hidden_layers=4)
 # The policy's rollout temperature per family: 1 and != 1 both run at every layout.

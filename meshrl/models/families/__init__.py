@@ -28,7 +28,7 @@ the megatron options first (Gemma's did: ``ModelSpec``'s fields after ``qk_norm`
 from __future__ import annotations
 
 import importlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 # model_type -> module of this package holding its ``FAMILY``: the registry, one line per family.
@@ -40,6 +40,9 @@ FAMILY_MODULES = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
 
 
@@ -58,6 +61,13 @@ class ModelSpec:
     - ``attn_logit_softcap`` / ``final_logit_softcap``: scores / logits ``x`` become ``c * tanh(x / c)``.
     - ``sliding_window``: the layers in ``sliding_layers`` (0-based) let query ``i`` see keys ``j`` with
       ``i - sliding_window < j <= i`` only; ``local_rope_theta`` is their RoPE base (None: ``rope_theta``).
+    - ``num_experts`` (None: a dense MLP): every layer's MLP is a mixture of ``num_experts`` SwiGLU experts of
+      width ``moe_ffn_hidden_size``. A router ``r = x W_r^T`` picks the ``moe_topk`` largest of ``softmax(r)``;
+      the token's output is ``sum_e w_e expert_e(x)`` with ``w`` those probabilities (``moe_norm_topk`` False),
+      or those renormalised to sum to 1 (True: HF's ``norm_topk_prob``, Mixtral's softmax over the top-k
+      logits). ``shared_expert_ffn_hidden_size``: a dense SwiGLU MLP every token also runs, its output scaled
+      by ``sigmoid(x w_g)`` when ``shared_expert_gate`` (Qwen2-MoE). ``expert_names``: the HF checkpoint's
+      naming of the experts (a key of ``EXPERT_NAMES``).
     """
 
     model_type: str
@@ -84,12 +94,25 @@ class ModelSpec:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_topk: int | None = None
+    moe_norm_topk: bool = False
+    shared_expert_ffn_hidden_size: int | None = None
+    shared_expert_gate: bool = False
+    expert_names: str | None = None
 
     def __post_init__(self) -> None:
         # A spec read back from a checkpoint's JSON holds a list here.
         object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if self.num_experts is not None and self.expert_names not in EXPERT_NAMES:
+            raise ValueError(f"expert_names {self.expert_names!r} is not one of {', '.join(EXPERT_NAMES)}")
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts is not None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +145,10 @@ def _rope_type(hf_config) -> str:
     params = getattr(hf_config, "rope_parameters", None) or {}
     return params.get("rope_type", params.get("type", "default"))
 
+
+# ModelSpec.expert_names -> the HF checkpoint's (MoE block, gate, up, down projection) names: a layer's router is
+# ``model.layers.{i}.{block}.gate.weight``, expert e's gate projection ``...{block}.experts.{e}.{gate}.weight``.
+EXPERT_NAMES = {"qwen": ("mlp", "gate_proj", "up_proj", "down_proj"), "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 
 # ModelSpec.activation -> the HF activation names it implements (``hidden_act`` / Gemma's ``hidden_activation``).
 ACTIVATIONS = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh",)}
@@ -239,14 +266,26 @@ def transformer_options(spec: ModelSpec) -> dict[str, Any]:
     if spec.sliding_window is not None:
         options.update(window_size=(spec.sliding_window - 1, 0),
                        window_attn_skip_freq=[int(i in spec.sliding_layers) for i in range(spec.num_layers)])
+    if spec.moe:
+        # Softmax then top-k (pre_softmax) keeps the probabilities as they are; top-k of the logits then a
+        # softmax over those k equals softmax, top-k, renormalise.
+        options.update(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+                       moe_router_topk=spec.moe_topk, moe_router_score_function="softmax",
+                       moe_router_pre_softmax=not spec.moe_norm_topk,
+                       moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
+                       moe_shared_expert_gate=spec.shared_expert_gate, moe_grouped_gemm=False)
     return options
 
 
 def layer_spec_options(spec: ModelSpec) -> dict[str, Any]:
     """Arguments of megatron's ``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``:
     both build ``q_layernorm`` / ``k_layernorm`` (torch RMSNorm / TE's ``TENorm``, parameter ``weight``) only
-    when asked."""
-    return dict(qk_layernorm=spec.qk_norm)
+    when asked, and an MoE layer (router, token dispatcher, one ``SequentialMLP`` of per-expert MLPs: grouped
+    GEMMs need CUDA kernels) when given ``num_experts``."""
+    options: dict[str, Any] = dict(qk_layernorm=spec.qk_norm)
+    if spec.moe:
+        options.update(num_experts=spec.num_experts, moe_grouped_gemm=False)
+    return options
 
 
 @dataclass(frozen=True)
@@ -257,7 +296,8 @@ class Piece:
     ``mcore``: parameter name inside the owning chunk, local-spec naming, ``{j}`` = local layer index.
     ``tp_dim``: HF dimension TP splits (None: replicated). ``part``: which slice of a fused parameter
     ("q", "k", "v", "gate", "up") or None. ``shape``: full HF shape. ``fields``: the config fields
-    that determine the shape, for error messages.
+    that determine the shape, for error messages. ``expert``: the routed expert it belongs to (MoE); its
+    ``mcore`` name holds ``{k}``, the expert's index among its expert-parallel rank's local experts.
     """
 
     hf_name: str
@@ -268,6 +308,7 @@ class Piece:
     part: str | None
     shape: tuple[int, ...]
     fields: str
+    expert: int | None = None
 
 
 def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
@@ -307,14 +348,43 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
     else:
         pieces.append(piece("post_attention_layernorm.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,),
                             "hidden_size"))
-    pieces += [
-        piece("mlp.gate_proj.weight", fc1, 0, "gate", (f, h), ffn),
-        piece("mlp.up_proj.weight", fc1, 0, "up", (f, h), ffn),
-        piece("mlp.down_proj.weight", fc2, 1, None, (h, f), "hidden_size, intermediate_size"),
-    ]
+    if spec.moe:
+        pieces += _moe_pieces(spec, piece, layer + "mlp.")
+    else:
+        pieces += [
+            piece("mlp.gate_proj.weight", fc1, 0, "gate", (f, h), ffn),
+            piece("mlp.up_proj.weight", fc1, 0, "up", (f, h), ffn),
+            piece("mlp.down_proj.weight", fc2, 1, None, (h, f), "hidden_size, intermediate_size"),
+        ]
     if spec.post_norms:
         pieces.append(piece("post_feedforward_layernorm.weight", layer + "mlp.linear_fc2.post_norm.weight", None,
                             None, (h,), "hidden_size"))
+    return pieces
+
+
+def _moe_pieces(spec: ModelSpec, piece: Callable[..., Piece], mlp: str) -> list[Piece]:
+    """An MoE layer's HF tensors: the router, each expert's SwiGLU (split over expert-tensor-parallel ranks like a
+    dense MLP over TP; megatron's ``SequentialMLP`` holds the local ones), the shared expert and its gate."""
+    h, f, n = spec.hidden_size, spec.moe_ffn_hidden_size, spec.num_experts
+    block, gate, up, down = EXPERT_NAMES[spec.expert_names]
+    ffn, local = "moe_intermediate_size, hidden_size", mlp + "experts.local_experts.{k}."
+    pieces = [piece(f"{block}.gate.weight", mlp + "router.weight", None, None, (n, h), "num_experts, hidden_size")]
+    for e in range(n):
+        expert = f"{block}.experts.{e}."
+        pieces += [replace(piece(expert + f"{gate}.weight", local + "linear_fc1.weight", 0, "gate", (f, h), ffn), expert=e),
+                   replace(piece(expert + f"{up}.weight", local + "linear_fc1.weight", 0, "up", (f, h), ffn), expert=e),
+                   replace(piece(expert + f"{down}.weight", local + "linear_fc2.weight", 1, None, (h, f),
+                                 "hidden_size, moe_intermediate_size"), expert=e)]
+    if spec.shared_expert_ffn_hidden_size:
+        fs, shared = spec.shared_expert_ffn_hidden_size, mlp + "shared_experts."
+        sizes = "shared_expert_intermediate_size, hidden_size"
+        pieces += [piece("mlp.shared_expert.gate_proj.weight", shared + "linear_fc1.weight", 0, "gate", (fs, h), sizes),
+                   piece("mlp.shared_expert.up_proj.weight", shared + "linear_fc1.weight", 0, "up", (fs, h), sizes),
+                   piece("mlp.shared_expert.down_proj.weight", shared + "linear_fc2.weight", 1, None, (h, fs),
+                         "hidden_size, shared_expert_intermediate_size")]
+        if spec.shared_expert_gate:
+            pieces.append(piece("mlp.shared_expert_gate.weight", shared + "gate_weight", None, None, (1, h),
+                                "hidden_size"))
     return pieces
 
 

@@ -1,0 +1,143 @@
+"""Multi-process checks of mixture-of-experts models (``tiny:qwen2_moe`` / ``qwen3_moe`` / ``mixtral``) against
+their transformers classes, run under torchrun; one launch runs every layout:
+
+    torchrun --nproc-per-node 4 tests/parallel/moe_worker.py --out DIR/moe.json
+
+Layouts on 4 ranks: EP2 (TP1, DP4: two expert-parallel groups), EP2 x TP2 (attention and the shared expert
+split over TP, tokens routed per TP rank's share, whole experts: expert TP 1, as gloo has no uneven all-gather
+for expert TP 2) and EP2 x PP2. Each records, per family:
+log-probs and entropies of the forward pass, then loss and every gradient of one packed forward-backward,
+against HF fp32 on all micro-batches in one process (so a gradient equals a single-rank run's), and the
+weights read back out of the megatron layout (HF -> megatron -> HF) against the checkpoint. Rank 0 writes the
+merged results at the end (numbers: max over ranks). ``tests/parallel/test_moe_parallel.py`` launches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from mp_worker import build, hf_model, hf_outputs, hf_tensors, merge, policy_loss  # noqa: E402
+
+from meshrl.models.tiny import tiny_model_dir, tiny_spec  # noqa: E402
+from meshrl.parallel import hf_conversion, schedule, state  # noqa: E402
+from meshrl.parallel.forward import OutputRequest  # noqa: E402
+
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+TIMEOUT_S = 60.0
+PHASES = [("ep2", dict(expert_parallel=2), ("qwen2_moe",)),
+          ("ep2tp2", dict(expert_parallel=2, tensor_parallel=2, expert_tensor_parallel=1), MOE_FAMILIES),
+          ("ep2pp2", dict(expert_parallel=2, pipeline_parallel=2), ("qwen2_moe",))]
+
+
+def make_micro_batches(seed: int = 0) -> list[dict]:
+    """Four micro-batches of different sizes and lengths (padding on either side), so that every layout's
+    data-parallel ranks run as many as each other (the ranks of an expert-parallel group exchange tokens in
+    every one)."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for b, s in [(2, 10), (3, 7), (2, 13), (1, 9)]:
+        ids = torch.randint(0, 49152, (b, s), generator=g)
+        batches.append({"input_ids": ids, "attention_mask": torch.ones(b, s, dtype=torch.long)})
+    batches[0]["attention_mask"][1, 6:] = 0
+    batches[1]["attention_mask"][0, :2] = 0
+    batches[2]["attention_mask"][1, :5] = 0
+    total = 0.0
+    for mb in batches:
+        mask = mb["attention_mask"].clone().float()
+        mask[torch.arange(mask.shape[0]), mb["attention_mask"].argmax(1)] = 0  # no loss on each row's first token
+        mb["loss_mask"] = mask
+        mb["adv"] = torch.randn(mb["input_ids"].shape, generator=g)
+        total += float(mask.sum())
+    for mb in batches:
+        mb["n_global"] = total
+    return batches
+
+
+def hf_reference(path: Path, batches: list[dict]) -> tuple[list[dict], float, dict[str, torch.Tensor]]:
+    """HF's outputs, total loss and gradients under the checkpoint's names (transformers keeps the experts of
+    a layer fused in memory; ``revert_weight_conversion`` names them per expert as its checkpoints do)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = hf_model(path, critic=False)
+    outputs, total = [], 0.0
+    for mb in batches:
+        out = hf_outputs(model, mb, critic=False)
+        loss, _ = policy_loss(out, mb)
+        loss.backward()
+        total += float(loss)
+        outputs.append({k: v.detach() for k, v in out.items()})
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return outputs, total, revert_weight_conversion(model, grads)
+
+
+def check_family(path: Path) -> dict:
+    batches = make_micro_batches()
+    ref_out, ref_loss, ref_grads = hf_reference(path, batches)
+    dp, rank = state.dp_size(), state.dp_rank()
+    mine, mine_ref = batches[rank::dp], ref_out[rank::dp]
+    chunks = build(path)
+    result = {}
+    for remove_padding in (False, True):
+        out = schedule.forward_only(chunks, mine, OutputRequest(entropy=True, remove_padding=remove_padding))
+        tag = "packed_" if remove_padding else ""
+        for key in ("log_probs", "entropy"):
+            result[tag + key] = max(float((o[key] - r[key]).abs().max()) for o, r in zip(out, mine_ref))
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    passed = schedule.forward_backward(chunks, mine, policy_loss, OutputRequest(entropy=True, remove_padding=True))
+    result["loss"] = abs(passed.loss - ref_loss)
+    grads = hf_tensors(chunks, path, grads=True)
+    result["grad_names_mismatch"] = len(set(ref_grads) ^ set(grads))
+    result["grads"] = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)
+    original = hf_conversion.HFCheckpointReader(path)
+    weights = hf_tensors(chunks, path)
+    result["export_mismatches"] = (len(set(original.file_of) ^ set(weights))
+                                   + sum(not torch.equal(original.read(n), weights[n]) for n in weights))
+    return result
+
+
+def run_phase(layout: dict, families: tuple[str, ...]) -> dict:
+    state.initialize(state.ParallelConfig(timeout_s=TIMEOUT_S, **layout))
+    values: dict[str, object] = {}
+    for model_type in families:
+        start = time.monotonic()
+        try:
+            values.update({f"{model_type}.{k}": v for k, v in check_family(tiny_model_dir(tiny_spec(model_type))).items()})
+        except Exception:  # recorded, reported by pytest
+            values[f"{model_type}.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
+        print(f"[rank {dist.get_rank()}] {model_type}: {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+    state.destroy()
+    return values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    if dist.get_rank() == 0:
+        for model_type in MOE_FAMILIES:
+            tiny_model_dir(tiny_spec(model_type))
+    dist.barrier()
+    mine = {name: run_phase(layout, families) for name, layout, families in PHASES}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        args.out.write_text(json.dumps({name: merge([ranks[name] for ranks in every]) for name in mine}, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Mixture-of-experts models under expert parallelism on CPU/gloo: one 4-rank torchrun launch of
+``moe_worker.py`` (EP2, EP2 x TP2, EP2 x PP2; Qwen2-MoE at each, Qwen3-MoE and Mixtral at EP2 x TP2), and the
+same checks in process at TP1 / EP1 for every MoE family. Against each family's transformers class in fp32:
+log-probs and entropies (row and packed layouts), the loss and every gradient of a packed forward-backward
+(HF runs all micro-batches in one process, so the gradients equal a single-rank run's), and the weights read
+back out of the megatron layout bit for bit. ~50 s for the launch on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from moe_worker import MOE_FAMILIES, PHASES, check_family
+
+from meshrl.models.tiny import tiny_model_dir, tiny_spec
+from meshrl.parallel import state
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+# Entropies are ~10 nats, where fp32 spacing is 9.5e-7 (see test_parallel_multiproc's EXPECT).
+LIMITS = {"log_probs": 1e-5, "entropy": 1.5e-5, "packed_log_probs": 1e-5, "packed_entropy": 1.5e-5, "loss": 1e-6,
+          "grads": 1e-5, "grad_names_mismatch": 0, "export_mismatches": 0}
+
+
+def _failures(values: dict, model_type: str) -> list[str]:
+    found = {key: values.get(f"{model_type}.{key}") for key in LIMITS}
+    errors = [values[key] for key in values if key.startswith(f"{model_type}.error")]
+    return errors + [f"{key} = {value} (limit {LIMITS[key]})" for key, value in found.items()
+                     if value is None or value > LIMITS[key]]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    workdir = tmp_path_factory.mktemp("moe-mp")
+    out, log = workdir / "moe.json", workdir / "moe.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+               str(HERE / "moe_worker.py"), "--out", str(out)]
+    with open(log, "w") as handle:
+        try:
+            subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=400)
+        except subprocess.TimeoutExpired:
+            handle.write("\n*** launch timed out ***\n")
+    found = json.loads(out.read_text()) if out.is_file() else {}
+    found["_log"] = log.read_text()[-6000:]
+    return found
+
+
+CASES = [(phase, model_type) for phase, _, families in PHASES for model_type in families]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("phase,model_type", CASES, ids=[f"{p}-{m}" for p, m in CASES])
+def test_expert_parallel_layouts_match_hf(results: dict, phase: str, model_type: str) -> None:
+    assert phase in results, results["_log"]
+    assert not _failures(results[phase], model_type), _failures(results[phase], model_type)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_single_rank_matches_hf() -> None:
+    state.initialize(state.ParallelConfig())
+    try:
+        for model_type in MOE_FAMILIES:
+            values = {f"{model_type}.{k}": v for k, v in check_family(tiny_model_dir(tiny_spec(model_type))).items()}
+            assert not _failures(values, model_type), _failures(values, model_type)
+    finally:
+        state.destroy()
