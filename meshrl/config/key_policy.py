@@ -95,8 +95,10 @@ REWARD_MODEL = ("learned reward models (verl's reward model workers and reward l
 REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one score per response, dispatched by "
                   "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
                   "(e.g. DAPO's overlong buffer) are not built yet")
-MOE = ("mixture-of-experts models (expert parallelism, router replay, MoE settings) are not built yet: meshrl builds "
-       "dense Llama / Qwen2 models; leave the expert and MoE keys at their defaults")
+MOE = ("mixture-of-experts training is not wired into the trainer yet (the Qwen2-MoE / Qwen3-MoE / Mixtral families "
+       "build and match HF under expert parallelism in meshrl.parallel, but the workers' expert-parallel layout, the "
+       "load-balancing loss keys, router replay and MoE rollout are not built); leave the expert and MoE keys at "
+       "their defaults")
 MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
 PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_pf_ppo=False"
 VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "

@@ -367,14 +367,15 @@ def _moe_pieces(spec: ModelSpec, piece: Callable[..., Piece], mlp: str) -> list[
     dense MLP over TP; megatron's ``SequentialMLP`` holds the local ones), the shared expert and its gate."""
     h, f, n = spec.hidden_size, spec.moe_ffn_hidden_size, spec.num_experts
     block, gate, up, down = EXPERT_NAMES[spec.expert_names]
-    ffn, local = "moe_intermediate_size, hidden_size", mlp + "experts.local_experts.{k}."
+    width = "intermediate_size" if spec.expert_names == "mixtral" else "moe_intermediate_size"  # the HF field
+    ffn, local = f"{width}, hidden_size", mlp + "experts.local_experts.{k}."
     pieces = [piece(f"{block}.gate.weight", mlp + "router.weight", None, None, (n, h), "num_experts, hidden_size")]
     for e in range(n):
         expert = f"{block}.experts.{e}."
         pieces += [replace(piece(expert + f"{gate}.weight", local + "linear_fc1.weight", 0, "gate", (f, h), ffn), expert=e),
                    replace(piece(expert + f"{up}.weight", local + "linear_fc1.weight", 0, "up", (f, h), ffn), expert=e),
                    replace(piece(expert + f"{down}.weight", local + "linear_fc2.weight", 1, None, (h, f),
-                                 "hidden_size, moe_intermediate_size"), expert=e)]
+                                 f"hidden_size, {width}"), expert=e)]
     if spec.shared_expert_ffn_hidden_size:
         fs, shared = spec.shared_expert_ffn_hidden_size, mlp + "shared_experts."
         sizes = "shared_expert_intermediate_size, hidden_size"

@@ -1,0 +1,77 @@
+"""The mixture-of-experts families' config reading, refusals and megatron options, and the layouts meshrl
+refuses for them before building anything (parity under expert parallelism: tests/parallel/test_moe_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrl.models.families import hf_layout, layer_spec_options, model_spec, transformer_options
+from meshrl.models.tiny import tiny_config, tiny_spec
+from meshrl.parallel import model_builder
+from meshrl.parallel.state import ParallelConfig
+
+
+def config(model_type: str, **fields):
+    hf_config = tiny_config(tiny_spec(model_type))
+    for key, value in fields.items():
+        setattr(hf_config, key, value)
+    return hf_config
+
+
+@pytest.mark.parametrize("model_type,norm_topk,shared", [("qwen2_moe", False, True), ("qwen3_moe", True, False),
+                                                         ("mixtral", True, False)])
+def test_router_and_experts_map_onto_megatrons_options(model_type: str, norm_topk: bool, shared: bool) -> None:
+    """Renormalised top-k weights are megatron's top-k-then-softmax (pre_softmax off); Qwen1.5-MoE's plain
+    probabilities its softmax-then-top-k; Qwen2-MoE's shared expert comes with its sigmoid gate."""
+    hf_config = config(model_type)
+    spec = model_spec(hf_config)
+    options = transformer_options(spec)
+    assert spec.moe and spec.moe_norm_topk == norm_topk
+    assert options["moe_router_pre_softmax"] == (not norm_topk)
+    assert options["num_moe_experts"] == 8 and options["moe_router_topk"] == 2
+    assert (options["moe_shared_expert_intermediate_size"] is not None) == shared == options["moe_shared_expert_gate"]
+    assert layer_spec_options(spec)["num_experts"] == 8 and not layer_spec_options(spec)["moe_grouped_gemm"]
+    flipped = model_spec(config(model_type, norm_topk_prob=not norm_topk)) if model_type != "mixtral" else spec
+    assert flipped.moe_norm_topk == (norm_topk if model_type == "mixtral" else not norm_topk)
+
+
+def test_the_expert_tables_name_the_checkpoints_tensors() -> None:
+    qwen = {p.hf_name for p in hf_layout(model_spec(config("qwen2_moe")))}
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.7.down_proj.weight",
+            "model.layers.0.mlp.shared_expert_gate.weight"} <= qwen
+    mixtral = [p for p in hf_layout(model_spec(config("mixtral"))) if p.expert == 3 and p.layer == 1]
+    assert [p.hf_name for p in mixtral] == [f"model.layers.1.block_sparse_moe.experts.3.{w}.weight"
+                                            for w in ("w1", "w3", "w2")]
+    assert [p.part for p in mixtral] == ["gate", "up", None]
+
+
+@pytest.mark.parametrize("model_type,fields,message", [
+    ("qwen2_moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1]: dense MLP layers"),
+    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    ("qwen2_moe", dict(output_router_logits=True), "moe_aux_loss_coeff"),
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+    ("mixtral", dict(sliding_window=16), "sliding_window=16"),
+    ("qwen2_moe", dict(qkv_bias=False), "without q/k/v biases"),
+])
+def test_fields_meshrl_would_drop_are_refused(model_type: str, fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match="not supported by meshrl") as err:
+        model_spec(config(model_type, **fields))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("model_type,layout,message", [
+    ("qwen2_moe", dict(expert_parallel=3), "EP=3 does not divide num_experts=8"),
+    ("mixtral", dict(tensor_parallel=2, expert_parallel=2), "expert TP=2"),
+    ("llama", dict(expert_parallel=2), "expert parallelism needs an MoE model"),
+])
+def test_impossible_expert_layouts_are_refused(model_type: str, layout: dict, message: str) -> None:
+    with pytest.raises(ValueError, match="impossible parallel layout") as err:
+        model_builder.check_layout(model_spec(config(model_type)), ParallelConfig(**layout))
+    assert message in str(err.value)
+
+
+def test_expert_layout_must_fit_the_world() -> None:
+    assert ParallelConfig(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1).data_parallel_size(4) == 2
+    with pytest.raises(ValueError, match="expert TP\\*EP\\*PP = 1\\*4\\*1 = 4"):
+        ParallelConfig(expert_parallel=4).data_parallel_size(2)
+
