@@ -4,7 +4,7 @@ Users arrive from verl and type its keys (``algorithm.adv_estimator=remax``,
 ``actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000``, ``trainer.n_gpus_per_node=8``), so the
 tree mirrors verl's ``ppo_trainer`` config. Keys verl has for its FSDP backend (``fsdp_config.*``)
 are accepted so that verl scripts parse unchanged; ``param_offload`` / ``optimizer_offload`` there
-mean the same thing for meshrl's Megatron backend. Keys of verl features meshrl lacks (LoRA, MoE,
+mean the same thing for meshrl's Megatron backend. Keys of verl features meshrl lacks (MoE,
 learned reward models, multi-modal data, ...) are here with verl's defaults, so that a script which
 sets them to those loads; ``meshrl.config.key_policy`` refuses any other value, naming the feature.
 
@@ -89,15 +89,12 @@ class DataConfig:
 
 @dataclass
 class FusedKernelOptionsConfig:
-    impl_backend: str = "torch"  # verl's FSDP kernels' backend; its Megatron backend does not read it either
-    # meshrl's: tokens per chunk of the fused output layer (meshrl.parallel.fused_output), which holds
-    # [chunk_size, vocab / TP] logits at a time
-    chunk_size: int = 512
+    impl_backend: str = "torch"
 
 
 @dataclass
 class LoraConfig:
-    """verl's ``model.lora`` (its Megatron LoRA), so verl scripts parse; LoRA is refused."""
+    """verl's ``model.lora`` (its Megatron LoRA spelling; ``meshrl.config.lora_keys`` reads it)."""
 
     type: str = "lora"
     merge: bool = False
@@ -130,13 +127,11 @@ class ModelConfig:
     use_shm: bool = False
     external_lib: Optional[str] = None
     override_config: Dict[str, Any] = field(default_factory=dict)
-    # The policy's and reference's log-probs and entropy by the fused output layer, without [tokens, vocab / TP]
-    # logits (verl's key; on by default, unlike verl: its outputs are the unfused path's up to rounding)
-    use_fused_kernels: bool = True
+    use_fused_kernels: bool = False  # inert: meshrl's log-probs never build full-vocabulary logits (key_policy)
     fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
     enable_activation_offload: bool = False  # verl's FSDP activation offload
     torch_dtype: Optional[str] = None  # verl's FSDP load dtype (some scripts set it); warned, megatron.dtype rules
-    # verl's LoRA keys (its FSDP names, then its Megatron section): meshrl trains every weight; refused.
+    # verl's LoRA keys (its FSDP names, then its Megatron section; meshrl.config.lora_keys reads them).
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
@@ -362,9 +357,8 @@ class EngineKwargsConfig:
 
 @dataclass
 class MultiTurnConfig:
-    """verl's ``rollout.multi_turn`` (both verl versions' keys): ``enable`` runs the multi-turn tool-calling
-    rollout (``meshrl.rollout.agent_loop``) with the tools of ``tool_config_path``; the function tools,
-    interactions and SGLang's repeats are refused (``meshrl.config.key_policy``)."""
+    """verl's ``rollout.multi_turn`` (both verl versions' keys), so verl scripts parse: meshrl has no
+    multi-turn tool-calling rollout, and refuses any value other than these defaults."""
 
     enable: bool = False
     max_assistant_turns: Optional[int] = None

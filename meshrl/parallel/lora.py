@@ -45,9 +45,6 @@ HF_TARGETS: dict[str, str] = {
     "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
     "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2",
 }
-# The HF module path of each target inside ``model.layers.N`` (PEFT's key names).
-HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
 INIT_METHODS = ("kaiming", "xavier")
 SHARED = "shared"
@@ -227,6 +224,13 @@ def _in_size(spec, submodule: str) -> int:
     return {"self_attention.linear_qkv": spec.hidden_size, "self_attention.linear_proj":
             spec.num_attention_heads * spec.head_dim, "mlp.linear_fc1": spec.hidden_size,
             "mlp.linear_fc2": spec.ffn_hidden_size}[submodule]
+
+
+def full_shape(spec, part: str, which: str, rank: int) -> tuple[int, int]:
+    """Shape of the whole (unsplit) A (``which="A"``) or B of HF module ``part``: PEFT's ``[r, in]`` / ``[out, r]``."""
+    if which == "A":
+        return rank, _in_size(spec, HF_TARGETS[part])
+    return _out_sizes(spec, (part,))[part], rank
 
 
 def _get(module: torch.nn.Module, path: str) -> torch.nn.Module:

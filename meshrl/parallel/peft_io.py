@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from meshrl.atomic_io import publish_dir
-from meshrl.parallel.lora import HF_PARENT, HF_TARGETS, SHARED, LoraAdapter, LoraSettings, adapters
+from meshrl.config.lora_keys import HF_PARENT
+from meshrl.parallel.lora import HF_TARGETS, SHARED, LoraAdapter, LoraSettings, adapters, full_shape
 from meshrl.parallel.model_builder import unwrap
 
 PREFIX = "base_model.model."
@@ -95,7 +96,8 @@ def iter_adapter_weights(chunks: list[torch.nn.Module], grads: bool = False) -> 
     owner_of = {layer: pp_ranks[stage] for stage, layers in enumerate(owners) for layer in layers}
     sample = next(iter(local.values()))[1]
     sample = sample.main_grad if grads else sample
-    for layer, part, which in _keys(gpt.meshrl_spec.num_layers, settings):
+    spec = gpt.meshrl_spec
+    for layer, part, which in _keys(spec.num_layers, settings):
         if (layer, part, which) in local:
             adapter, param = local[(layer, part, which)]
             param = param.main_grad if grads else param
@@ -106,13 +108,10 @@ def iter_adapter_weights(chunks: list[torch.nn.Module], grads: bool = False) -> 
                 shards = [torch.empty_like(param) for _ in range(adapter.tp)]
                 dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
                 tensor = torch.cat(shards, dim=dim)
-            shape = torch.tensor(tensor.shape)
         else:
-            shape = torch.zeros(2, dtype=torch.long)
+            tensor = torch.empty(full_shape(spec, part, which, settings.rank), dtype=sample.dtype,
+                                 device=sample.device)
         if len(pp_ranks) > 1:
-            dist.broadcast(shape, src=owner_of[layer], group=pp_group)
-            if (layer, part, which) not in local:
-                tensor = torch.empty(tuple(shape.tolist()), dtype=sample.dtype, device=sample.device)
             dist.broadcast(tensor, src=owner_of[layer], group=pp_group)
         yield _peft_key(layer, part, which), tensor
         del tensor

@@ -71,6 +71,22 @@ def load_initial_weights(chunks, megatron_cfg, model_dir: str, hf_config) -> Non
         load_hf_weights(chunks, model_dir, hf_config)
 
 
+def with_lora(chunks, plan):
+    """``chunks`` with the run plan's LoRA adapters (``plan``: ``RunPlan.lora``) on their frozen base, started
+    from the plan's PEFT adapter folder if it names one."""
+    from meshrl.parallel.lora import LoraSettings, apply_lora
+    from meshrl.parallel.peft_io import load_adapter
+
+    chunks = apply_lora(chunks, LoraSettings(rank=plan.rank, alpha=plan.alpha, targets=plan.targets,
+                                             dropout=plan.dropout, shared_a=plan.shared_a, init_a=plan.init_a))
+    if plan.adapter_path:
+        load_adapter(chunks, plan.adapter_path)
+    return chunks
+
+
+LORA_ADAPTER_DIR = "lora_adapter"
+
+
 class ActorRolloutRefWorker(RankWorker):
     SECTION = "actor_rollout_ref"
 
@@ -99,6 +115,8 @@ class ActorRolloutRefWorker(RankWorker):
                                   use_distributed_optimizer=distributed_opt,
                                   **transformer_overrides(arr.model, actor.megatron))
         load_initial_weights(self.policy, actor.megatron, self.model_dir, self.hf_config)
+        if self.plan.lora is not None:  # the optimizer then holds the adapters only
+            self.policy = with_lora(self.policy, self.plan.lora)
         self.optimizer, self.scheduler = build_optimizer(
             self.policy, optimizer_config(actor.optim, distributed_opt))
         self.train_engine = TrainingEngine(
@@ -108,7 +126,7 @@ class ActorRolloutRefWorker(RankWorker):
         self.ref = self.ref_offloaded = None
         # Pinned host memory for offloads, allocated once and reused every step (pinning is the slow part).
         self.host_buffers = HostBuffers()
-        if self.plan.use_reference:
+        if self.plan.use_reference and self.plan.lora is None:  # with LoRA: the policy's base, adapters off
             # Forward passes only: no DDP gradient buffer (as large as the fp32 weights) for it.
             ref_dtype = arr.ref.megatron.dtype if arr.ref.megatron.dtype != "auto" else actor.megatron.dtype
             self.ref = build_forward_only_model(self.hf_config, dtype=param_dtype(ref_dtype),
@@ -184,10 +202,12 @@ class ActorRolloutRefWorker(RankWorker):
         (``ref_log_probs``); forward-only, micro-batches of the ``rollout.log_prob_*`` / ``ref.log_prob_*``
         keys (``meshrl.config.micro_batching``)."""
         from meshrl.parallel.forward import OutputRequest
+        from meshrl.parallel.lora import adapters_disabled
 
+        base_of_policy = model == "ref" and self.plan.lora is not None
         chunks, phase, field = {
             "actor": (self.policy, "actor_log_prob", "old_log_probs"),
-            "ref": (self.ref, "ref_log_prob", "ref_log_probs"),
+            "ref": (self.policy if base_of_policy else self.ref, "ref_log_prob", "ref_log_probs"),
         }[model]
         if chunks is None:
             raise RuntimeError("compute_log_probs(model='ref') without a reference model: "
@@ -195,7 +215,8 @@ class ActorRolloutRefWorker(RankWorker):
         # The samples came from softmax(logits / T): the reference and the policy are evaluated at T too (verl).
         request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding,
                                 fused_chunk_size=self.plan.fused_chunk_size)
-        with self._reference_on_device() if model == "ref" else contextlib.nullcontext():
+        with self._reference_on_device() if model == "ref" else contextlib.nullcontext(), \
+                adapters_disabled(chunks) if base_of_policy else contextlib.nullcontext():
             log_probs = self.train_engine.forward(shard, self.plan.micro_batching[phase], request, "log_probs",
                                                   self.response_length, chunks=chunks)
         return Batch(tensors={field: log_probs}) if self.layout.collect else None
@@ -256,10 +277,13 @@ class ActorRolloutRefWorker(RankWorker):
 
     # ---------------------------------------------------------------------------------- weights
     def sync_weights(self) -> dict[str, float]:
-        """Stream the policy's weights into the engine (resharding layer); every MP rank takes part."""
+        """Stream the policy's weights into the engine (resharding layer); every MP rank takes part. With LoRA the
+        adapted weights are sent merged, W + scaling·B·A."""
         from meshrl.parallel.hf_conversion import iter_hf_weights
+        from meshrl.parallel.peft_io import iter_merged_weights
 
-        stats = self.engine.load_weights(iter_hf_weights(self.policy, self.hf_config), bucket_bytes=self.bucket_bytes)
+        weights = (iter_merged_weights if self.plan.lora is not None else iter_hf_weights)(self.policy, self.hf_config)
+        stats = self.engine.load_weights(weights, bucket_bytes=self.bucket_bytes)
         return {"sync/seconds": stats.seconds, "sync/gigabytes": stats.bytes / 1e9, "sync/buckets": float(stats.buckets)}
 
     def save_checkpoint(self, folder: str, step: int) -> None:
@@ -267,6 +291,11 @@ class ActorRolloutRefWorker(RankWorker):
 
         save_checkpoint(Path(folder) / "actor", step, self.policy, self.optimizer, self.scheduler,
                         extra={"engine": self.engine.state_dict()})
+        if self.plan.lora is not None and self.layout.dp_rank == 0:
+            from meshrl.parallel.peft_io import save_adapter
+
+            # verl's place for it: PeftModel.from_pretrained(base, global_step_N/actor/lora_adapter)
+            save_adapter(self.policy, Path(folder) / "actor" / LORA_ADAPTER_DIR, base_model=self.model_dir)
 
     def load_checkpoint(self, folder: str) -> None:
         from meshrl.parallel.checkpoint import load_checkpoint

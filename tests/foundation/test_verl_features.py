@@ -35,8 +35,6 @@ def problems(args: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("script, feature", [
-    ("volcengine/verl:examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh", "LoRA is not built"),
-    ("volcengine/verl:examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh", "LoRA is not built"),
     ("volcengine/verl:examples/ppo_trainer/run_qwen2-7b_rm.sh", "learned reward models"),
     ("verl-project/verl:examples/grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh", "learned reward models"),
     ("verl-project/verl:examples/grpo_trainer/run_qwen3_5_35b_megatron.sh", "mixture-of-experts"),
@@ -54,6 +52,21 @@ def problems(args: list[str]) -> list[str]:
 def test_a_script_needing_a_missing_feature_stops_with_one_message_naming_it(script, feature):
     found = problems(SCRIPTS[script])
     assert len(found) == 1 and feature in found[0], found
+
+
+@pytest.mark.parametrize("script, keys", [
+    ("volcengine/verl:examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh", "FSDP"),
+    ("volcengine/verl:examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh", "Megatron"),
+])
+def test_verl_lora_scripts_load_with_their_adapters(script, keys):
+    assert problems(SCRIPTS[script]) == []
+    recipe, overrides = parse_args([*SCRIPTS[script], *classify.CPU_SWAPS])
+    assert validate_config(load_config(overrides, recipe=recipe)).lora.keys == keys
+
+
+def test_a_verl_lora_script_from_an_adapter_needs_the_adapter_folder():
+    found = problems(SCRIPTS["volcengine/verl:examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh"])
+    assert len(found) == 1 and "lora_adapter_path=/path/saved/lora_adapter: no PEFT adapter there" in found[0], found
 
 
 @pytest.mark.parametrize("script, features", [

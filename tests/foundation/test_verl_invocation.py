@@ -145,8 +145,8 @@ def test_main_refuses_before_training(monkeypatch, capsys):
             "actor_rollout_ref.rollout.n=2"]
     assert train_main([*verl, "actor_rollout_ref.model.torch_dtyp=bf16"]) == 2
     assert "unknown config key 'actor_rollout_ref.model.torch_dtyp'" in capsys.readouterr().err
-    assert train_main([*verl, "actor_rollout_ref.model.lora_rank=8"]) == 2
-    assert "actor_rollout_ref.model.lora_rank=8: LoRA is not built yet" in capsys.readouterr().err
+    assert train_main([*verl, "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.type=dora"]) == 2
+    assert "actor_rollout_ref.model.lora.type=dora: meshrl builds ['canonical_lora', 'lora']" in capsys.readouterr().err
     assert train_main([*verl, "ray_kwargs.ray_init.runtime_env.working_dir=."]) == 2
     assert "runtime_env.working_dir" in capsys.readouterr().err
 
