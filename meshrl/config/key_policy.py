@@ -78,7 +78,9 @@ INERT = {
                                                     "rollout.tensor_model_parallel_size training processes, so every "
                                                     "process generates, as verl's replicas x data_parallel_size do",
     "actor_rollout_ref.rollout.layered_summon": "it collects LoRA weights layer by layer under verl's FSDP; meshrl "
-                                                "has no LoRA, and its engine keeps the weights on the host asleep",
+                                                "streams the merged weights one tensor at a time anyway",
+    "actor_rollout_ref.model.lora.freeze_*": "it selects what VLM LoRA freezes (vision tower, projection); meshrl "
+                                             "trains text-only policies, whose base is always frozen under LoRA",
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": MULTI_TURN_TOKENS,
     "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": MULTI_TURN_TOKENS,
     "actor_rollout_ref.rollout.multi_stage_wake_up": "meshrl's engine always wakes in stages: the weights, the "
@@ -89,7 +91,6 @@ INERT = {
     "*.profiler.*": PROFILER,
 }
 
-LORA = "LoRA is not built yet (meshrl trains every weight of the policy); leave the LoRA keys at their defaults"
 REWARD_MODEL = ("learned reward models (verl's reward model workers and reward loop engines) are not built yet; score "
                 "with rule rewards or custom_reward_function.path, and set reward_model.enable=False")
 REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one score per response, dispatched by "
@@ -142,10 +143,6 @@ REFUSED = {
                                          "generate per engine replica); leave rollout.agent at its defaults",
     "*.model.override_config": "HF config overrides would change the model meshrl builds but not the vLLM "
                                  "engine's copy; edit the model folder's config.json instead",
-    "actor_rollout_ref.model.lora_*": LORA,
-    "actor_rollout_ref.model.target_modules": LORA,
-    "actor_rollout_ref.model.exclude_modules": LORA,
-    "actor_rollout_ref.model.lora.*": LORA,
     "*.megatron.expert_model_parallel_size": MOE,
     "*.megatron.expert_tensor_parallel_size": MOE,
     "*.megatron.router_replay.*": MOE,

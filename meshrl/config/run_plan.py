@@ -18,6 +18,9 @@ registries (a typo fails here with a did-you-mean, before Ray, models or a rollo
   log-probs are evaluated at.
 - **the train/rollout log-prob alarm** (``mismatch_tolerance``, ``meshrl.trainer.alarms``): whether the
   engine's log-probs are comparable with the trainer's at all, and the tolerance its precision allows.
+- **the fused output layer** (``fused_chunk_size``): with ``model.use_fused_kernels`` the policy's and the
+  reference's log-probs and entropy come from ``meshrl.parallel.fused_output`` in chunks of
+  ``model.fused_kernel_options.chunk_size`` tokens; None: from the output layer's logits.
 - **LoRA** (``lora``: ``meshrl.config.lora_keys``): the policy's adapters from verl's FSDP or Megatron LoRA keys,
   None when every weight trains.
 - **what every worker process needs of the run** (``workers``: ``WorkerSettings``): the device, the collective
@@ -119,6 +122,7 @@ class RunPlan:
     mismatch_tolerance: float | None = None
     workers: WorkerSettings | None = None
     lora: LoraPlan | None = None  # the policy's LoRA adapters; None: every weight trains
+    fused_chunk_size: int | None = None  # tokens per chunk of the fused output layer; None: unfused
 
     @property
     def use_reference(self) -> bool:
@@ -215,6 +219,7 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
     lora, lora_problems, lora_notes = lora_plan(cfg)
     phase_problems += lora_problems
     warnings += lora_notes
+    fused_chunk_size = fused_output_chunk(arr.model, phase_problems)
     if phase_problems:
         return None, phase_problems
     if note:
@@ -228,6 +233,7 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
         rollout_tensor_parallel=rollout.tensor_model_parallel_size, on_policy=on_policy_update(cfg),
         actor_update=actor_update,
         critic_update=critic_update, micro_batching=batching, warnings=tuple(warnings),
+        fused_chunk_size=fused_chunk_size,
         mismatch_tolerance=mismatch_tolerance, workers=WorkerSettings.from_config(cfg), lora=lora,
     ), []
 
@@ -282,6 +288,19 @@ def rollout_mismatch_check(cfg: DictConfig) -> tuple[float | None, str | None, l
     device = trainer.device
     precisions = {_precision(cfg.actor_rollout_ref.actor.megatron.dtype, device), _precision(rollout.dtype, device)}
     return MISMATCH_TOLERANCES["16-bit" if "16-bit" in precisions else "float32"], None, []
+
+
+def fused_output_chunk(model: DictConfig, problems: list[str]) -> int | None:
+    """Tokens per chunk of the policy's fused output layer (``actor_rollout_ref.model``'s ``use_fused_kernels``
+    and ``fused_kernel_options.chunk_size``), None: unfused. A chunk below one token is added to ``problems``."""
+    if not model.use_fused_kernels:
+        return None
+    chunk = model.fused_kernel_options.chunk_size
+    if chunk < 1:
+        problems.append(f"actor_rollout_ref.model.fused_kernel_options.chunk_size: must be >= 1 token, got {chunk} "
+                        "(the fused output layer holds [chunk_size, vocab / TP] logits at a time; e.g. 512)")
+        return None
+    return int(chunk)
 
 
 def on_policy_update(cfg: DictConfig) -> bool:

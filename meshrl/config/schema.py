@@ -89,7 +89,10 @@ class DataConfig:
 
 @dataclass
 class FusedKernelOptionsConfig:
-    impl_backend: str = "torch"
+    impl_backend: str = "torch"  # verl's FSDP kernels' backend; its Megatron backend does not read it either
+    # meshrl's: tokens per chunk of the fused output layer (meshrl.parallel.fused_output), which holds
+    # [chunk_size, vocab / TP] logits at a time
+    chunk_size: int = 512
 
 
 @dataclass
@@ -127,7 +130,9 @@ class ModelConfig:
     use_shm: bool = False
     external_lib: Optional[str] = None
     override_config: Dict[str, Any] = field(default_factory=dict)
-    use_fused_kernels: bool = False  # inert: meshrl's log-probs never build full-vocabulary logits (key_policy)
+    # The policy's and reference's log-probs and entropy by the fused output layer, without [tokens, vocab / TP]
+    # logits (verl's key; on by default, unlike verl: its outputs are the unfused path's up to rounding)
+    use_fused_kernels: bool = True
     fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
     enable_activation_offload: bool = False  # verl's FSDP activation offload
     torch_dtype: Optional[str] = None  # verl's FSDP load dtype (some scripts set it); warned, megatron.dtype rules
@@ -357,8 +362,9 @@ class EngineKwargsConfig:
 
 @dataclass
 class MultiTurnConfig:
-    """verl's ``rollout.multi_turn`` (both verl versions' keys), so verl scripts parse: meshrl has no
-    multi-turn tool-calling rollout, and refuses any value other than these defaults."""
+    """verl's ``rollout.multi_turn`` (both verl versions' keys): ``enable`` runs the multi-turn tool-calling
+    rollout (``meshrl.rollout.agent_loop``) with the tools of ``tool_config_path``; the function tools,
+    interactions and SGLang's repeats are refused (``meshrl.config.key_policy``)."""
 
     enable: bool = False
     max_assistant_turns: Optional[int] = None
