@@ -175,11 +175,13 @@ class OutputHead:
 
 class _HiddenStates(torch.nn.Module):
     """Stands in for the output layer: returns the hidden states it is given (``ColumnParallelLinear``'s
-    call signature and ``(output, bias)`` result)."""
+    call signature and ``(output, bias)`` result). It shows the layer's ``weight`` (None when tied on the
+    first stage): a tied model's last stage reads the shared weight from there."""
 
-    def __init__(self, sequence_parallel: bool):
+    def __init__(self, layer: torch.nn.Module):
         super().__init__()
-        self.sequence_parallel = sequence_parallel
+        self.weight = layer.weight
+        self.sequence_parallel = layer.sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return hidden_states, None
@@ -203,7 +205,7 @@ def projection_skipped(model: torch.nn.Module) -> Iterator[OutputHead | None]:
         raise ValueError("the fused output layer (model.use_fused_kernels) needs sequence_parallel=False")
     # The weight GPTModel's _postprocess passes the output layer: the shared embedding when tied.
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else layer.weight
-    model.output_layer = _HiddenStates(layer.sequence_parallel)
+    model.output_layer = _HiddenStates(layer)
     try:
         yield OutputHead(weight=weight, softcap=model.meshrl_spec.final_logit_softcap)
     finally:
