@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import queue
+import select
 import selectors
 import shutil
 import signal
@@ -54,6 +55,8 @@ _JAIL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail.py")
 # machine rarely share a slot's RLIMIT_NPROC count.
 _UID_BASE = 1_500_000_000
 _UID_STRIDE = 256
+# Longest wait for a killed run's namespace to empty (the kernel kills them all; this bounds a stuck exit).
+_REAP_WAIT_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +304,12 @@ class _Watch:
             with contextlib.suppress(OSError):
                 self._on_report(self.report.read() or b"")
         if self.pidfd is not None:
+            # A pid 1 read only in that drain outlived its launcher (a run timed out before its launcher's
+            # report was read, e.g. on a loaded machine): kill it too. Its pidfd turns readable only when its
+            # exit is complete, which the kernel holds back until every process of its namespace is gone.
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            select.select([self.pidfd], [], [], _REAP_WAIT_S)
             os.close(self.pidfd)
         self.report.close()
         self.launcher.stdout.close()
