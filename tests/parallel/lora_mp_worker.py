@@ -5,7 +5,9 @@
 PEFT writes a random adapter (``init_lora_weights=False``: B != 0, so every adapter tensor has a gradient);
 each phase loads it into meshrl's adapters at its layout, and records the largest differences from PEFT's
 log-probs and adapter gradients (policy loss of ``mp_worker``), the adapter saved back from the layout
-against PEFT's file, and the merged weights against PEFT's ``merge_and_unload``. Rank 0 writes the results
+against PEFT's file, and the merged weights against PEFT's ``merge_and_unload``. The TP2 Llama phase then takes
+an optimizer step and saves a distributed checkpoint (model and Adam state); the PP2 phase loads it and must hold
+the adapters the TP2 phase saved in PEFT's format after its step. Rank 0 writes the results
 (max over ranks) at the end; ``test_lora_multiproc.py`` asserts the bounds.
 """
 
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mp_worker import build, hf_model, hf_outputs, make_micro_batches, policy_loss  # noqa: E402
 
 from meshrl.models.tiny import TinySpec, tiny_model_dir  # noqa: E402
-from meshrl.parallel import lora, peft_io, schedule, state  # noqa: E402
+from meshrl.parallel import checkpoint, lora, optimizer, peft_io, schedule, state  # noqa: E402
 from meshrl.parallel.forward import OutputRequest  # noqa: E402
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -76,6 +78,7 @@ def run_phase(name: str, family: str, layout: dict, targets: tuple[str, ...], wo
         grads = dict(peft_io.iter_adapter_weights(chunks, grads=True))
         saved = peft_io.save_adapter(chunks, workdir / f"saved-{name}-{family}")
         merged = dict(peft_io.iter_merged_weights(chunks, AutoConfig.from_pretrained(path)))
+        stepped = layout_checkpoint(name, family, chunks, workdir)
     finally:
         state.destroy()
     result = {
@@ -85,11 +88,34 @@ def run_phase(name: str, family: str, layout: dict, targets: tuple[str, ...], wo
         "grad_scale": min(float(g.abs().max()) for g in reference["grads"].values()),
         "merged": max(float((t - reference["merged"][k]).abs().max()) for k, t in merged.items()),
     }
+    if stepped is not None:
+        result["checkpoint"] = stepped
     if saved is not None:
         theirs, mine = load_file(folder / peft_io.WEIGHTS_FILE), load_file(saved / peft_io.WEIGHTS_FILE)
         result["saved_names_mismatch"] = len(set(theirs) ^ set(mine))
         result["saved"] = max(float((mine[k] - theirs[k]).abs().max()) for k in mine)
     return result
+
+
+def layout_checkpoint(name: str, family: str, chunks, workdir: Path) -> float | None:
+    """TP2 Llama: one Adam step, then the checkpoint and the PEFT adapter after it. PP2 Llama: the largest
+    difference between the adapters loaded from that checkpoint (with the optimizer) and the saved PEFT ones."""
+    from safetensors.torch import load_file
+
+    if family != "llama":
+        return None
+    opt, _ = optimizer.build_optimizer(chunks, optimizer.OptimizerConfig(lr=1e-2, weight_decay=0.0))
+    folder = workdir / "checkpoint"
+    if name == "tp2":
+        optimizer.train_step(chunks, opt, None, make_micro_batches(), policy_loss, REQUEST)
+        checkpoint.save_checkpoint(folder, 1, chunks, opt)
+        peft_io.save_adapter(chunks, workdir / "after-step")
+        return None
+    checkpoint.load_checkpoint(folder, chunks, opt)
+    expected = load_file(workdir / "after-step" / peft_io.WEIGHTS_FILE)
+    loaded = dict(peft_io.iter_adapter_weights(chunks))
+    assert set(loaded) == set(expected)
+    return max(float((loaded[k] - expected[k]).abs().max()) for k in loaded)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """LoRA at TP2 and PP2 (CPU/gloo, one 2-rank torchrun launch of ``lora_mp_worker.py``, ~25 s on 2 cores):
 meshrl's adapters loaded from PEFT's random adapter give PEFT's log-probs and adapter gradients (the
-single-rank reference), save back PEFT's tensors, and merge to PEFT's ``merge_and_unload`` weights.
+single-rank reference), save back PEFT's tensors, and merge to PEFT's ``merge_and_unload`` weights; a
+distributed checkpoint saved at TP2 after an Adam step loads at PP2 with the adapters of that step.
 
 Measured: log-probs <= 2.9e-6, adapter gradients <= 2.0e-6 (largest gradient entries 1e-2), saved and
 merged tensors exact.
@@ -47,3 +48,5 @@ def test_lora_at_tp2_pp2_matches_peft(results: dict, phase: str) -> None:
     assert values["grads"] <= 1e-5
     assert values["saved"] == 0.0
     assert values["merged"] <= 1e-6
+    if phase == "pp2-llama":  # loads the checkpoint the TP2 phase saved after an Adam step
+        assert values["checkpoint"] == 0.0
