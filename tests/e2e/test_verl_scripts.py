@@ -52,8 +52,8 @@ def vendored_args(mirror: str, path: str) -> list[str]:
     return call["args"]
 
 
-def swapped(args: list[str], run_dir: Path, model: str) -> list[str]:
-    swaps = {MODEL_KEYS: model, **DATA, **SIZES}
+def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = DATA) -> list[str]:
+    swaps = {MODEL_KEYS: model, **data, **SIZES}
     out = []
     for arg in args:
         key, sep, _ = arg.lstrip("+").partition("=")
@@ -82,3 +82,34 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
         assert plan.use_critic and step["critic/optimizer_steps"] >= 1
     if name == "cispo_fsdp":
         assert plan.policy_loss == "cispo" and "actor/pg_loss" in step
+
+
+def test_verl_sandbox_script_scores_code_in_a_local_sandbox(tmp_path, capsys):
+    """verl's sandbox-fusion PPO script on HumanEval, its URL left out: meshrl starts a local sandbox for the
+    run, says its URL once, scores the code responses there (a failed program is counted by reason) and
+    stops it when the run ends."""
+    from meshrl.data.code_tasks import preprocess
+    from meshrl.rewards.sandbox import SandboxUnreachable, run_code
+    from meshrl.trainer.main import run
+
+    files = preprocess(tmp_path / "humaneval")
+    args = [a for a in vendored_args("volcengine/verl", "examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh")
+            if not a.startswith("reward_model.sandbox_fusion.url=")]
+    data = {r"data\.train_files": str(files["train"]), r"data\.val_files": str(files["test"])}
+    recipe, overrides = parse_args(swapped(args, tmp_path / "run", "tiny:llama", data))
+    cfg = load_config(overrides, recipe=recipe)
+    assert (cfg.reward_model.reward_manager, cfg.reward_model.sandbox_fusion.max_concurrent) == ("prime", 128)
+    run(cfg, preflight(cfg))
+    said = [line for line in capsys.readouterr().err.splitlines() if "code rewards run in a local sandbox" in line]
+    assert len(said) == 1, said
+    url = re.search(r"at (http://\S+/run_code)", said[0]).group(1)
+    with pytest.raises(SandboxUnreachable):  # stopped with the run
+        run_code(url, "print(1)", retries=0)
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step["step"] == 1 and step["critic/optimizer_steps"] >= 1
+    errors = {k.removeprefix("reward/errors/"): v for k, v in step.items() if k.startswith("reward/errors/")}
+    # a random model's responses: none passes HumanEval's tests, and each fails with a reason (no code block, or
+    # code that cannot run)
+    responses = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    assert step["score/mean"] == 0.0 and sum(errors.values()) == responses, errors
+    assert set(errors) <= {"no_code", "timeout", "cpu_time", "memory", "output_limit", "signal", "runtime_error"}
