@@ -163,3 +163,20 @@ def test_n_samples_per_prompt_are_separate_conversations(tiny_llama_dir, tokeniz
     assert [(c.prompt_index, c.sample_index) for c in completions] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [s.assistant_turns for s in stats] == [3, 3, 1, 1]
     assert len(engine.requests) == 3 + 3 + 1 + 1
+
+
+def test_the_hf_engine_caps_each_prompt_at_its_own_max_tokens(tiny_llama_dir):
+    from meshrl.rollout import create_engine
+
+    engine = create_engine(tiny_llama_dir, EngineConfig(name="hf", hf_batch_size=4, max_model_len=64,
+                                                        enable_prefix_caching=False))
+    try:
+        greedy = SamplingConfig(temperature=0, max_response_length=10, ignore_eos=True)
+        full = engine.generate([[5, 6, 7], [8, 9]], greedy)
+        capped = engine.generate([[5, 6, 7], [8, 9]], greedy, max_tokens=[3, 10])
+        with pytest.raises(ValueError, match="max_tokens"):
+            engine.generate([[5, 6, 7]], greedy, max_tokens=[11])
+    finally:
+        engine.shutdown()
+    assert capped[0].token_ids == full[0].token_ids[:3] and capped[0].finish_reason == "length"
+    assert capped[1].token_ids == full[1].token_ids and len(capped[1].token_ids) == 10
