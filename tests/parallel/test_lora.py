@@ -134,3 +134,17 @@ def test_load_adapter_refuses_other_settings(tp1, tiny_llama_dir, tmp_path) -> N
     other = lora_model(tiny_llama_dir, lora.LoraSettings(rank=8, alpha=16, targets=("q_proj",)))
     with pytest.raises(ValueError, match=r"r: adapter 4, run 8.*target_modules"):
         peft_io.load_adapter(other, folder)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_distributed_optimizer_and_bf16_train_the_adapters_only(tp1, tiny_llama_dir, dtype) -> None:
+    chunks = lora.apply_lora(build(tiny_llama_dir, use_distributed_optimizer=True, dtype=dtype),
+                             lora.LoraSettings(rank=4, alpha=8, targets=("q_proj", "down_proj")))
+    opt, _ = optimizer.build_optimizer(chunks, optimizer.OptimizerConfig(lr=1e-2, use_distributed_optimizer=True))
+    gpt = chunks[0].module
+    before = {name: p.detach().clone() for name, p in gpt.named_parameters()}
+    for _ in range(2):
+        assert optimizer.train_step(chunks, opt, None, make_micro_batches(), policy_loss, REQUEST)["update_successful"]
+    changed = sorted(name for name, p in gpt.named_parameters() if not torch.equal(p, before[name]))
+    # 2 layers x (q_proj's A and B in linear_qkv_lora, down_proj's in linear_fc2_lora)
+    assert len(changed) == 8 and all("_lora.lora_" in name for name in changed), changed
