@@ -95,7 +95,7 @@ class _FusedLogProbsEntropy(torch.autograd.Function):
             stats[0, rows], stats[1, rows] = maximum, reduced[0]
             if entropy:
                 log_p = shifted.sub_(log_sum.unsqueeze(-1))
-                stats[2, rows] = -(log_p.exp() * log_p).sum(dim=-1)
+                stats[2, rows] = -log_p.exp().mul_(log_p).sum(dim=-1)
         if entropy:
             dist.all_reduce(stats[2], group=group)
         ctx.save_for_backward(hidden, weight, target if target is not None else hidden.new_empty(0), stats)
@@ -119,9 +119,11 @@ class _FusedLogProbsEntropy(torch.autograd.Function):
             sum_exp = stats[1, rows].unsqueeze(-1)
             # Each output's gradient as the unfused functions compute it, so the two paths round alike.
             grad = None
-            if has_entropy:  # forward.vocab_parallel_entropy's: -p (log p + H) g_H
+            if has_entropy:  # forward.vocab_parallel_entropy's -p (log p + H) g_H, as ((log p + H) p) (-g_H)
                 log_p = shifted - sum_exp.log()
-                grad = -log_p.exp() * (log_p + stats[2, rows].unsqueeze(-1)) * grad_entropy[rows].unsqueeze(-1)
+                p = log_p.exp()
+                grad = log_p.add_(stats[2, rows].unsqueeze(-1)).mul_(p).mul_(-grad_entropy[rows].unsqueeze(-1))
+                del p
             if has_target:  # megatron's cross entropy's, whose loss is -log_prob: (softmax - onehot(y)) (-g_lp)
                 softmax = shifted.exp_().div_(sum_exp)
                 local, absent = _target_in_shard(target[rows], shard, group)

@@ -34,7 +34,11 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
   flight under 1F1B (``1 + (PP-1)/(PP·VPP)`` more with interleaving), the last stage one.
 - Logits of a micro-batch, last stage, vocabulary split over TP: bf16 logits, the fp32 copy the
   vocab-parallel cross entropy keeps, and its fp32 gradient (10 B per element; +8 B when the entropy
-  bonus is on); forward-only passes keep 6 B.
+  bonus is on); forward-only passes keep 6 B. With the fused output layer (``model.use_fused_kernels``,
+  the default; ``run_plan.fused_chunk_size``) only one chunk's logits exist: ``chunk x V/TP`` elements
+  of 16 B in the update (fp32 logits, softmax and gradient) plus the fp32 accumulator of the output
+  weight's gradient (``V/TP x h x 4 B``), 12 B in forward-only passes (measured on CPU in fp32 for
+  4096 tokens of SmolLM2's 49k vocabulary: 16.6 B and 12.0 B per chunk element, with the entropy).
 - Reference model (when ``use_kl_in_reward`` or ``use_kl_loss``): bf16 parameters only, in the policy's
   layout (``model_builder.build_forward_only_model`` in the policy's process groups: no DDP gradient
   buffer); ``ref.megatron.param_offload`` keeps them on the host outside the log-prob phase. PPO's
@@ -56,7 +60,8 @@ attention FLOPs (quadratic in length; small next to 6·N per token at these leng
 
 FLOPs per step (upper bound: every sequence at max prompt + max response length): generation 2·N per
 token of every sampled sequence (ReMax also decodes one greedy response per prompt), the policy update
-6·N per token per PPO epoch (8·N with recompute), 2·N per token for each forward-only pass (old
+6·N per token per PPO epoch (8·N with recompute; plus 2·h·V with the fused output layer, whose backward
+recomputes the logits), 2·N per token for each forward-only pass (old
 log-probs, which an on-policy update skips: ``run_plan.on_policy_update``; reference; critic values),
 and the critic's own update. N counts the matmul parameters:
 the layers plus the output projection, not the embedding lookup.
@@ -88,6 +93,8 @@ _CPU = dict(param=4, grad=4, optim=8, act=4)
 LOGIT_BYTES_TRAIN = 10  # bf16 logits + fp32 copy kept by the cross entropy + fp32 gradient
 LOGIT_BYTES_ENTROPY = 8  # the entropy bonus keeps an fp32 log-softmax and a temporary
 LOGIT_BYTES_FORWARD = 6  # bf16 logits + fp32 copy
+FUSED_BYTES_TRAIN = 16  # per element of one [chunk, V/TP] chunk: fp32 logits, softmax and gradient (+ bf16 copies)
+FUSED_BYTES_FORWARD = 12  # fp32 logits and two temporaries
 OVERHEAD_GIB = {"cuda": 2.0, "cpu": 1.5}  # per process: CUDA context + NCCL + allocator slack / interpreter + libraries
 CPU_DEFAULT_KV_BYTES = GIB  # the rollout config's documented default for CPU engines
 
@@ -330,6 +337,15 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     if actor_dtype is _CPU:
         logit_train += 2  # fp32 logits instead of bf16
     logit_forward = LOGIT_BYTES_FORWARD + (2 if actor_dtype is _CPU else 0)
+    chunk = run.fused_chunk_size
+
+    def logits_bytes(tokens: int, train: bool) -> float:
+        """The last stage's vocabulary-sized tensors for a micro-batch of ``tokens`` (module docstring)."""
+        if chunk is None:
+            return (logit_train if train else logit_forward) * tokens * vocab_shard
+        if not train:
+            return FUSED_BYTES_FORWARD * min(chunk, tokens) * vocab_shard
+        return FUSED_BYTES_TRAIN * min(chunk, tokens) * vocab_shard + 4 * vocab_shard * spec.hidden_size
 
     def phases_for(stage: int, c_stage: int) -> tuple[list[Phase], float]:
         """Phases of a GPU that holds policy stage ``stage`` (critic stage ``c_stage`` for PPO), and the
@@ -359,7 +375,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
 
         lp_tokens = max(logprob_tokens, ref_tokens if use_ref else 0)
         forward = {"forward activations": activation_bytes_per_token(spec, policy.tp, actor_dtype["act"]) * lp_tokens,
-                   "forward logits": logit_forward * lp_tokens * vocab_shard if last else 0}
+                   "forward logits": logits_bytes(lp_tokens, train=False) if last else 0}
         if critic is not None:
             forward["forward activations"] = max(
                 forward["forward activations"],
@@ -369,7 +385,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
             phase("log-prob", {"actor params", "ref params", "critic params"}, forward),
             phase("actor update", {"actor params", "actor grads"},
                   {"actor activations": policy.activations(stage, train_tokens, actor_dtype),
-                   "actor logits": logit_train * train_tokens * vocab_shard if last else 0}),
+                   "actor logits": logits_bytes(train_tokens, train=True) if last else 0}),
             phase("actor optimizer", {"actor params", "actor grads", "actor optimizer"}, {}),
         ]
         if critic is not None:
@@ -396,7 +412,9 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         "generation": 2.0 * n_policy * generated * seq_len,
         "old_log_probs": 0.0 if run.on_policy else 2.0 * n_policy * tokens,
         "reference": 2.0 * n_policy * tokens if use_ref else 0.0,
-        "actor_update": (8.0 if policy.recompute else 6.0) * n_policy * tokens * actor.ppo_epochs,
+        "actor_update": (8.0 if policy.recompute else 6.0) * n_policy * tokens * actor.ppo_epochs
+        # the fused output layer's backward recomputes each chunk's logits: one more vocabulary projection
+        + (2.0 * spec.hidden_size * spec.vocab_size * tokens * actor.ppo_epochs if chunk else 0.0),
     }
     if critic is not None:
         n_critic = matmul_parameters(critic.spec, critic=True)
@@ -417,7 +435,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                             "optimizer": policy.optimizer_offload, "ref_param": ref_offload},
                 "host_offload_bytes_per_node": host_offload * trainer.n_gpus_per_node,
                 "train_tokens_per_micro_batch": train_tokens, "log_prob_tokens_per_micro_batch": logprob_tokens,
-                "reference": use_ref,
+                "fused_output_chunk": chunk, "reference": use_ref,
                 "critic": None if critic is None else {"tp": critic.tp, "pp": critic.pp, "dp": critic.dp,
                                                        "tokens_per_micro_batch": critic_tokens}},
         stage={"actor": worst[0], "actor_pp": policy.pp, "critic": worst[1] if critic else None,
@@ -498,6 +516,9 @@ def _judge(result: Plan, cfg, policy: _Trainer, critic: _Trainer | None, use_ref
         acts = items.get("actor activations", 0)
         if acts and not policy.recompute:
             lever(acts * 0.8, f"set {arr}.model.enable_gradient_checkpointing=True (activation recompute)")
+        if result.layout["fused_output_chunk"] is None and items.get("actor logits"):
+            lever(items["actor logits"], f"set {arr}.model.use_fused_kernels=True (the fused output layer holds one "
+                                         f"chunk of {arr}.model.fused_kernel_options.chunk_size tokens' logits)")
         if acts or items.get("actor logits"):
             lever(acts + items.get("actor logits", 0),
                   f"lower {arr}.actor.ppo_max_token_len_per_gpu (the token budget; now "
@@ -566,7 +587,9 @@ def render(result: Plan, recipe: str | None) -> str:
         f"  cluster  {lay['nnodes']} node(s) x {lay['gpus_per_node']} = {lay['world']} "
         f"{'GPUs' if lay['device'] == 'cuda' else 'processes'}, limit {_gib(result.limit_bytes)} GiB each",
         f"  actor    {'; '.join(flags)}; {lay['train_tokens_per_micro_batch']} tokens per micro-batch"
-        f" ({lay['log_prob_tokens_per_micro_batch']} for log-probs)",
+        f" ({lay['log_prob_tokens_per_micro_batch']} for log-probs); "
+        + (f"fused output layer, {lay['fused_output_chunk']}-token chunks" if lay["fused_output_chunk"]
+           else "unfused logits"),
     ]
     if lay["host_offload_bytes_per_node"]:
         lines.append(f"  host     {_gib(lay['host_offload_bytes_per_node'])} GiB per node for offloaded state")

@@ -97,7 +97,8 @@ def test_memory_scales_with_the_knobs():
     base = plan(load("remax_qwen2.5-7b_seq_balance"))
     half_budget = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12000"))
     update, update_half = phase(base, "actor update").items, phase(half_budget, "actor update").items
-    assert update_half["actor logits"] == pytest.approx(update["actor logits"] / 2)
+    # the fused output layer (the default) holds one chunk of logits whatever the budget (test_fused_output.py)
+    assert update_half["actor logits"] == update["actor logits"]
     no_distopt = plan(load("remax_qwen2.5-7b_seq_balance",
                            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False"))
     dp = base.layout["dp"]

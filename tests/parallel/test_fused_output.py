@@ -119,3 +119,30 @@ def test_the_run_plan_takes_the_chunk_from_verls_key_and_refuses_an_empty_chunk(
     with pytest.raises(ConfigError, match="fused_kernel_options.chunk_size: must be >= 1 token"):
         validate_config(load_config(["actor_rollout_ref.model.fused_kernel_options.chunk_size=0"],
                                     recipe="cpu_tiny_grpo"))
+
+
+def test_the_planner_counts_one_chunk_of_logits_with_the_fused_layer() -> None:
+    """``meshrl plan`` on the seed's ReMax 7B recipe: unfused, the update's logits grow with the token budget;
+    fused, with the chunk only, and both the update's and the log-prob phase's totals drop by the difference."""
+    from meshrl.config import load_config
+    from meshrl.config.validate import validate_config
+    from meshrl.trainer.plan import plan
+
+    def phases(*overrides: str) -> dict:
+        cfg = load_config(list(overrides), recipe="remax_qwen2.5-7b_seq_balance")
+        validate_config(cfg)
+        return {p.name: p for p in plan(cfg).phases}
+
+    unfused, budget = "actor_rollout_ref.model.use_fused_kernels=False", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    before, after = phases(unfused), phases()
+    half = phases(unfused, f"{budget}=12000")
+    logits = {name: run["actor update"].items["actor logits"] for name, run in (("before", before), ("after", after),
+                                                                                 ("half", half))}
+    assert logits["half"] == pytest.approx(logits["before"] / 2)
+    assert logits["after"] < logits["before"] / 5
+    assert phases(f"{budget}=12000")["actor update"].items["actor logits"] == logits["after"]
+    bigger_chunks = phases("actor_rollout_ref.model.fused_kernel_options.chunk_size=1024")
+    assert bigger_chunks["actor update"].items["actor logits"] > logits["after"]
+    for name, item in (("actor update", "actor logits"), ("log-prob", "forward logits")):
+        saved = before[name].items[item] - after[name].items[item]
+        assert saved > 0 and before[name].total - after[name].total == pytest.approx(saved)
