@@ -32,10 +32,10 @@ from meshrl.config.loader import default_config
 # verl's critic FSDP section has had three places: critic.fsdp_config, critic.model.fsdp_config, critic.fsdp.
 CRITIC_FSDP = ("critic.fsdp_config", "critic.model.fsdp_config", "critic.fsdp")
 FSDP_CONFIG = ("actor_rollout_ref.actor.fsdp_config.*", "actor_rollout_ref.ref.fsdp_config.*",
-               *(f"{section}.*" for section in CRITIC_FSDP))
+               "reward_model.model.fsdp_config.*", *(f"{section}.*" for section in CRITIC_FSDP))
 # fsdp_config's offload flags mean for the Megatron backend what they mean for FSDP: they are read.
 FSDP_READ = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
-             "actor_rollout_ref.ref.fsdp_config.param_offload",
+             "actor_rollout_ref.ref.fsdp_config.param_offload", "reward_model.model.fsdp_config.param_offload",
              *(f"{section}.{flag}" for section in CRITIC_FSDP for flag in ("param_offload", "optimizer_offload")))
 
 FSDP_ONLY = FSDP_CONFIG + (
@@ -54,11 +54,30 @@ FSDP_ONLY = FSDP_CONFIG + (
 PROFILER = "verl's profiler hooks; meshrl's profiling lives in bench/"
 MULTI_TURN_TOKENS = ("meshrl's multi-turn rollout trains on exactly the tokens the engine produced and consumed and "
                      "never re-renders or re-tokenises a conversation, so there is no second rendering to pick or check")
+RM_POOL = ("meshrl colocates the reward model with the training ranks (one more worker per GPU, like the critic); "
+           "a separate resource pool is not built: set enable_resource_pool=False")
+RM_ENGINE = ("verl serves a discriminative reward model with an inference engine (its reward loop); meshrl runs it "
+             "as a Megatron forward role (reward_model.megatron.*, micro_batch_size_per_gpu or "
+             "forward_max_token_len_per_gpu), which gives the same scores")
 
 INERT = {
     "data.filter_overlong_prompts_workers": "meshrl filters prompts in one process; the result is the same",
     "data.dataloader_num_workers": "meshrl's sampler reads prompts from memory, with no DataLoader workers",
     "actor_rollout_ref.model.use_shm": "meshrl reads the model folder where it is",
+    "reward_model.rollout.*": RM_ENGINE,
+    "reward.reward_model.rollout.*": RM_ENGINE,
+    "reward_model.n_gpus_per_node": "it sizes verl's separate reward-model pool (enable_resource_pool)",
+    "reward_model.nnodes": "it sizes verl's separate reward-model pool (enable_resource_pool)",
+    "reward.reward_model.n_gpus_per_node": "it sizes verl's separate reward-model pool (enable_resource_pool)",
+    "reward.reward_model.nnodes": "it sizes verl's separate reward-model pool (enable_resource_pool)",
+    "reward_model.model.input_tokenizer": "meshrl decodes responses with the policy's tokenizer, which produced them, "
+                                          "and renders them with the reward model's chat template (verl's reward loop)",
+    "data.return_raw_input_ids": "meshrl's reward model reads the prompt's chat messages (data.return_raw_chat) "
+                                 "rendered with its own template, never the policy's token ids",
+    # the reward model is never trained
+    "reward_model.megatron.use_distributed_optimizer": "the reward model is never trained",
+    "reward_model.megatron.grad_offload": "the reward model is never trained",
+    "reward_model.megatron.optimizer_offload": "the reward model is never trained",
     "*.megatron.use_mbridge": "meshrl converts HF <-> Megatron weights with its own mapping",
     "*.megatron.vanilla_mbridge": "meshrl converts HF <-> Megatron weights with its own mapping",
     "actor_rollout_ref.ref.megatron.grad_offload": "the reference is forward-only: it has no gradients",
@@ -66,7 +85,6 @@ INERT = {
     "actor_rollout_ref.ref.megatron.use_distributed_optimizer": "the reference is forward-only: it has no optimizer",
     "actor_rollout_ref.rollout.calculate_log_probs": "meshrl's engines always return the sampled tokens' log-probs "
                                                     "(the step-1 rollout/log_prob_max_abs_diff check reads them)",
-    "reward_model.strategy": "it names a learned reward model's backend; meshrl has none (reward_model.enable)",
     "trainer.ray_wait_register_center_timeout": "meshrl's worker start and calls time out at trainer.worker_timeout_s",
     "trainer.use_legacy_worker_impl": "it picks between verl's two worker generations; meshrl has one",
     "actor_rollout_ref.*.entropy_from_logits_with_chunking": "meshrl's entropy is computed from vocab-parallel logits "
@@ -91,8 +109,6 @@ INERT = {
     "*.profiler.*": PROFILER,
 }
 
-REWARD_MODEL = ("learned reward models (verl's reward model workers and reward loop engines) are not built yet; score "
-                "with rule rewards or custom_reward_function.path, and set reward_model.enable=False")
 REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one score per response, dispatched by "
                   "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
                   "(e.g. DAPO's overlong buffer) are not built yet")
@@ -106,12 +122,12 @@ VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Me
           "model_engine=megatron and the *.megatron.* keys")
 
 REFUSED = {
-    "reward_model.enable": REWARD_MODEL,
-    "reward_model.model": REWARD_MODEL,
-    "reward_model.micro_batch_size*": REWARD_MODEL,
-    "reward_model.max_length": REWARD_MODEL,
-    "reward_model.rollout.*": REWARD_MODEL,
-    "reward.reward_model.*": REWARD_MODEL,
+    "reward_model.enable_resource_pool": RM_POOL,
+    "reward.reward_model.enable_resource_pool": RM_POOL,
+    "reward_model.load_weight": "a reward model without its trained weights scores at random; set True",
+    "reward_model.model.external_lib": "meshrl builds its own model families and imports no model code",
+    "reward_model.megatron.use_dist_checkpointing": "the reward model loads from its HF folder "
+                                                    "(reward_model.model.path); leave it False",
     "reward_model.reward_kwargs": REWARD_MANAGER,
     "reward.reward_manager.*": REWARD_MANAGER,
     "reward.reward_kwargs": REWARD_MANAGER,
@@ -130,7 +146,6 @@ REFUSED = {
                                                        "not register; leave it at its default",
     "actor_rollout_ref.hybrid_engine": "meshrl always colocates the rollout engine with the trainer (verl's hybrid "
                                        "engine); set True",
-    "data.return_raw_input_ids": "it feeds a learned reward model with another tokenizer, which meshrl does not build",
     "actor_rollout_ref.model.external_lib": "meshrl builds its own model families and imports no model code",
     "actor_rollout_ref.rollout.multi_turn.function_tool_path": "verl's function tools (Python functions made tools) "
                                                                "are not built yet; describe the tools in "
@@ -177,6 +192,8 @@ ALIASES = {
     "reward.sandbox_fusion.url": "reward_model.sandbox_fusion.url",
     "reward.sandbox_fusion.max_concurrent": "reward_model.sandbox_fusion.max_concurrent",
     "reward.sandbox_fusion.memory_limit_mb": "reward_model.sandbox_fusion.memory_limit_mb",
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
 }
 
 

@@ -21,6 +21,9 @@ Keys per phase (dynamic? / token budget / sequences per micro-batch; ``a ?? b``:
   ``critic.ppo_micro_batch_size[_per_gpu] ?? actor.ppo_micro_batch_size[_per_gpu]``.
 - ``critic_values``: dynamic as ``critic_update`` / ``critic.forward_max_token_len_per_gpu ??
   critic.ppo_max_token_len_per_gpu`` / ``critic.forward_micro_batch_size_per_gpu ?? critic_update's``.
+- ``reward_model`` (the learned reward model's scores): ``reward_model.use_dynamic_bsz ?? critic_values'`` /
+  ``reward_model.forward_max_token_len_per_gpu ?? critic_values'`` / ``reward_model.micro_batch_size[_per_gpu] ??
+  critic_values'`` (verl interpolates the critic's keys the same way).
 
 A forward-only pass falls back on the training pass's micro-batch size: it needs less memory per sequence.
 """
@@ -29,9 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-PHASES = ("actor_update", "actor_log_prob", "ref_log_prob", "critic_update", "critic_values")
+PHASES = ("actor_update", "actor_log_prob", "ref_log_prob", "critic_update", "critic_values", "reward_model")
+# The config section holding each role's megatron layout.
+ROLE_SECTIONS = {"actor": "actor_rollout_ref.actor", "critic": "critic", "reward_model": "reward_model"}
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,9 @@ class MicroBatching:
         return self.max_token_len is not None
 
 
-def data_parallel_size(cfg: DictConfig, critic: bool = False) -> int:
-    """Data-parallel ranks of the actor's (or the critic's) layout: processes / (TP·PP·CP)."""
-    mg = (cfg.critic if critic else cfg.actor_rollout_ref.actor).megatron
+def data_parallel_size(cfg: DictConfig, role: str = "actor") -> int:
+    """Data-parallel ranks of ``role``'s layout (a key of ``ROLE_SECTIONS``): processes / (TP·PP·CP)."""
+    mg = OmegaConf.select(cfg, ROLE_SECTIONS[role]).megatron
     model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
     return max(1, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node // max(1, model_parallel))
 
@@ -100,6 +105,18 @@ def micro_batching(cfg: DictConfig, phase: str, dp_size: int) -> MicroBatching:
             budget_key = "critic.forward_max_token_len_per_gpu"
             size = critic.forward_micro_batch_size_per_gpu or size
             sources.insert(0, "critic.forward_micro_batch_size_per_gpu")
+    elif phase == "reward_model":
+        rm = cfg.reward_model
+        critic_dynamic = actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz
+        dynamic = critic_dynamic if rm.use_dynamic_bsz is None else rm.use_dynamic_bsz
+        budget = rm.forward_max_token_len_per_gpu or critic.forward_max_token_len_per_gpu \
+            or critic.ppo_max_token_len_per_gpu
+        budget_key = "reward_model.forward_max_token_len_per_gpu"
+        candidates = (_per_gpu(rm, "micro_batch_size", "reward_model", dp_size), critic.forward_micro_batch_size_per_gpu,
+                      _per_gpu(critic, "ppo_micro_batch_size", "critic", dp_size), actor_size)
+        size = next((c for c in candidates if c is not None), None)
+        sources = ["reward_model.micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
+                   "critic.ppo_micro_batch_size_per_gpu", actor_key]
     else:
         raise ValueError(f"unknown phase {phase!r}; one of {', '.join(PHASES)}")
     if dynamic:

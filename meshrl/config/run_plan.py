@@ -7,7 +7,8 @@ registries (a typo fails here with a did-you-mean, before Ray, models or a rollo
 - **roles**: the policy always; the reference when a KL term is used (``algorithm.use_kl_in_reward`` or
   ``actor.use_kl_loss``); the critic when the advantage estimator takes ``values`` (GAE); the greedy
   baseline rollout when it takes ``greedy_scores`` (ReMax). Read from the estimator's signature, so a
-  user's ``module:function`` estimator gets the roles it asks for.
+  user's ``module:function`` estimator gets the roles it asks for. The learned reward model with
+  ``reward_model.enable`` (its own layout from ``reward_model.megatron``).
 - **where KL goes**: the reward (``kl_in_reward``: its penalty type) and/or the loss (``kl_loss``: its type).
 - **response width** ``response_length``: the rollout's (``rollout.response_length``, else
   ``data.max_response_length``), the one width of every ``(B, R)`` tensor — actor, critic and the loss
@@ -18,11 +19,11 @@ registries (a typo fails here with a did-you-mean, before Ray, models or a rollo
   log-probs are evaluated at.
 - **the train/rollout log-prob alarm** (``mismatch_tolerance``, ``meshrl.trainer.alarms``): whether the
   engine's log-probs are comparable with the trainer's at all, and the tolerance its precision allows.
+- **LoRA** (``lora``: ``meshrl.config.lora_keys``): the policy's adapters from verl's FSDP or Megatron LoRA keys,
+  None when every weight trains.
 - **the fused output layer** (``fused_chunk_size``): with ``model.use_fused_kernels`` the policy's and the
   reference's log-probs and entropy come from ``meshrl.parallel.fused_output`` in chunks of
   ``model.fused_kernel_options.chunk_size`` tokens; None: from the output layer's logits.
-- **LoRA** (``lora``: ``meshrl.config.lora_keys``): the policy's adapters from verl's FSDP or Megatron LoRA keys,
-  None when every weight trains.
 - **what every worker process needs of the run** (``workers``: ``WorkerSettings``): the device, the collective
   timeout, the non-finite number policy, where logs go. A worker gets this plan and its own role's config
   section (``actor_rollout_ref`` or ``critic``), never the whole config.
@@ -33,12 +34,12 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, POLICY_LOSSES, Registry
 from meshrl.config.loader import ConfigError
 from meshrl.config.lora_keys import LoraPlan, lora_plan
-from meshrl.config.micro_batching import MicroBatching, data_parallel_size, micro_batching
+from meshrl.config.micro_batching import ROLE_SECTIONS, MicroBatching, data_parallel_size, micro_batching
 from meshrl.config.schema import MISMATCH_ACTIONS
 
 # Batch fields the trainer can hand an estimator, and the roles that produce them.
@@ -116,22 +117,29 @@ class RunPlan:
     actor_update: UpdateSchedule
     critic_update: UpdateSchedule | None
     micro_batching: dict[str, MicroBatching] = field(default_factory=dict)
+    # The learned reward model's layout (reward_model.enable), None: rewards come from functions only.
+    reward_model_layout: ParallelLayout | None = None
     warnings: tuple[str, ...] = ()  # said once at start-up (meshrl.trainer.main)
     # The train/rollout log-prob alarm's tolerance on the token-mean |old - rollout| (meshrl.trainer.alarms);
     # None: no alarm (trainer.on_mismatch=ignore, or the engine's log-probs are not the trainer's by config).
     mismatch_tolerance: float | None = None
     workers: WorkerSettings | None = None
-    lora: LoraPlan | None = None  # the policy's LoRA adapters; None: every weight trains
     fused_chunk_size: int | None = None  # tokens per chunk of the fused output layer; None: unfused
+    lora: LoraPlan | None = None  # the policy's LoRA adapters; None: every weight trains
 
     @property
     def use_reference(self) -> bool:
         return self.kl_in_reward is not None or self.kl_loss is not None
 
     @property
+    def use_reward_model(self) -> bool:
+        return self.reward_model_layout is not None
+
+    @property
     def roles(self) -> tuple[str, ...]:
         return ("policy", "rollout") + (("reference",) if self.use_reference else ()) \
-            + (("critic",) if self.use_critic else ()) + (("greedy_baseline",) if self.greedy_baseline else ())
+            + (("critic",) if self.use_critic else ()) + (("greedy_baseline",) if self.greedy_baseline else ()) \
+            + (("reward_model",) if self.use_reward_model else ())
 
 
 def _resolve(registry: Registry, name: str, key: str, problems: list[str]) -> bool:
@@ -166,11 +174,11 @@ def method_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def _layout(cfg: DictConfig, critic: bool) -> ParallelLayout:
-    mg = (cfg.critic if critic else cfg.actor_rollout_ref.actor).megatron
+def _layout(cfg: DictConfig, role: str) -> ParallelLayout:
+    mg = OmegaConf.select(cfg, ROLE_SECTIONS[role]).megatron
     return ParallelLayout(tensor=mg.tensor_model_parallel_size, pipeline=mg.pipeline_model_parallel_size,
                           virtual_pipeline=mg.virtual_pipeline_model_parallel_size, context=mg.context_parallel_size,
-                          expert=mg.expert_model_parallel_size, data=data_parallel_size(cfg, critic=critic))
+                          expert=mg.expert_model_parallel_size, data=data_parallel_size(cfg, role))
 
 
 def build_run_plan(cfg: DictConfig) -> RunPlan:
@@ -206,20 +214,22 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
             bool(critic.shuffle if critic.shuffle is not None else actor.shuffle))
     kl_in_reward = algo.kl_penalty if algo.use_kl_in_reward else None
     kl_loss = actor.kl_loss_type if actor.use_kl_loss else None
+    use_reward_model = bool(cfg.reward_model.enable)
     phases = ["actor_update", "actor_log_prob"] + (["ref_log_prob"] if kl_in_reward or kl_loss else []) \
-        + (["critic_update", "critic_values"] if use_critic else [])
+        + (["critic_update", "critic_values"] if use_critic else []) + (["reward_model"] if use_reward_model else [])
     batching, phase_problems = {}, []
     for phase in phases:
+        role = next((r for r in ("critic", "reward_model") if phase.startswith(r)), "actor")
         try:
-            batching[phase] = micro_batching(cfg, phase, data_parallel_size(cfg, critic=phase.startswith("critic")))
+            batching[phase] = micro_batching(cfg, phase, data_parallel_size(cfg, role))
         except ValueError as exc:
             phase_problems.append(str(exc))
     mismatch_tolerance, note, mismatch_problems = rollout_mismatch_check(cfg)
     phase_problems += mismatch_problems
+    fused_chunk_size = fused_output_chunk(arr.model, phase_problems)
     lora, lora_problems, lora_notes = lora_plan(cfg)
     phase_problems += lora_problems
     warnings += lora_notes
-    fused_chunk_size = fused_output_chunk(arr.model, phase_problems)
     if phase_problems:
         return None, phase_problems
     if note:
@@ -229,7 +239,8 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
         kl_in_reward=kl_in_reward, kl_loss=kl_loss, use_critic=use_critic,
         greedy_baseline="greedy_scores" in needs, response_length=int(width),
         prompt_length=int(rollout.prompt_length or data.max_prompt_length), temperature=float(rollout.temperature),
-        actor_layout=_layout(cfg, critic=False), critic_layout=_layout(cfg, critic=True) if use_critic else None,
+        actor_layout=_layout(cfg, "actor"), critic_layout=_layout(cfg, "critic") if use_critic else None,
+        reward_model_layout=_layout(cfg, "reward_model") if use_reward_model else None,
         rollout_tensor_parallel=rollout.tensor_model_parallel_size, on_policy=on_policy_update(cfg),
         actor_update=actor_update,
         critic_update=critic_update, micro_batching=batching, warnings=tuple(warnings),

@@ -569,8 +569,27 @@ class RewardModelSandboxConfig:
 
 
 @dataclass
+class RewardModelModelConfig:
+    """verl's ``reward_model.model``: a discriminative reward model, an HF ``*ForSequenceClassification``
+    checkpoint with one label (``meshrl.workers.reward_model``)."""
+
+    path: Optional[str] = II("reward.reward_model.model_path")  # follows verl-project's name unless set itself
+    # verl: the tokenizer the responses are decoded with before the reward model's chat template renders them
+    # (its default: the policy's); meshrl always decodes with the policy's tokenizer, which produced them (inert)
+    input_tokenizer: Optional[str] = None
+    trust_remote_code: bool = False
+    external_lib: Optional[str] = None
+    override_config: Dict[str, Any] = field(default_factory=dict)
+    use_remove_padding: bool = True
+    fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
+
+
+@dataclass
 class RewardModelConfig:
-    enable: bool = False  # a learned reward model; meshrl scores with rule-based rewards
+    # A learned (discriminative) reward model scores every response in place of the rule-based reward function;
+    # with custom_reward_function.path the function scores and reads the model's score as extra_info["rm_score"].
+    # Follows verl-project's reward.reward_model.enable unless set itself.
+    enable: bool = II("reward.reward_model.enable")
     reward_manager: str = "naive"
     launch_reward_fn_async: bool = False
     num_workers: int = II("reward.num_workers")  # reward processes; 0: in the driver, where no timeout cuts in
@@ -585,7 +604,15 @@ class RewardModelConfig:
     # responses). 0: never stop.
     max_failed_batches: int = 3
     strategy: str = "megatron"
-    model: Dict[str, Any] = field(default_factory=dict)
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    # verl: a separate GPU pool for the reward model; meshrl colocates it with the policy (refused when True)
+    enable_resource_pool: bool = False
+    n_gpus_per_node: int = 0
+    nnodes: int = 0
+    load_weight: bool = True
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    use_dynamic_bsz: Optional[bool] = None  # None: the critic's (verl interpolates ${critic.use_dynamic_bsz})
+    forward_max_token_len_per_gpu: Optional[int] = None  # None: the critic's forward budget
     # verl's reward loop scores in workers beside the rollout, its legacy path in the trainer: the
     # same rule scores, which meshrl computes in its own process pool (inert)
     use_reward_loop: bool = True

@@ -110,11 +110,13 @@ def validate_config(cfg: DictConfig) -> RunPlan:
                      "async single-turn rollout gives); the async agent-loop server is not built yet")
 
     # actor
-    for key, section in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", ref), ("critic", critic)):
+    for key, section in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", ref), ("critic", critic),
+                         ("reward_model", cfg.reward_model)):
         p.require(section.strategy in ("megatron", *FSDP_STRATEGIES), f"{key}.strategy",
                   f"meshrl trains with its Megatron backend; got '{section.strategy}'. Set megatron (verl's FSDP "
                   f"names {', '.join(FSDP_STRATEGIES)} load with a warning)")
-    fsdp = [f"{key}.strategy={s.strategy}" for key, s in (("actor", actor), ("ref", ref), ("critic", critic))
+    fsdp = [f"{key}.strategy={s.strategy}" for key, s in (("actor", actor), ("ref", ref), ("critic", critic),
+                                                           ("reward_model", cfg.reward_model))
             if s.strategy in FSDP_STRATEGIES]
     if fsdp:
         notes.append(f"{', '.join(fsdp)}: meshrl trains with its Megatron backend (fsdp_config's param_offload / "
@@ -150,6 +152,9 @@ def validate_config(cfg: DictConfig) -> RunPlan:
         _check_optim(p, critic.optim, "critic.optim")
         _check_megatron(p, cfg, critic.megatron, "critic.megatron")
         p.require(critic.cliprange_value > 0, "critic.cliprange_value", f"must be > 0, got {critic.cliprange_value}")
+    if cfg.reward_model.enable:  # the learned reward model's own layout (meshrl.workers.reward_model)
+        _check_megatron(p, cfg, cfg.reward_model.megatron, "reward_model.megatron")
+        p.choice(cfg.reward_model.megatron.dtype, "reward_model.megatron.dtype", MEGATRON_DTYPES)
 
     # algorithm
     p.require(0 <= algo.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {algo.gamma}")

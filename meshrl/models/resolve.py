@@ -5,6 +5,8 @@
     tiny:<family>          a tiny random model of a registered family, named by its module in
                            meshrl.models.families (tiny:llama, tiny:qwen2, tiny:qwen3, tiny:mistral, tiny:gemma,
                            tiny:gemma2, tiny:gemma3 for model_type gemma3_text; tests, smoke runs)
+    tiny-rm:<family>       a tiny random reward model (*ForSequenceClassification, one label) of a family
+                           (meshrl.models.tiny_reward; reward_model.model.path in tests)
     <folder>               a local HF folder (config.json + safetensors + tokenizer)
 
 No model hub is reachable, so a hub id such as ``Qwen/Qwen2.5-7B-Instruct`` that is not a local
@@ -20,6 +22,7 @@ from meshrl.models.families import FAMILY_MODULES
 EMBEDDED_MODELS = ("embedded:smollm2", "embedded:gemma3-270m")
 # tiny:<family module> -> its model_type
 TINY_MODELS = {f"tiny:{module}": model_type for model_type, module in FAMILY_MODULES.items()}
+TINY_REWARD_MODELS = {f"tiny-rm:{module}": model_type for model_type, module in FAMILY_MODULES.items()}
 
 
 def resolve_model_path(path: str) -> Path:
@@ -35,6 +38,10 @@ def resolve_model_path(path: str) -> Path:
         from meshrl.models.tiny import tiny_model_dir, tiny_spec
 
         return tiny_model_dir(tiny_spec(TINY_MODELS[path]))
+    if path in TINY_REWARD_MODELS:
+        from meshrl.models.tiny_reward import tiny_reward_model_dir
+
+        return tiny_reward_model_dir(TINY_REWARD_MODELS[path])
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return folder

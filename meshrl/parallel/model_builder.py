@@ -369,9 +369,10 @@ def build_model(hf_config, *, critic: bool = False, dtype: torch.dtype | None = 
     return wrapped
 
 
-def build_forward_only_model(hf_config, *, dtype: torch.dtype | None = None,
+def build_forward_only_model(hf_config, *, critic: bool = False, dtype: torch.dtype | None = None,
                              **config_overrides: Any) -> list[torch.nn.Module]:
-    """This rank's chunks of a model that is never trained, only run by ``schedule.forward_only``.
+    """This rank's chunks of a model that is never trained, only run by ``schedule.forward_only`` (the
+    reference policy; with ``critic`` the value-head structure, for a reward model).
 
     The same ``GPTModel`` chunks as ``build_model`` in the same layout (same weight loaders, same
     outputs bit for bit), in eval mode, but not wrapped in megatron DDP: no gradient buffer, which
@@ -384,7 +385,7 @@ def build_forward_only_model(hf_config, *, dtype: torch.dtype | None = None,
     when the input's strides allow a view, else it runs a batched GEMM with another summation order:
     at TP=2 a frozen copy's log-probs differed from the trainable model's by 1e-6 (entropies by 4e-6).
     """
-    chunks, _ = _gpt_chunks(hf_config, False, dtype or default_dtype(), config_overrides)
+    chunks, _ = _gpt_chunks(hf_config, critic, dtype or default_dtype(), config_overrides)
     for chunk in chunks:
         chunk.eval()
     return chunks

@@ -126,6 +126,7 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     from meshrl.workers.actor_rollout_ref import ActorRolloutRefGroup
     from meshrl.workers.cluster import start_ray
     from meshrl.workers.critic import CriticGroup
+    from meshrl.workers.reward_model import RewardModelGroup
     from omegaconf import OmegaConf
 
     for warning in plan.warnings:
@@ -142,7 +143,7 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     # only a session this call started is shut down at the end.
     owns_ray = not ray.is_initialized()
     start_ray(cfg)
-    policy = critic = trainer = reward = None
+    policy = critic = reward_model = trainer = reward = None
     sandbox = contextlib.ExitStack()  # the local code sandbox, when this run starts one
     failure = None
     # Installed after ray.init, which sets a SIGTERM handler of its own.
@@ -156,12 +157,14 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
             if plan.use_critic:
                 critic = CriticGroup(cfg, plan, resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path
                                      else inputs.model_dir)
+            if plan.use_reward_model:
+                reward_model = RewardModelGroup(cfg, plan, resolve_model_path(cfg.reward_model.model.path))
             with Tracker(list(cfg.trainer.logger), run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                          OmegaConf.to_container(cfg), total_steps) as tracker:
                 trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=inputs.tokenizer,
                                     train_data=inputs.train_data, val_data=inputs.val_data, reward=reward,
                                     tracker=tracker, checkpoints=checkpoints,
-                                    stop_requested=interrupts.stop_requested)
+                                    stop_requested=interrupts.stop_requested, reward_model=reward_model)
                 final = trainer.fit()
             if not interrupts.stop_requested():
                 if cfg.ray_kwargs.timeline_json_file:
@@ -177,7 +180,7 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
             if reward is not None:
                 reward.close()
             sandbox.close()
-            for group in (policy, critic):
+            for group in (policy, critic, reward_model):
                 if group is not None:
                     group.shutdown()
             if owns_ray:
@@ -203,6 +206,12 @@ def preflight(cfg):
 
     plan = validate_config(cfg)
     validate_against_model(cfg, plan, model_config(cfg))
+    if plan.use_reward_model:
+        from meshrl.workers.reward_model import reward_model_problems
+
+        if problems := reward_model_problems(cfg):
+            raise ConfigError("invalid reward model ({} problem(s)):\n  - {}".format(
+                len(problems), "\n  - ".join(problems)), [line.split(":")[0].split("=")[0] for line in problems])
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
     problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout)
     if problems:

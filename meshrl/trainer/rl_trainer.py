@@ -3,7 +3,7 @@
     for step in 1..T:
         prompts       ← sampler                                   (data.train_batch_size prompts)
         responses     ← policy.generate(prompts × n)             (+ one greedy response per prompt: ReMax)
-        scores        ← reward(responses)                        (rule-based, process pool)
+        scores        ← reward(responses)                        (rule-based, process pool; or the reward model)
         ref_log_probs ← reference(responses)                     (only when a KL term is used)
         old_log_probs ← policy(responses)                        (unless on-policy: then the update's own forward)
         values        ← critic(responses)                        (PPO)
@@ -48,11 +48,16 @@ from meshrl.workers.sequences import attended
 class RLTrainer:
     def __init__(self, cfg: DictConfig, plan: RunPlan, *, policy, critic, tokenizer, train_data: RLDataset,
                  val_data: RLDataset | None, reward: RewardPool, tracker: Tracker,
-                 checkpoints: CheckpointManager, stop_requested: Callable[[], bool] = lambda: False) -> None:
+                 checkpoints: CheckpointManager, stop_requested: Callable[[], bool] = lambda: False,
+                 reward_model=None) -> None:
         self.cfg = cfg
         self.plan = plan  # roles, methods, widths, schedules: decided once (meshrl.config.run_plan)
         self.policy = policy  # ActorRolloutRefGroup: generate / log-probs / update / sync / save
         self.critic = critic  # CriticGroup or None
+        self.reward_model = reward_model  # RewardModelGroup or None
+        # The prompts' chat messages travel with the batch for data.return_raw_chat and for the reward model,
+        # which renders them with its own chat template.
+        self.raw_chat = bool(cfg.data.return_raw_chat) or plan.use_reward_model
         self.tokenizer = tokenizer
         self.train_data = train_data
         self.val_data = val_data
@@ -151,7 +156,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------- pieces
     def next_prompts(self) -> Batch:
-        return prompts_batch(self.train_data, self.sampler.next_batch(), raw_chat=self.cfg.data.return_raw_chat)
+        return prompts_batch(self.train_data, self.sampler.next_batch(), raw_chat=self.raw_chat)
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         """``policy.generate``. The prompts' chat messages (``raw_prompt``), which the engines never read, stay
@@ -163,16 +168,29 @@ class RLTrainer:
         return batch
 
     def score(self, batch: Batch, prefix: str) -> dict[str, float]:
-        """Decode responses, score them with the reward function their ``data.reward_fn_key`` column picks, and
-        set ``token_level_scores`` and the function's extra outputs; returns reward metrics."""
-        result = self.reward.score(list(batch["reward_source"]), decode_responses(batch, self.tokenizer),
-                                   list(batch["ground_truth"]), list(batch["extra_info"]))
-        scores = torch.tensor(result.scores, dtype=torch.float32)
+        """Score the responses and set ``token_level_scores`` (and a function's extra outputs); returns reward
+        metrics. The score: the learned reward model's (``reward_model.enable``), or the reward function's that
+        the row's ``data.reward_fn_key`` column picks, on the decoded responses; with both (``custom_reward_function
+        .path`` set) the function's, which reads the model's as ``extra_info["rm_score"]``."""
+        rm_scores = self.reward_model.compute_scores(batch, self.tokenizer) if self.reward_model is not None else None
+        metrics = {}
+        if rm_scores is not None and not self.cfg.custom_reward_function.path:
+            scores = rm_scores
+        else:
+            extra_info = list(batch["extra_info"])
+            if rm_scores is not None:
+                extra_info = [{**(info or {}), "rm_score": float(s)} for info, s in zip(extra_info, rm_scores)]
+            result = self.reward.score(list(batch["reward_source"]), decode_responses(batch, self.tokenizer),
+                                       list(batch["ground_truth"]), extra_info)
+            scores = torch.tensor(result.scores, dtype=torch.float32)
+            set_reward_extras(batch, result.extras)
+            metrics = {k: float(v) for k, v in result.metrics.items()}  # already named reward/...
         batch.set("token_level_scores", outcome_to_token_scores(scores, batch["response_mask"]))
-        set_reward_extras(batch, result.extras)
         out = {f"{prefix}/mean": float(scores.mean()), f"{prefix}/std": float(scores.std()) if len(scores) > 1 else 0.0,
                f"{prefix}/accuracy": float((scores >= 1.0).float().mean())}
-        out.update({k: float(v) for k, v in result.metrics.items()})  # already named reward/...
+        if rm_scores is not None:
+            out[f"{prefix}/reward_model_mean"] = float(rm_scores.mean())
+        out.update(metrics)
         return out
 
     def mini_batches(self, batch: Batch, schedule: UpdateSchedule, stream: int = 0) -> list[tuple[Batch, GlobalNorm]]:
@@ -184,7 +202,7 @@ class RLTrainer:
         mean score per data source. Dumps and logs the generations (``meshrl.trainer.dumps``)."""
         scores, sources, columns = [], [], []
         for indices in validation_batches(len(self.val_data), self.cfg.data.val_batch_size):
-            batch = self.generate(prompts_batch(self.val_data, indices, raw_chat=self.cfg.data.return_raw_chat),
+            batch = self.generate(prompts_batch(self.val_data, indices, raw_chat=self.raw_chat),
                                   mode="val")
             self.score(batch, prefix="val_tmp")
             scores.append(batch["token_level_scores"].sum(-1))

@@ -29,8 +29,9 @@ from meshrl.workers.sequences import sequence_lengths
 
 
 def groups_per_rank(plan: RunPlan) -> int:
-    """Worker processes per training rank: the policy's, plus the critic's when the run has one."""
-    return 2 if plan.use_critic else 1
+    """Worker processes per training rank: the policy's, plus the critic's and the reward model's when the run
+    has them."""
+    return 1 + plan.use_critic + plan.use_reward_model
 
 
 def use_cuda(cfg: DictConfig) -> bool:
@@ -59,7 +60,7 @@ class DispatchGroup:
         cuda = use_cuda(cfg)
         # On CPU the machine's cores are shared out between the ranks (Ray would pin each to 1 thread).
         threads = max(1, (os.cpu_count() or 1) // world) if not cuda else 4
-        # PPO's critic group shares each device with the policy group (colocated, half a GPU each).
+        # The critic and reward-model groups share each device with the policy group (colocated, a share each).
         groups_per_device = groups_per_rank(plan)
         self.group = WorkerGroup(
             worker_cls, world, name=worker_cls.SECTION, num_cpus_per_worker=1,

@@ -30,6 +30,8 @@ SCRIPTS = {
     # capping, sliding-window layers, GeGLU) unpadded; GRPO with a KL loss on Qwen3 (q/k norms) packed
     "gemma2_ppo": ("volcengine/verl", "examples/ppo_trainer/run_gemma.sh", "tiny:gemma2"),
     "qwen3_grpo": ("volcengine/verl", "examples/grpo_trainer/run_qwen3-8b.sh", "tiny:qwen3"),
+    # PPO scored by a learned reward model (verl's reward-loop keys, reward_model.rollout.*) on a tiny one
+    "rm_ppo": ("volcengine/verl", "examples/ppo_trainer/run_qwen2-7b_rm.sh"),
 }
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
@@ -39,10 +41,11 @@ SIZES = {
     r".*max_token_len_per_gpu": "2048", r"data\.max_prompt_length": "256", r"data\.max_response_length": "12",
     r"actor_rollout_ref\.rollout\.n": "2", r".*\.megatron\.(tensor|pipeline)_model_parallel_size": "1",
     r"actor_rollout_ref\.rollout\.tensor_model_parallel_size": "1", r"trainer\.n_gpus_per_node": "1",
-    r"trainer\.nnodes": "1",
+    r"trainer\.nnodes": "1", r"reward_model\.rollout\.tensor_model_parallel_size": "1",
 }
 MODEL_KEYS = r"(actor_rollout_ref|critic)\.model\.path"
-DATA = {r"data\.train_files": "embedded:gsm8k/train", r"data\.val_files": "embedded:gsm8k/test"}
+DATA = {r"data\.train_files": "embedded:gsm8k/train", r"data\.val_files": "embedded:gsm8k/test",
+        r"reward_model\.model\.path": "tiny-rm:llama"}
 
 
 def vendored_args(mirror: str, path: str) -> list[str]:
@@ -80,6 +83,8 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
         assert step["actor/ref_log_prob_max_abs_diff"] == 0.0  # step 1: the policy is still the reference
     if name in ("ppo_megatron", "gemma2_ppo"):
         assert plan.use_critic and step["critic/optimizer_steps"] >= 1
+    if name == "rm_ppo":  # the reward model's scores are the rewards
+        assert plan.use_reward_model and step["score/mean"] == step["score/reward_model_mean"]
     if name == "cispo_fsdp":
         assert plan.policy_loss == "cispo" and "actor/pg_loss" in step
 

@@ -43,7 +43,7 @@ def test_global_size_is_divided_over_data_parallel_ranks():
     with pytest.raises(ValueError, match="less than one sequence per data-parallel rank"):
         rule("actor_update", f"{A}.use_dynamic_bsz=False", f"{A}.ppo_micro_batch_size=2", dp=4)
     cfg = load_config(["trainer.n_gpus_per_node=8", f"{A}.megatron.tensor_model_parallel_size=2"])
-    assert data_parallel_size(cfg) == 4 and data_parallel_size(cfg, critic=True) == 8
+    assert data_parallel_size(cfg) == 4 and data_parallel_size(cfg, "critic") == 8
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,0 +1,31 @@
+"""A reward model that cannot score stops at preflight, naming the key, before Ray or any worker starts."""
+
+import pytest
+
+from meshrl.config import ConfigError, load_config
+from meshrl.trainer.main import preflight
+from meshrl.workers.reward_model import reward_model_problems
+
+
+def cfg_with(*overrides):
+    return load_config(["reward_model.enable=True", *overrides], recipe="cpu_tiny_grpo")
+
+
+def test_a_tiny_reward_model_passes():
+    assert reward_model_problems(cfg_with("reward_model.model.path=tiny-rm:llama")) == []
+
+
+def test_problems_name_what_to_fix():
+    (missing,) = reward_model_problems(cfg_with())
+    assert missing.startswith("reward_model.model.path") and "ForSequenceClassification" in missing
+    (causal_lm,) = reward_model_problems(cfg_with("reward_model.model.path=tiny:llama"))
+    assert "no score.weight" in causal_lm and "not a reward model" in causal_lm
+    (layout,) = reward_model_problems(cfg_with("reward_model.model.path=tiny-rm:llama",
+                                               "reward_model.megatron.tensor_model_parallel_size=3"))
+    assert "tensor_model_parallel_size=3 does not divide" in layout
+
+
+def test_preflight_refuses_before_ray():
+    with pytest.raises(ConfigError, match="no score.weight") as info:
+        preflight(cfg_with("reward_model.model.path=tiny:llama"))
+    assert info.value.keys == ("reward_model.model.path",)
