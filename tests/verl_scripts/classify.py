@@ -36,6 +36,8 @@ PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "conte
 CPU_SWAPS = [
     "actor_rollout_ref.model.path=tiny:llama",
     "critic.model.path=tiny:llama",
+    "reward_model.model.path=tiny-rm:llama",
+    "reward.reward_model.model_path=tiny-rm:llama",
     "data.train_files=embedded:gsm8k/train",
     "data.val_files=embedded:gsm8k/test",
     # a script's SandboxFusion deployment cannot be reached from here: null starts meshrl's local sandbox
@@ -44,8 +46,8 @@ CPU_SWAPS = [
     "trainer.n_gpus_per_node=2",
     "trainer.device=cpu",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-    *(f"{section}.megatron.{size}=1" for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
-      for size in PARALLEL),
+    *(f"{section}.megatron.{size}=1" for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic",
+                                                     "reward_model") for size in PARALLEL),
     *(f"{section}.megatron.virtual_pipeline_model_parallel_size=null"
       for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
     *(f"{section}.megatron.dist_checkpointing_path=/models/mcore"
