@@ -91,7 +91,7 @@ def run(tmp_path, smollm2_dir):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     (tmp_path / "reward.py").write_text(REWARD_FILE)
 
-    def fit(*overrides: str, stop_requested=lambda: False):
+    def fit(*overrides: str, stop_requested=lambda: False, reward_model=None):
         cfg = load_config([f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}",
                            f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]",
                            f"custom_reward_function.path={tmp_path / 'reward.py'}", *overrides], recipe="cpu_tiny_grpo")
@@ -105,7 +105,7 @@ def run(tmp_path, smollm2_dir):
             trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
                                 val_data=val_data, reward=reward, tracker=tracker,
                                 checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)),
-                                stop_requested=stop_requested)
+                                stop_requested=stop_requested, reward_model=reward_model)
             trainer.fit()
         return trainer, policy
 
@@ -239,3 +239,34 @@ def test_a_stop_request_saves_the_step_in_progress_and_stops(run, tmp_path):
     manager = CheckpointManager(tmp_path / "run")
     assert manager.latest() == tmp_path / "run" / "global_step_1"
     assert manager.load_driver_state(manager.latest())["step"] == 1
+
+
+class FakeRewardModel:
+    """The reward model's driver-side call: scores from each row's prompt messages (what it renders)."""
+
+    def __init__(self) -> None:
+        self.fields: list[list[str]] = []
+
+    def compute_scores(self, batch: Batch, tokenizer) -> torch.Tensor:
+        self.fields.append(sorted(batch.keys()))
+        return torch.tensor([len(chat[0]["content"]) / 100 for chat in batch["raw_prompt"]])
+
+
+def test_reward_model_scores_replace_the_rule_function(run, tmp_path):
+    rm = FakeRewardModel()
+    run("reward_model.enable=True", "custom_reward_function.path=null", "data.return_raw_chat=False",
+        reward_model=rm)
+    steps = metrics_by_step(tmp_path / "run")
+    # the rows' prompts "What is i + 1?" are 14 characters long: 0.14 each; the rule reward would give 0
+    assert steps[1]["score/mean"] == pytest.approx(0.14) and steps[1]["score/reward_model_mean"] == pytest.approx(0.14)
+    # validation is scored by the reward model too: rows 8..11, two of 14 and two of 15 characters
+    assert steps[0]["val/score"] == pytest.approx(0.145)
+    assert all("raw_prompt" in fields for fields in rm.fields)  # kept for it without data.return_raw_chat
+
+
+def test_a_reward_function_reads_the_reward_models_score(run, tmp_path):
+    # the fixture's custom_reward_function.path, rewritten before its first load
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):"
+                                        "\n    return 10 * extra_info['rm_score']\n")
+    run("reward_model.enable=True", reward_model=FakeRewardModel())
+    assert metrics_by_step(tmp_path / "run")[1]["score/mean"] == pytest.approx(1.4)
