@@ -24,6 +24,10 @@ run after ``reward_model.max_failed_batches`` such batches.
 (:func:`case_timeout`) where ``timeout_s`` is the reward pool's per-response limit, so that a looping
 program is reported by the sandbox (``timeout``) before the pool kills the reward process for the response.
 
+**Concurrency**: each reward process scores one response at a time and runs its test cases in parallel, all
+under one semaphore of ``max_concurrent`` slots shared by the processes; a batch of one-test problems
+(HumanEval) therefore runs at most ``reward_model.num_workers`` programs at once.
+
 **The run's sandbox** (:func:`run_sandbox`): ``reward_model.sandbox_fusion.url`` when set (checked before the
 run by :func:`check_sandbox`); when null and the run's data holds code sources, a local server
 (:func:`meshrl.rewards.sandbox.local_sandbox`, ``max_concurrent`` slots, ``memory_limit_mb`` per program)
