@@ -31,6 +31,12 @@ Mechanisms, narrowest first:
 
    Code outside megatron (transformers, vLLM, the rest of meshrl) keeps seeing the real torch.
 
+   Two collectives of ``tensor_parallel.mappings`` are replaced by gloo-capable equivalents:
+   ``_gather_along_first_dim`` (an all-gather of uneven row counts: gloo's all-gather wants equal tensors; each
+   rank's rows are padded to the longest and trimmed after) and ``_reduce_scatter_along_first_dim`` (gloo has no
+   reduce-scatter: an all-reduce of the whole tensor, then this rank's rows). The MoE dispatcher calls them with
+   per-rank token counts when experts are split over an expert-tensor-parallel group.
+
    The MoE all-to-all dispatcher's ``maybe_move_tensor_to_cpu`` (as ``token_dispatcher`` imported it) is
    replaced too: it turns token-split sizes into numpy arrays only when they come from CUDA, and torch's
    ``all_to_all_single`` refuses the tensors that stay otherwise; on CPU they become numpy arrays as well.
@@ -102,6 +108,10 @@ PATCH_POINTS: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.__init__",
      "torch.cuda.Stream()"),
     ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", "tensor.is_cuda"),
+    ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
+     "torch.distributed.all_gather(output_tensor_list, input_, group=group)"),
+    ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
+     "torch.distributed.reduce_scatter(output, input_tensor_list, group=group)"),
 )
 
 _applied = False
@@ -201,6 +211,33 @@ _TORCH_ON_CPU = _TorchOnCpu()
 def _host_tensor(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the host: a numpy array when asked."""
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def _gather_rows(input_: torch.Tensor, group, output_split_sizes=None, use_global_buffer: bool = False):
+    """``mappings._gather_along_first_dim`` on gloo: every rank's rows, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    if group.size() == 1:
+        return input_
+    sizes = [input_.shape[0]] * group.size() if output_split_sizes is None else list(output_split_sizes)
+    padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+
+def _reduce_scatter_rows(input_: torch.Tensor, group, input_split_sizes=None, use_global_buffer: bool = False):
+    """``mappings._reduce_scatter_along_first_dim`` on gloo: the sum over ranks of this rank's rows."""
+    import torch.distributed as dist
+
+    if group.size() == 1:
+        return input_
+    sizes = [input_.shape[0] // group.size()] * group.size() if input_split_sizes is None else list(input_split_sizes)
+    total = input_.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    start = sum(sizes[: group.rank()])
+    return total[start:start + sizes[group.rank()]].clone()
 
 
 def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -349,6 +386,12 @@ def apply(force: bool = False) -> bool:
         from megatron.core.transformer.moe import token_dispatcher
 
         token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
+        from megatron.core.tensor_parallel import mappings
+
+        _gather_rows.__wrapped__ = mappings._gather_along_first_dim
+        _reduce_scatter_rows.__wrapped__ = mappings._reduce_scatter_along_first_dim
+        mappings._gather_along_first_dim = _gather_rows
+        mappings._reduce_scatter_along_first_dim = _reduce_scatter_rows
 
         for name, module in list(sys.modules.items()):
             if module is not None and (name == "megatron.core" or name.startswith("megatron.core.")):

@@ -71,9 +71,6 @@ def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
     if spec.moe:
         if spec.num_experts % parallel.expert_parallel:
             problems.append(f"EP={parallel.expert_parallel} does not divide num_experts={spec.num_experts}")
-        if etp > 1 and not torch.cuda.is_available():
-            problems.append(f"expert TP={etp}: megatron's dispatcher then gathers uneven token counts over the "
-                            "expert-TP group, which gloo (CPU) cannot; set expert_tensor_parallel_size=1 on CPU")
         if spec.moe_ffn_hidden_size % etp:
             problems.append(f"expert TP={etp} does not divide the experts' intermediate size {spec.moe_ffn_hidden_size}")
         if spec.shared_expert_ffn_hidden_size and spec.shared_expert_ffn_hidden_size % tp:

@@ -22,7 +22,8 @@ layer's still shows (and ``weight_sync`` has already checked that every expected
 
 CPU quirk handled in ``finish``: with tied embeddings the CPU backend packs a private copy of the
 embedding matrix for the LM head when the model loads; a reload updates the embedding but not that
-copy, so the head would keep computing logits with the old weights. The head is re-packed here.
+copy, so the head would keep computing logits with the old weights. The head is re-packed here. Likewise
+a mixture-of-experts layer's experts, which the CPU backend prepacks for its kernel on the first load only.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class WeightUpdateExtension:
             finalize_layerwise_reload(model, self.model_config)
             if current_platform.is_cpu():
                 _repack_tied_lm_head(model)
+                _repack_cpu_moe_experts(model)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
@@ -113,6 +115,18 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     head: Any = getattr(model, "lm_head", None)
     if _has_tied_lm_head(model) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+def _repack_cpu_moe_experts(model: torch.nn.Module) -> None:
+    """Prepack every fused-MoE layer's new expert weights for the CPU kernel: vLLM re-processes a reloaded MoE
+    layer but prepacks (and pads) its experts only on the first load, so after a reload the kernel would read the
+    synced weights in the wrong layout (tiny:qwen2_moe: log-probs off by ~1 nat)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 class _DropExpectedEmptyLayers(logging.Filter):

@@ -61,7 +61,7 @@ def test_fields_meshrl_would_drop_are_refused(model_type: str, fields: dict, mes
 
 @pytest.mark.parametrize("model_type,layout,message", [
     ("qwen2_moe", dict(expert_parallel=3), "EP=3 does not divide num_experts=8"),
-    ("mixtral", dict(tensor_parallel=2, expert_parallel=2), "expert TP=2"),
+    ("mixtral", dict(expert_parallel=2, expert_tensor_parallel=3), "expert TP=3 does not divide"),
     ("llama", dict(expert_parallel=2), "expert parallelism needs an MoE model"),
 ])
 def test_impossible_expert_layouts_are_refused(model_type: str, layout: dict, message: str) -> None:

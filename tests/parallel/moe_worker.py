@@ -3,9 +3,8 @@ their transformers classes, run under torchrun; one launch runs every layout:
 
     torchrun --nproc-per-node 4 tests/parallel/moe_worker.py --out DIR/moe.json
 
-Layouts on 4 ranks: EP2 (TP1, DP4: two expert-parallel groups), EP2 x TP2 (attention and the shared expert
-split over TP, tokens routed per TP rank's share, whole experts: expert TP 1, as gloo has no uneven all-gather
-for expert TP 2) and EP2 x PP2. Each records, per family:
+Layouts on 4 ranks: EP2 (TP1, DP4: two expert-parallel groups), EP2 x TP2 (tokens routed per TP rank's share;
+experts split over expert TP = TP, megatron's and verl's default) and EP2 x PP2. Each records, per family:
 log-probs and entropies of the forward pass, then loss and every gradient of one packed forward-backward,
 against HF fp32 on all micro-batches in one process (so a gradient equals a single-rank run's), and the
 weights read back out of the megatron layout (HF -> megatron -> HF) against the checkpoint. Rank 0 writes the
@@ -36,7 +35,7 @@ from meshrl.parallel.forward import OutputRequest  # noqa: E402
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 TIMEOUT_S = 60.0
 PHASES = [("ep2", dict(expert_parallel=2), ("qwen2_moe",)),
-          ("ep2tp2", dict(expert_parallel=2, tensor_parallel=2, expert_tensor_parallel=1), MOE_FAMILIES),
+          ("ep2tp2", dict(expert_parallel=2, tensor_parallel=2), MOE_FAMILIES),
           ("ep2pp2", dict(expert_parallel=2, pipeline_parallel=2), ("qwen2_moe",))]
 
 
