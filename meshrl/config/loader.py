@@ -18,7 +18,10 @@ Contract:
 - ``model_engine`` selects verl's training backend: megatron; verl's FSDP names load with one warning
   (meshrl trains with its Megatron backend); any other engine is refused.
 - A recipe may list other recipes to start from: ``defaults: [base_recipe, ...]`` (names resolve in
-  the recipe's folder, then in ``recipes/``), merged in order before the recipe itself.
+  the recipe's folder, then in ``recipes/``), merged in order before the recipe itself, or where Hydra's
+  ``_self_`` stands in the list. verl's example configs are such recipes (``defaults: [ppo_megatron_trainer,
+  _self_]``); their ``hydra.searchpath`` may name verl's own config folder (``.../verl/trainer/config``,
+  whose tree is the schema's), any other search path is refused as on the command line.
 Semantic checks (ranges, cross-key rules) are ``meshrl.config.validate.validate_config``.
 """
 
@@ -250,13 +253,28 @@ def _apply_recipe(cfg: DictConfig, path: Path | None, problems: list[ConfigError
         raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(tree).__name__}")
-    for parent in tree.pop("defaults", []) or []:
-        _apply_recipe(cfg, resolve_recipe(parent, path.parent), problems, seen + (path,))
-    for key, value in _flatten(tree):
-        try:
-            _set(cfg, key, value, source=str(path))
-        except ConfigError as exc:
-            problems.append(exc)
+    _check_search_path(tree.pop("hydra", None), path)
+    defaults = list(tree.pop("defaults", []) or [])
+    for parent in defaults if "_self_" in defaults else [*defaults, "_self_"]:
+        if parent != "_self_":
+            _apply_recipe(cfg, resolve_recipe(parent, path.parent), problems, seen + (path,))
+            continue
+        for key, value in _flatten(tree):
+            try:
+                _set(cfg, key, value, source=str(path))
+            except ConfigError as exc:
+                problems.append(exc)
+
+
+def _check_search_path(hydra: object, path: Path) -> None:
+    """A recipe's ``hydra`` section may only point at verl's own config folder (module docstring)."""
+    if hydra is None:
+        return
+    entries = hydra.get("searchpath") if isinstance(hydra, dict) and set(hydra) == {"searchpath"} else None
+    if not isinstance(entries, list) or not all(str(e).rstrip("/").endswith("verl/trainer/config") for e in entries):
+        raise ConfigError(f"recipe {path}: hydra: {hydra!r}; meshrl reads a hydra section only as a searchpath to "
+                          "verl's own config folder (verl/trainer/config, whose tree is meshrl's schema). Other "
+                          "search paths load configs from outside verl's tree: drop them", ["hydra"])
 
 
 def _check_model_engine(cfg: DictConfig) -> None:
