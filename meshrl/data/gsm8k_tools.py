@@ -34,7 +34,8 @@ CALCULATOR_TOOL = {
     "config": {"type": "native"},
     "tool_schema": {"type": "function", "function": {
         "name": TOOL_NAME,
-        "description": "Evaluate an arithmetic expression (numbers, parentheses, + - * / // % **) and return its value.",
+        "description": "Evaluate an arithmetic expression (numbers, parentheses, + - * / // % **) and return its "
+                       "value.",
         "parameters": {"type": "object", "properties": {"expression": {
             "type": "string", "description": "The expression, e.g. \"(48 / 2) * 3\""}}, "required": ["expression"]},
     }},
@@ -72,7 +73,8 @@ def write_task(local_dir: str | Path) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m meshrl.data.gsm8k_tools",
-                                     description="Write GSM8K-with-calculator (multi-turn) parquet and its tool config.")
+                                     description="Write GSM8K-with-calculator (multi-turn) parquet and its tool "
+                                                 "config.")
     parser.add_argument("--local_dir", "--local_save_dir", dest="local_dir", default="~/data/gsm8k_calculator")
     for name, path in write_task(parser.parse_args(argv).local_dir).items():
         print(f"{name}: {path}")

@@ -65,11 +65,12 @@ class MultiTurnSettings:
 
     def __post_init__(self) -> None:
         if self.max_parallel_calls < 1:
-            raise ValueError(f"actor_rollout_ref.rollout.multi_turn.max_parallel_calls must be >= 1, got {self.max_parallel_calls}")
+            raise ValueError("actor_rollout_ref.rollout.multi_turn.max_parallel_calls must be >= 1, got "
+                             f"{self.max_parallel_calls}")
         for key in ("max_assistant_turns", "max_user_turns"):
             if (getattr(self, key) or 0) < 0:
-                raise ValueError(f"actor_rollout_ref.rollout.multi_turn.{key} must be None or 0 (no limit) or a positive turn count, "
-                                 f"got {getattr(self, key)}")
+                raise ValueError(f"actor_rollout_ref.rollout.multi_turn.{key} must be None or 0 (no limit) or a "
+                                 f"positive turn count, got {getattr(self, key)}")
         tool_parser(self.format)  # an unknown format raises here, naming the known ones
 
     @classmethod
@@ -77,41 +78,6 @@ class MultiTurnSettings:
         get = section_getter(multi_turn)
         return cls(max_assistant_turns=get("max_assistant_turns"), max_user_turns=get("max_user_turns"),
                    max_parallel_calls=int(get("max_parallel_calls", 1)), format=str(get("format", "hermes")))
-
-
-AGENT_STATS = "agent_stats"  # the RL batch's per-row AgentStats field (a multi-turn rollout's)
-
-
-def agent_loop_for(rollout: Any, engine: RolloutEngine, tokenizer: Any, response_length: int) -> AgentLoop | None:
-    """The loop a verl ``rollout`` section asks for on ``engine``: None unless ``multi_turn.enable``."""
-    multi_turn = section_getter(rollout)("multi_turn") or {}
-    if not section_getter(multi_turn)("enable", False):
-        return None
-    return AgentLoop(engine, tokenizer, tool_runner(multi_turn), MultiTurnSettings.from_rollout(multi_turn),
-                     response_length)
-
-
-def prompt_tool_schemas(multi_turn: Any) -> list[dict[str, Any]] | None:
-    """The OpenAI schemas of ``rollout.multi_turn``'s tools, which the prompts' chat template renders
-    (``meshrl.data.dataset.load_datasets``); None when multi-turn is off or has no tools."""
-    get = section_getter(multi_turn)
-    if not get("enable", False) or not get("tool_config_path"):
-        return None
-    return tool_schemas(load_tools(get("tool_config_path")))
-
-
-def tools_kwargs_of(extra_infos: Sequence[Mapping[str, Any] | None]) -> list[Mapping[str, Any]]:
-    """Each row's ``extra_info.tools_kwargs`` (verl's per-sample tool arguments), {} where it has none."""
-    return [(info or {}).get("tools_kwargs") or {} for info in extra_infos]
-
-
-def tool_runner(multi_turn: Any) -> ToolRunner:
-    """The runner of ``rollout.multi_turn``'s tools (``tool_config_path``; none without one), truncating their
-    outputs by ``max_tool_response_length`` / ``tool_response_truncate_side``."""
-    get = section_getter(multi_turn)
-    tools = load_tools(get("tool_config_path")) if get("tool_config_path") else []
-    return ToolRunner(tools, max_response_chars=int(get("max_tool_response_length", 256)),
-                      truncate_side=str(get("tool_response_truncate_side", "middle")))
 
 
 class ToolMessageTokens:
@@ -244,6 +210,41 @@ class AgentLoop:
             sample.append(delta, [0.0] * len(delta), sampled=False)
             sample.stats.tool_tokens += len(delta)
             sample.stats.user_turns += 1
+
+
+AGENT_STATS = "agent_stats"  # the RL batch's per-row AgentStats field (a multi-turn rollout's)
+
+
+def agent_loop_for(rollout: Any, engine: RolloutEngine, tokenizer: Any, response_length: int) -> AgentLoop | None:
+    """The loop a verl ``rollout`` section asks for on ``engine``: None unless ``multi_turn.enable``."""
+    multi_turn = section_getter(rollout)("multi_turn") or {}
+    if not section_getter(multi_turn)("enable", False):
+        return None
+    return AgentLoop(engine, tokenizer, tool_runner(multi_turn), MultiTurnSettings.from_rollout(multi_turn),
+                     response_length)
+
+
+def prompt_tool_schemas(multi_turn: Any) -> list[dict[str, Any]] | None:
+    """The OpenAI schemas of ``rollout.multi_turn``'s tools, which the prompts' chat template renders
+    (``meshrl.data.dataset.load_datasets``); None when multi-turn is off or has no tools."""
+    get = section_getter(multi_turn)
+    if not get("enable", False) or not get("tool_config_path"):
+        return None
+    return tool_schemas(load_tools(get("tool_config_path")))
+
+
+def tools_kwargs_of(extra_infos: Sequence[Mapping[str, Any] | None]) -> list[Mapping[str, Any]]:
+    """Each row's ``extra_info.tools_kwargs`` (verl's per-sample tool arguments), {} where it has none."""
+    return [(info or {}).get("tools_kwargs") or {} for info in extra_infos]
+
+
+def tool_runner(multi_turn: Any) -> ToolRunner:
+    """The runner of ``rollout.multi_turn``'s tools (``tool_config_path``; none without one), truncating their
+    outputs by ``max_tool_response_length`` / ``tool_response_truncate_side``."""
+    get = section_getter(multi_turn)
+    tools = load_tools(get("tool_config_path")) if get("tool_config_path") else []
+    return ToolRunner(tools, max_response_chars=int(get("max_tool_response_length", 256)),
+                      truncate_side=str(get("tool_response_truncate_side", "middle")))
 
 
 _TOOL_FIELDS = ("calls", "errors", "timeouts", "truncated")

@@ -65,6 +65,23 @@ def unsupported_rollout_features(rollout: Any) -> list[str]:
     return [f"actor_rollout_ref.rollout.{line}" for line in lines]
 
 
+def engine_window_problems(engine: str, hf_config, sequence_length: int) -> list[str]:
+    """``key: why`` when vLLM would attend where the policy slides a window: a family whose HF model applies its
+    ``sliding_window`` to every layer while vLLM does not (``Family.engine_ignores_window``: Phi-3), in a run whose
+    prompt plus response (``sequence_length``) can exceed the window. The HF engine follows transformers."""
+    from meshrl.models.families import family, model_spec
+
+    spec = model_spec(hf_config)
+    if engine != "vllm" or not family(spec.model_type).engine_ignores_window or not spec.sliding_window:
+        return []
+    if sequence_length <= spec.sliding_window:
+        return []
+    return [f"actor_rollout_ref.rollout.name: vLLM serves {spec.model_type} without its {spec.sliding_window}-token "
+            f"sliding window, which the trainer applies, so sequences of up to {sequence_length} tokens (prompt + "
+            f"response) would get other log-probs from the engine; keep data.max_prompt_length + "
+            f"max_response_length <= {spec.sliding_window}, or use rollout.name=hf"]
+
+
 def multi_turn_problems(multi_turn: Any) -> list[str]:
     """``multi_turn: why`` when the multi-turn rollout cannot run with these settings (nothing when it is off):
     turn limits, parser ``format``, truncation, and the tools of ``tool_config_path``, built here so that a bad
@@ -79,5 +96,6 @@ def multi_turn_problems(multi_turn: Any) -> list[str]:
     except ValueError as error:  # ToolConfigError included; a problem inside the tool file names the file
         prefix = "actor_rollout_ref.rollout."
         message = str(error)
-        return [message.removeprefix(prefix) if message.startswith(prefix) else f"multi_turn.tool_config_path: {message}"]
+        return [message.removeprefix(prefix) if message.startswith(prefix)
+                else f"multi_turn.tool_config_path: {message}"]
     return []
