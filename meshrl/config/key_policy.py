@@ -112,10 +112,9 @@ INERT = {
 REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one score per response, dispatched by "
                   "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
                   "(e.g. DAPO's overlong buffer) are not built yet")
-MOE = ("mixture-of-experts training is not wired into the trainer yet (the Qwen2-MoE / Qwen3-MoE / Mixtral families "
-       "build and match HF under expert parallelism in meshrl.parallel, but the workers' expert-parallel layout, the "
-       "load-balancing loss keys, router replay and MoE rollout are not built); leave the expert and MoE keys at "
-       "their defaults")
+MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral "
+       "with TP / PP / DP, but not yet with expert parallelism, a load-balancing loss, router replay or MoE rollout "
+       "sizes; leave the expert and MoE keys at their defaults")
 MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
 PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_pf_ppo=False"
 VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "
