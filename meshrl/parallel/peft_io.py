@@ -15,7 +15,8 @@ PEFT computes identically; loading it back needs those copies equal.
 - ``save_adapter`` / ``load_adapter``: the PEFT folder, written by the group's first rank; each rank
   reads only its shard.
 - ``iter_merged_weights(chunks, hf_config)``: ``iter_hf_weights`` with ``W + scaling * B @ A`` for
-  every adapted weight (computed in fp32, cast to the weight's dtype): what the rollout engine serves.
+  every adapted weight (computed in fp32 one weight at a time, cast to the weight's dtype): what the rollout
+  engine serves.
 """
 
 from __future__ import annotations
@@ -196,27 +197,34 @@ def load_adapter(chunks: list[torch.nn.Module], folder: str | os.PathLike) -> No
             param.copy_(tensor)
 
 
-def adapter_deltas(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """HF weight name -> ``scaling * B @ A`` (fp32, full) of every adapted weight; collective like
-    ``iter_adapter_weights``."""
-    settings = settings_of(chunks)
+def adapter_pairs(chunks: list[torch.nn.Module]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF weight name -> the full (A, B) of its adapter; collective like ``iter_adapter_weights``. Holds the
+    adapters only (``r * (in + out)`` per adapted weight), never a weight-sized delta."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in iter_adapter_weights(chunks):
         module, which = key[len(PREFIX):].rsplit(".lora_", 1)
-        pairs.setdefault(module, {})[which.split(".")[0]] = tensor.float()
-    return {f"{module}.weight": settings.scaling * (pair["B"] @ pair["A"]) for module, pair in pairs.items()}
+        pairs.setdefault(f"{module}.weight", {})[which.split(".")[0]] = tensor
+    return {name: (pair["A"], pair["B"]) for name, pair in pairs.items()}
 
 
 def iter_merged_weights(chunks: list[torch.nn.Module], hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """``hf_conversion.iter_hf_weights`` with each adapted weight merged, ``W + scaling * B @ A``."""
+    """``hf_conversion.iter_hf_weights`` with each adapted weight merged, ``W + scaling * B @ A``: the delta is
+    formed in fp32 for one weight at a time and added to the stream's fresh buffer in place."""
     from meshrl.parallel.hf_conversion import iter_hf_weights
 
-    deltas = adapter_deltas(chunks)
+    scaling = settings_of(chunks).scaling
+    pairs = adapter_pairs(chunks)
     for name, tensor in iter_hf_weights(chunks, hf_config):
-        delta = deltas.pop(name, None)
-        if delta is not None:
-            tensor = (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
+        pair = pairs.pop(name, None)
+        if pair is not None:
+            a, b = (t.to(device=tensor.device, dtype=torch.float32) for t in pair)
+            delta = torch.mm(b, a).mul_(scaling)
+            if tensor.dtype == torch.float32:
+                tensor.add_(delta)
+            else:
+                tensor.copy_(delta.add_(tensor))
+            del delta
         yield name, tensor
         del tensor
-    if deltas:
-        raise ValueError(f"adapted weights missing from the model's HF tensors: {sorted(deltas)[:4]}")
+    if pairs:
+        raise ValueError(f"adapted weights missing from the model's HF tensors: {sorted(pairs)[:4]}")
