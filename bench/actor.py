@@ -29,13 +29,12 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from bench.machine import matmul_flops, model_shape, timed, transformer_flops
+from bench.machine import ServedVariant, matmul_flops, model_shape, timed, transformer_flops
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("meshrl", "hf")
@@ -111,33 +110,6 @@ def serve(variant: str, batch: int, seq: int, threads: int) -> None:
     print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
 
 
-class Child:
-    def __init__(self, variant: str, args: argparse.Namespace) -> None:
-        command = [sys.executable, "-m", "bench.actor", "--serve", variant, "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--threads", str(args.threads)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore"}
-        self.variant = variant
-        self.process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], env=env, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.read()  # ready
-
-    def read(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the {self.variant} process died (exit {self.process.wait()})")
-        return json.loads(line)
-
-    def ask(self, command: str) -> dict:
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-        return self.read()
-
-    def close(self) -> dict:
-        report = self.ask("done")
-        self.process.wait(timeout=60)
-        return report
-
-
 def model_flops_per_update(batch: int, seq: int) -> tuple[float, int]:
     from meshrl.models.embedded import smollm2_hf_dir
 
@@ -183,7 +155,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     flops, params = model_flops_per_update(args.batch, args.seq)
     load_before = os.getloadavg()
-    children = {variant: Child(variant, args) for variant in VARIANTS}
+    children = {variant: ServedVariant("bench.actor", variant, ["--batch", str(args.batch), "--seq", str(args.seq),
+                                                                "--threads", str(args.threads)], args.threads)
+                for variant in VARIANTS}
     try:
         for child in children.values():
             child.ask("step")  # warm-up
@@ -203,8 +177,7 @@ def main() -> None:
         reports = {variant: child.close() for variant, child in children.items()}
     finally:
         for child in children.values():
-            if child.process.poll() is None:
-                child.process.kill()
+            child.kill()
     variants = {}
     for variant in VARIANTS:
         median, best = statistics.median(seconds[variant]), min(seconds[variant])

@@ -7,6 +7,7 @@
   of running it over sequences (PaLM's convention, used by every FLOP figure in bench/).
 - ``ProcessTreeSampler``: the summed memory of a process and all its descendants (Ray workers,
   engine processes, reward pools), sampled in a thread.
+- ``ServedVariant``: one variant of a side-by-side benchmark in its own process, driven line by line.
 
 The machine is shared with other processes: a measured rate is what was available at that moment,
 never more than the machine's capability, so where several measurements exist the best one is the
@@ -15,7 +16,10 @@ closest to it (``best_rate``).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -183,6 +187,42 @@ def decode_matmuls(model_dir: str | os.PathLike, rows: int, threads: int, dtype:
 def load_average() -> float:
     """1-minute load average (other processes sharing the cores skew every timing; recorded beside it)."""
     return round(os.getloadavg()[0], 2)
+
+
+class ServedVariant:
+    """``python -m MODULE --serve VARIANT ARGS...`` started from the repo root with ``threads`` OpenMP threads
+    (plus ``env``): it answers each command line written to its stdin with one JSON line, after a first
+    line once it is ready. Each variant in its own process keeps its memory its own, and the parent can
+    interleave the variants' steps so all see the same background load."""
+
+    def __init__(self, module: str, variant: str, args: list[str], threads: int, env: dict | None = None) -> None:
+        command = [sys.executable, "-m", module, "--serve", variant, *args]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore", **(env or {})}
+        self.variant = variant
+        self.process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.read()  # ready
+
+    def read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.variant} process died (exit {self.process.wait()})")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def close(self) -> dict:
+        """Its final report (the answer to ``done``), then waits for it to exit."""
+        report = self.ask("done")
+        self.process.wait(timeout=120)
+        return report
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
 
 
 class ProcessTreeSampler:
