@@ -23,6 +23,7 @@ _SHARED: dict[str, dict[str, Any]] = {
     "mistral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None,
                     vocab_size=32768, head_dim=128, tie_word_embeddings=False),
     # Gemma 2: 256k vocabulary (tied), head_dim 256, soft-capping, alternating 4096-token sliding window.
+    "phi3": dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
     "gemma2": dict(vocab_size=256000, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192,
                    rope_theta=10000.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
@@ -71,6 +72,11 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "mistralai/Mistral-7B-Instruct-v0.3": dict(model_type="mistral", num_hidden_layers=32, hidden_size=4096,
                                                num_attention_heads=32, num_key_value_heads=8,
                                                intermediate_size=14336),
+    # Phi-3-mini: fused qkv / gate_up tensors, a 2047-token window over 4096 positions
+    "microsoft/Phi-3-mini-4k-instruct": dict(model_type="phi3", num_hidden_layers=32, hidden_size=3072,
+                                             num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192,
+                                             vocab_size=32064, max_position_embeddings=4096, sliding_window=2047,
+                                             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 
 

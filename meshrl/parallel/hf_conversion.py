@@ -30,6 +30,10 @@ Megatron layouts handled (local and Transformer Engine specs alike):
   ``SequentialMLP`` (``experts.local_experts.{k}``), its ``linear_fc1`` / ``linear_fc2`` split over the expert-
   tensor-parallel group like a dense MLP over TP; the shared expert (Qwen2-MoE) is a dense TP-split MLP
   (``shared_experts``) with a replicated ``gate_weight``. The TE spec keeps an MoE layer's pre-MLP norm apart.
+- Fused HF tensors (``ModelSpec.hf_fused``: Phi-3's ``qkv_proj`` / ``gate_up_proj``): the table names the parts;
+  ``FusedHFReader`` reads a part as its rows of the fused tensor (its TP shard of them only), and
+  ``iter_hf_weights`` concatenates the parts back (``fused_hf_tensors``), so exports and the rollout sync carry
+  the checkpoint's own names, the ones the engines load.
 - A critic's ``ValueHead`` is HF's ``score`` (``*ForTokenClassification``, ``num_labels=1``); when the
   checkpoint is a causal LM without ``score.*``, the head starts at zero.
 """
@@ -46,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from meshrl.atomic_io import publish_dir
-from meshrl.models.families import ModelSpec, Piece, family, hf_layout
+from meshrl.models.families import ModelSpec, Piece, family, hf_fusions, hf_layout
 from meshrl.parallel import model_builder, state
 from meshrl.parallel.model_builder import unwrap
 
@@ -168,15 +172,90 @@ class HFCheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def slice(self, name: str):
+        """safetensors' lazy slice of ``name`` (index it to read only those elements)."""
+        return self._handle(name).get_slice(name)
+
     def read(self, name: str, dim: int | None = None, index: int = 0, parts: int = 1) -> torch.Tensor:
         """Tensor ``name``, or its ``index``-th of ``parts`` equal slices along ``dim``, reading only that."""
-        view = self._handle(name).get_slice(name)
+        view = self.slice(name)
         if dim is None:
             return view[:]
         size = view.get_shape()[dim] // parts
         region = [slice(None)] * len(view.get_shape())
         region[dim] = slice(index * size, (index + 1) * size)
         return view[tuple(region)]
+
+
+class FusedHFReader:
+    """``HFCheckpointReader`` seen through the spec's fused HF tensors (``hf_fusions``): a part's name reads its
+    rows of the fused tensor; other names read as they are.
+
+    Raises ``ValueError`` at construction if a fused tensor's shape is not its parts' concatenation.
+    """
+
+    def __init__(self, reader: HFCheckpointReader, spec: ModelSpec, critic: bool = False) -> None:
+        self.reader = reader
+        shapes = {piece.hf_name: piece.shape for piece in hf_layout(spec, critic)}
+        self.rows: dict[str, tuple[str, int, int]] = {}  # part -> (fused name, first row, rows)
+        problems = []
+        for fusion in hf_fusions(spec):
+            first = 0
+            for part in fusion.parts:
+                self.rows[part] = (fusion.name, first, shapes[part][0])
+                first += shapes[part][0]
+            expected = (first, *shapes[fusion.parts[0]][1:])
+            if fusion.name in reader and reader.shape(fusion.name) != expected:
+                problems.append(f"{fusion.name} has shape {reader.shape(fusion.name)} but the config implies {expected} "
+                                f"(its parts {', '.join(p.rsplit('.', 2)[-2] for p in fusion.parts)} stacked)")
+        if problems:
+            raise ValueError("HF checkpoint does not match its config: " + "; ".join(problems[:5]))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.rows and self.rows[name][0] in self.reader or name not in self.rows and name in self.reader
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.rows:
+            return self.reader.shape(name)
+        fused, _, rows = self.rows[name]
+        return (rows, *self.reader.shape(fused)[1:])
+
+    def read(self, name: str, dim: int | None = None, index: int = 0, parts: int = 1) -> torch.Tensor:
+        if name not in self.rows:
+            return self.reader.read(name, dim, index, parts)
+        fused, first, rows = self.rows[name]
+        view = self.reader.slice(fused)
+        if dim is None:
+            return view[first:first + rows]
+        if dim == 0:
+            size = rows // parts
+            return view[first + index * size:first + (index + 1) * size]
+        size = view.get_shape()[dim] // parts
+        region = [slice(first, first + rows)] + [slice(None)] * (len(view.get_shape()) - 1)
+        region[dim] = slice(index * size, (index + 1) * size)
+        return view[tuple(region)]
+
+
+def checkpoint_reader(hf_dir: str | os.PathLike, spec: ModelSpec, critic: bool = False):
+    """The reader of ``hf_dir`` under the spec's table: through ``FusedHFReader`` when the family fuses tensors."""
+    reader = HFCheckpointReader(hf_dir)
+    return FusedHFReader(reader, spec, critic) if spec.hf_fused else reader
+
+
+def fused_hf_tensors(weights: Iterator[tuple[str, torch.Tensor]], spec: ModelSpec
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` (``iter_hf_weights``' pairs) with each fused HF tensor's parts concatenated under its name, as
+    the family's checkpoints hold them; other tensors pass through in order."""
+    fusion_of = {part: fusion for fusion in hf_fusions(spec) for part in fusion.parts}
+    pending: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        fusion = fusion_of.get(name)
+        if fusion is None:
+            yield name, tensor
+            continue
+        pending[name] = tensor
+        if all(part in pending for part in fusion.parts):
+            yield fusion.name, torch.cat([pending.pop(part) for part in fusion.parts])
 
 
 def check_hf_checkpoint(reader: HFCheckpointReader, spec: ModelSpec, critic: bool = False) -> None:
@@ -212,7 +291,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, hf
         hf_config = AutoConfig.from_pretrained(hf_dir)
     parallel = state.current()
     spec, critic, uses_te = _model_facts(chunks, hf_config)
-    reader = HFCheckpointReader(hf_dir)
+    reader = checkpoint_reader(hf_dir, spec, critic)
     check_hf_checkpoint(reader, spec, critic)
     my_pp = parallel_state.get_pipeline_model_parallel_rank()
     my_ep = parallel_state.get_expert_model_parallel_rank()
@@ -256,10 +335,19 @@ def _gather_tp(local: torch.Tensor, dim: int, full_shape: tuple[int, ...], group
     return out
 
 
-@torch.no_grad()
 def iter_hf_weights(chunks: list[torch.nn.Module], hf_config,
                     grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every HF tensor of the model, one at a time.
+    """Yield ``(hf_name, full_tensor)`` for every HF tensor of the model, one at a time, as the family's
+    checkpoints hold them: ``hf_layout``'s pieces (``_iter_pieces``), a fused HF tensor's parts concatenated
+    under its name (``fused_hf_tensors``: Phi-3's ``qkv_proj`` / ``gate_up_proj``). See ``_iter_pieces`` for the
+    contract."""
+    return fused_hf_tensors(_iter_pieces(chunks, hf_config, grads), model_builder.model_spec(hf_config))
+
+
+@torch.no_grad()
+def _iter_pieces(chunks: list[torch.nn.Module], hf_config,
+                 grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for every ``hf_layout`` piece of the model, one at a time.
 
     With ``grads=True`` the accumulated gradients (DDP ``main_grad``) are yielded instead of the
     weights, in the same layout (for checks against a reference implementation).

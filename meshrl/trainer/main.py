@@ -200,12 +200,19 @@ def preflight(cfg):
     contents and the Ray start; raises ``ConfigError`` listing the problems."""
     from meshrl.config import ConfigError
     from meshrl.config.validate import validate_against_model, validate_config
-    from meshrl.rollout.engines import unsupported_rollout_features
+    from meshrl.models.families import model_spec
+    from meshrl.rollout.engines import engine_window_problems, unsupported_rollout_features
     from meshrl.trainer.checkpoint import hf_export_roles
     from meshrl.workers.cluster import ray_init_kwargs
 
     plan = validate_config(cfg)
-    validate_against_model(cfg, plan, model_config(cfg))
+    hf_config = model_config(cfg)
+    validate_against_model(cfg, plan, hf_config)
+    if plan.lora is not None and model_spec(hf_config).hf_fused:
+        # Adapters, their PEFT names and the merged sync follow q/k/v, gate/up; these checkpoints fuse them.
+        raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}, whose HF checkpoint fuses "
+                          "its projections (qkv_proj, gate_up_proj), is not built yet; train every weight "
+                          "(no LoRA keys) or use another family", ["actor_rollout_ref.model.lora"])
     if plan.use_reward_model:
         from meshrl.workers.reward_model import reward_model_problems
 
@@ -213,7 +220,8 @@ def preflight(cfg):
             raise ConfigError("invalid reward model ({} problem(s)):\n  - {}".format(
                 len(problems), "\n  - ".join(problems)), [line.split(":")[0].split("=")[0] for line in problems])
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
-    problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout)
+    problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + engine_window_problems(
+        cfg.actor_rollout_ref.rollout.name, hf_config, plan.prompt_length + plan.response_length)
     if problems:
         raise ConfigError("invalid rollout configuration ({} problem(s)):\n  - {}".format(
             len(problems), "\n  - ".join(problems)), [line.split(":")[0] for line in problems])

@@ -15,7 +15,7 @@ from mp_worker import (FAMILIES, TEMPERATURE, build, check_parity, hf_model, hf_
                        make_micro_batches)
 from test_parallel_multiproc import EXPECT, _check
 
-from meshrl.models.families import family, hf_layout, model_spec
+from meshrl.models.families import checkpoint_shapes, family, model_spec
 from meshrl.models.tiny import tiny_config, tiny_model_dir
 from meshrl.parallel import hf_conversion, layers, model_builder, schedule, state
 from meshrl.parallel.forward import OutputRequest
@@ -94,7 +94,7 @@ def test_tp1_matches_the_familys_hf_model(tp1, critics, model_type: str, critic:
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
-@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gemma", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"])
 def test_export_reloads_to_the_same_outputs(tp1, critics, tmp_path, model_type: str, critic: bool) -> None:
     """Perturbed megatron weights (a stand-in for training) -> ``save_hf_checkpoint`` -> the family's
     transformers class reloads it and computes megatron's log-probs / values; the parameter count is
@@ -113,7 +113,7 @@ def test_export_reloads_to_the_same_outputs(tp1, critics, tmp_path, model_type: 
     out = hf_conversion.save_hf_checkpoint(chunks, AutoConfig.from_pretrained(path), tmp_path / "export",
                                            tokenizer_dir=path)
     exported = hf_conversion.HFCheckpointReader(out)
-    assert set(exported.file_of) == {p.hf_name for p in hf_layout(spec, critic)}
+    assert {name: exported.shape(name) for name in exported.file_of} == checkpoint_shapes(spec, critic)
     batches = make_micro_batches()
     megatron = schedule.forward_only(chunks, batches, OutputRequest(entropy=not critic))
     reloaded = hf_model(out, critic)

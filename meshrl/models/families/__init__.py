@@ -43,6 +43,7 @@ FAMILY_MODULES = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "phi3": "phi3",
 }
 
 
@@ -68,6 +69,9 @@ class ModelSpec:
       logits). ``shared_expert_ffn_hidden_size``: a dense SwiGLU MLP every token also runs, its output scaled
       by ``sigmoid(x w_g)`` when ``shared_expert_gate`` (Qwen2-MoE). ``expert_names``: the HF checkpoint's
       naming of the experts (a key of ``EXPERT_NAMES``).
+    - ``hf_fused``: HF tensors that concatenate several of the table's pieces along dim 0 (keys of ``HF_FUSIONS``:
+      Phi-3's ``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]); ``hf_layout`` keeps the parts' names and
+      the checkpoint reader / writer map them onto the fused tensors (``hf_fusions``).
     """
 
     model_type: str
@@ -101,10 +105,14 @@ class ModelSpec:
     shared_expert_ffn_hidden_size: int | None = None
     shared_expert_gate: bool = False
     expert_names: str | None = None
+    hf_fused: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # A spec read back from a checkpoint's JSON holds a list here.
         object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+        object.__setattr__(self, "hf_fused", tuple(self.hf_fused))
+        if set(self.hf_fused) - set(HF_FUSIONS):
+            raise ValueError(f"hf_fused {self.hf_fused!r}: each must be one of {', '.join(HF_FUSIONS)}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
         if self.num_experts is not None and self.expert_names not in EXPERT_NAMES:
@@ -150,6 +158,28 @@ def _rope_type(hf_config) -> str:
 # ``model.layers.{i}.{block}.gate.weight``, expert e's gate projection ``...{block}.experts.{e}.{gate}.weight``.
 EXPERT_NAMES = {"qwen": ("mlp", "gate_proj", "up_proj", "down_proj"), "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 
+# ModelSpec.hf_fused -> (the fused HF tensor of a layer, the pieces it concatenates along dim 0, in order).
+HF_FUSIONS = {
+    "qkv": ("self_attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                          "self_attn.v_proj.weight")),
+    "gate_up": ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+}
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """One HF tensor (``name``) that is the concatenation of the ``hf_layout`` pieces ``parts`` along dim 0."""
+
+    name: str
+    parts: tuple[str, ...]
+
+
+def hf_fusions(spec: "ModelSpec") -> list[Fusion]:
+    """The fused HF tensors of every layer (``ModelSpec.hf_fused``), in layer order."""
+    return [Fusion(f"model.layers.{i}.{fused}", tuple(f"model.layers.{i}.{part}" for part in parts))
+            for i in range(spec.num_layers) for kind in spec.hf_fused for fused, parts in (HF_FUSIONS[kind],)]
+
+
 # ModelSpec.activation -> the HF activation names it implements (``hidden_act`` / Gemma's ``hidden_activation``).
 ACTIVATIONS = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh",)}
 
@@ -179,6 +209,9 @@ class Family:
     critic_name: str | None = None  # the critic class when it is not ``{hf_prefix}ForTokenClassification``
     # head_dim is hidden_size / num_attention_heads by construction (the HF config has no head_dim field)
     derives_head_dim: bool = False
+    # vLLM attends to the whole sequence where the HF model slides its window (it reads windows from layer_types,
+    # which this family's config lacks): meshrl.rollout.engines.engine_window_problems
+    engine_ignores_window: bool = False
     tiny_shape: dict[str, Any] = field(default_factory=dict)  # TinySpec fields of ``tiny:<model_type>``
     tiny_config: dict[str, Any] = field(default_factory=dict)  # HF config kwargs of every tiny model
 
@@ -387,6 +420,16 @@ def _moe_pieces(spec: ModelSpec, piece: Callable[..., Piece], mlp: str) -> list[
             pieces.append(piece("mlp.shared_expert_gate.weight", shared + "gate_weight", None, None, (1, h),
                                 "hidden_size"))
     return pieces
+
+
+def checkpoint_shapes(spec: ModelSpec, critic: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor as the family's HF checkpoints hold them: ``hf_layout``'s pieces, with the parts
+    of a fused tensor (``hf_fusions``) replaced by it."""
+    shapes = {piece.hf_name: piece.shape for piece in hf_layout(spec, critic)}
+    for fusion in hf_fusions(spec):
+        parts = [shapes.pop(part) for part in fusion.parts]
+        shapes[fusion.name] = (sum(shape[0] for shape in parts), *parts[0][1:])
+    return shapes
 
 
 def hf_layout(spec: ModelSpec, critic: bool = False) -> list[Piece]:
