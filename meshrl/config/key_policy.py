@@ -113,8 +113,9 @@ REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one
                   "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
                   "(e.g. DAPO's overlong buffer) are not built yet")
 MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral "
-       "with TP / PP / DP, but not yet with expert parallelism, a load-balancing loss, router replay or MoE rollout "
-       "sizes; leave the expert and MoE keys at their defaults")
+       "with TP / PP / DP and megatron's load-balancing / z-loss (override_transformer_config.moe_aux_loss_coeff, "
+       "moe_z_loss_coeff, moe_router_load_balancing_type), but not yet with expert parallelism, router replay, other "
+       "MoE settings or MoE rollout sizes; leave those keys at their defaults")
 MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
 PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_pf_ppo=False"
 VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "
@@ -160,7 +161,7 @@ REFUSED = {
     "*.megatron.expert_model_parallel_size": MOE,
     "*.megatron.expert_tensor_parallel_size": MOE,
     "*.megatron.router_replay.*": MOE,
-    "*.megatron.override_transformer_config.moe_*": MOE,
+    "*.megatron.override_transformer_config.moe_*": MOE,  # but READ_ENTRIES
     "actor_rollout_ref.rollout.expert_parallel_size": MOE,
     "actor_rollout_ref.rollout.moe_tensor_parallel_size": MOE,
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": MOE,
@@ -194,6 +195,12 @@ ALIASES = {
     "reward.reward_model.enable": "reward_model.enable",
     "reward.reward_model.model_path": "reward_model.model.path",
 }
+
+
+# Entries of a free-form dict that meshrl reads although a REFUSED rule matches their name: the MoE load-balancing
+# and z-loss settings (``meshrl.parallel.layers.mean_aux_loss_router_class``).
+READ_ENTRIES = tuple(f"*.megatron.override_transformer_config.{name}"
+                     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type"))
 
 
 def _match(key: str, patterns) -> str | None:
@@ -252,7 +259,7 @@ def key_policy(cfg: DictConfig) -> tuple[list[str], list[str]]:
             continue
         if kind == "read":  # a free-form dict: its entries may name a missing feature
             for entry, item in value.items():
-                if rule := _match(f"{key}.{entry}", REFUSED):
+                if not _match(f"{key}.{entry}", READ_ENTRIES) and (rule := _match(f"{key}.{entry}", REFUSED)):
                     refused.setdefault(REFUSED[rule], []).append(f"{key}.{entry}={item}")
         elif kind == "refused":
             refused.setdefault(REFUSED[_match(key, REFUSED)], []).append(f"{key}={value}")

@@ -29,6 +29,8 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 ROLLOUT_ENGINES = ("vllm", "hf")
 ROLLOUT_MODES = ("sync", "async")
 MEGATRON_DTYPES = ("auto", "bfloat16", "float32")
+# megatron.override_transformer_config.moe_router_load_balancing_type values meshrl applies (validate.py says why)
+MOE_BALANCING = ("none", "aux_loss")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")  # verl FSDP's lr_scheduler_type / warmup_style
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse_square_root", "WSD")  # verl Megatron's lr_decay_style

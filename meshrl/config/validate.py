@@ -18,7 +18,7 @@ from meshrl.config.loader import ConfigError, default_config
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS
 from meshrl.config.run_plan import RunPlan, check_run_plan, estimator_inputs
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_DECAY_STYLES, LR_SCHEDULES,
-                                  MEGATRON_DTYPES, NONFINITE_ACTIONS, ROLLOUT_MODES, WD_INCR_STYLES, WSD_DECAY_STYLES,
+                                  MEGATRON_DTYPES, MOE_BALANCING, NONFINITE_ACTIONS, ROLLOUT_MODES, WD_INCR_STYLES, WSD_DECAY_STYLES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
 
 
@@ -321,6 +321,13 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
         if "attention_backend" in overrides:
             p.choice(overrides.attention_backend, f"{key}.override_transformer_config.attention_backend",
                      [b.name for b in AttnBackend])
+        if "moe_router_load_balancing_type" in overrides:
+            p.require(overrides.moe_router_load_balancing_type in MOE_BALANCING,
+                      f"{key}.override_transformer_config.moe_router_load_balancing_type",
+                      f"'{overrides.moe_router_load_balancing_type}' is not one of {', '.join(MOE_BALANCING)}: meshrl "
+                      "applies megatron's per-micro-batch switch loss or none (seq_aux_loss would count a packed "
+                      "micro-batch as one sequence, global_aux_loss keeps statistics across steps, sinkhorn changes "
+                      "the model's routing)")
     p.require(mg.dtype in MEGATRON_DTYPES, f"{key}.dtype",
               f"'{mg.dtype}' is not one of {', '.join(MEGATRON_DTYPES)}"
               + ("; float16 needs loss scaling, which meshrl does not wire: use bfloat16"

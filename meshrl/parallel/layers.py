@@ -12,6 +12,9 @@ need that megatron-core 0.16.1 has no option for (``meshrl.parallel.model_builde
 - ``tp_split_moe_layer_class``: megatron's ``MoELayer`` that, at TP > 1 without sequence parallelism (which
   megatron's MoE layer requires for training, and the local spec's torch norms cannot run), routes each TP
   rank's share of the tokens only and all-gathers the results, as sequence parallelism would.
+- ``mean_aux_loss_router_class``: megatron's top-k router attaching its load-balancing and z-losses so that a
+  training pass adds their mean over micro-batches and data-parallel ranks (megatron's and verl's scaling) under
+  meshrl's gradient contract.
 - ``scale_embeddings`` / ``softcap_logits``: forward hooks on the embedding (``x * sqrt(hidden)`` in the
   embedding's dtype) and on the policy's output layer (``c * tanh(logits / c)``, elementwise, so it commutes
   with the vocabulary split).
@@ -293,3 +296,50 @@ def tp_split_moe_layer_class():
             return (output if shared is None else output + shared), bias
 
     return TPSplitMoELayer
+
+
+# ``TransformerConfig`` attribute the schedule sets before each pass: 1 / (micro-batches x data-parallel ranks).
+MOE_LOSS_SCALE = "meshrl_moe_loss_scale"
+
+
+@functools.cache
+def mean_aux_loss_router_class():
+    """megatron's ``TopKRouter`` whose load-balancing loss (``moe_aux_loss_coeff``) and z-loss
+    (``moe_z_loss_coeff``) enter training as their mean over the pass's micro-batches and data-parallel ranks:
+    each micro-batch's loss ``l`` is attached as ``l * s`` with ``s`` the config's ``MOE_LOSS_SCALE``.
+
+    That is the scaling megatron intends ("1 / (num_micro_batches * dp_size)", router.py) and the one verl gets
+    (its schedule scales the aux-loss gradient by 1 / micro-batches, DDP averages over DP). megatron reaches it
+    under ``calculate_per_token_loss`` by attaching ``l * tokens`` and dividing every gradient by the pass's
+    tokens; meshrl keeps that flag but not the division (its losses come pre-normalised), so here the tokens
+    factor is dropped and ``s`` applied instead. ``l`` is megatron's: the switch loss
+    ``E * coeff / (k * T^2) * sum_e (sum_t p_te) * n_e`` over the micro-batch's T routed tokens (n_e: tokens
+    routed to expert e), and ``coeff * mean_t logsumexp(r_t)^2`` for the z-loss.
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, z_loss_func
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class MeanAuxLossRouter(TopKRouter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.calculate_per_token_loss = False  # attach l itself, not l * tokens (see above)
+
+        def _scale(self) -> float:
+            scale = getattr(self.config, MOE_LOSS_SCALE, None)
+            if scale is None:
+                raise RuntimeError("an MoE load-balancing / z-loss needs the pass's scale: run training passes "
+                                   "through meshrl.parallel.schedule.forward_backward")
+            return scale
+
+        def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, *args, **kwargs):
+            return super().attach_and_log_load_balancing_loss(activation, aux_loss_coeff, aux_loss * self._scale(),
+                                                              *args, **kwargs)
+
+        def apply_z_loss(self, logits, padding_mask=None):
+            if self.config.moe_z_loss_coeff is None or not self.training or not torch.is_grad_enabled():
+                return logits
+            # megatron divides by the TP size: each TP rank's share of the tokens adds its own (TP_PARTIAL_GRAD)
+            z_loss = z_loss_func(logits, self.config.moe_z_loss_coeff / self.tp_cp_group.size(), padding_mask)
+            return MoEAuxLossAutoScaler.apply(logits, z_loss * self._scale())
+
+    return MeanAuxLossRouter

@@ -177,6 +177,9 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         deallocate_pipeline_outputs=True,
         calculate_per_token_loss=True,
     )
+    dropped = sorted(key for key in overrides if key.startswith("moe_"))
+    if dropped and not spec.moe:
+        raise ValueError(f"{', '.join(dropped)}: mixture-of-experts settings, but {spec.model_type} is dense; drop them")
     if spec.moe:
         # verl's default: no load-balancing loss in RL (it hurts there); override_transformer_config's
         # moe_router_load_balancing_type / moe_aux_loss_coeff / moe_z_loss_coeff turn it on.
@@ -234,6 +237,7 @@ def _layer_spec(use_te: bool, model: ModelSpec):
                 spec.submodules.self_attention.submodules.k_layernorm = norm
     if model.moe:  # routed per TP rank's share of the tokens when TP > 1 without sequence parallelism
         spec.submodules.mlp.module = layers.tp_split_moe_layer_class()
+        spec.submodules.mlp.submodules.router = layers.mean_aux_loss_router_class()
     attention = spec.submodules.self_attention
     if model.attn_logit_softcap is not None:
         attention.submodules.core_attention = ModuleSpec(module=layers.sdpa_core_attention_class(),

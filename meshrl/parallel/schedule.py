@@ -32,6 +32,7 @@ import torch.distributed as dist
 from meshrl.parallel.forward import (LossFn, MicroBatch, OutputRequest, compute_outputs, model_inputs,
                                      select_hidden)
 from meshrl.parallel.fused_output import projection_skipped
+from meshrl.parallel.layers import MOE_LOSS_SCALE
 from meshrl.parallel.model_builder import model_config, unwrap
 
 
@@ -124,6 +125,8 @@ def _run(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], request
         raise ValueError("no micro-batches")
     critic = bool(getattr(unwrap(chunks[0]), "meshrl_critic", False))
     config = model_config(chunks)
+    # MoE load-balancing / z-losses enter as their mean over micro-batches and DP ranks (layers' router)
+    setattr(config, MOE_LOSS_SCALE, 1.0 / (len(micro_batches) * parallel_state.get_data_parallel_world_size()))
     # megatron sizes p2p buffers from these only without variable_seq_lengths, which is on whenever PP > 1
     # (each micro-batch's shape, padded or packed [T, 1, h], travels with it); they are unused otherwise.
     seq_length = max(int(mb["input_ids"].shape[1]) for mb in micro_batches)

@@ -4,6 +4,7 @@ refuses for them before building anything (parity under expert parallelism: test
 from __future__ import annotations
 
 import pytest
+import torch
 
 from meshrl.models.families import hf_layout, layer_spec_options, model_spec, transformer_options
 from meshrl.models.tiny import tiny_config, tiny_spec
@@ -75,3 +76,30 @@ def test_expert_layout_must_fit_the_world() -> None:
     with pytest.raises(ValueError, match="expert TP\\*EP\\*PP = 1\\*4\\*1 = 4"):
         ParallelConfig(expert_parallel=4).data_parallel_size(2)
 
+
+
+@pytest.mark.parametrize("overrides,refused", [
+    # verl's load-balancing and z-loss keys are read (the MoE router applies them)
+    (["moe_router_load_balancing_type=aux_loss", "moe_aux_loss_coeff=0.01", "moe_z_loss_coeff=0.001"], None),
+    # other MoE settings are still refused as a missing feature
+    (["moe_router_dtype=fp32"], "mixture-of-experts"),
+    # a load-balancing type meshrl would apply wrongly
+    (["moe_router_load_balancing_type=seq_aux_loss"], "seq_aux_loss would count a packed micro-batch"),
+])
+def test_load_balancing_keys_are_read_and_others_refused(overrides: list[str], refused: str | None) -> None:
+    from meshrl.config import ConfigError, load_config
+    from meshrl.config.validate import validate_config
+
+    prefix = "+actor_rollout_ref.actor.megatron.override_transformer_config."
+    cfg = load_config([prefix + item for item in overrides], recipe="cpu_tiny_grpo")
+    if refused is None:
+        validate_config(cfg)
+    else:
+        with pytest.raises(ConfigError, match=refused):
+            validate_config(cfg)
+
+
+def test_moe_settings_on_a_dense_model_are_refused() -> None:
+    with pytest.raises(ValueError, match="moe_aux_loss_coeff: mixture-of-experts settings, but llama is dense"):
+        model_builder.transformer_config(model_spec(config("llama")), ParallelConfig(), torch.float32,
+                                         moe_aux_loss_coeff=0.01)

@@ -34,9 +34,10 @@ from meshrl.parallel.forward import OutputRequest  # noqa: E402
 
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 TIMEOUT_S = 60.0
-PHASES = [("ep2", dict(expert_parallel=2), ("qwen2_moe",)),
-          ("ep2tp2", dict(expert_parallel=2, tensor_parallel=2), MOE_FAMILIES),
-          ("ep2pp2", dict(expert_parallel=2, pipeline_parallel=2), ("qwen2_moe",))]
+# (name, layout, families, with the load-balancing and z-losses)
+PHASES = [("ep2", dict(expert_parallel=2), ("qwen2_moe",), True),
+          ("ep2tp2", dict(expert_parallel=2, tensor_parallel=2), MOE_FAMILIES, False),
+          ("ep2pp2", dict(expert_parallel=2, pipeline_parallel=2), ("qwen2_moe",), False)]
 
 
 def make_micro_batches(seed: int = 0) -> list[dict]:
@@ -63,24 +64,63 @@ def make_micro_batches(seed: int = 0) -> list[dict]:
     return batches
 
 
-def hf_reference(path: Path, batches: list[dict]) -> tuple[list[dict], float, dict[str, torch.Tensor]]:
+# verl's keys (megatron.override_transformer_config) turning on the load-balancing loss and the z-loss
+AUX_LOSSES = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.01)
+
+
+def router_losses(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """One layer's load-balancing loss (the switch loss, megatron's normalisation) plus z-loss on one micro-batch's
+    router logits ``[T, E]``, written out from their definitions."""
+    tokens, experts = logits.shape
+    probs = torch.softmax(logits, dim=-1)
+    routed = torch.zeros_like(probs).scatter(1, probs.topk(topk, dim=-1).indices, 1.0).sum(0)
+    balance = experts * AUX_LOSSES["moe_aux_loss_coeff"] / (topk * tokens**2) * (probs.sum(0) * routed).sum()
+    return balance + AUX_LOSSES["moe_z_loss_coeff"] * (torch.logsumexp(logits, dim=-1) ** 2).mean()
+
+
+def hf_reference(path: Path, batches: list[dict], aux: bool = False) -> tuple[list[dict], float, dict]:
     """HF's outputs, total loss and gradients under the checkpoint's names (transformers keeps the experts of
-    a layer fused in memory; ``revert_weight_conversion`` names them per expert as its checkpoints do)."""
+    a layer fused in memory; ``revert_weight_conversion`` names them per expert as its checkpoints do). With
+    ``aux`` each micro-batch adds its layers' ``router_losses`` over its valid tokens divided by the number of
+    micro-batches: their mean over micro-batches (and, split over DP ranks, over those)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     model = hf_model(path, critic=False)
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    captured: list[torch.Tensor] = []
+    for router in routers:
+        router.register_forward_hook(lambda module, args, output: captured.append(output[0]))
     outputs, total = [], 0.0
     for mb in batches:
+        captured.clear()
         out = hf_outputs(model, mb, critic=False)
         loss, _ = policy_loss(out, mb)
+        if aux:
+            valid = mb["attention_mask"].reshape(-1).bool()
+            for logits in captured:
+                loss = loss + router_losses(logits[valid], model.config.num_experts_per_tok) / len(batches)
         loss.backward()
         total += float(loss)
         outputs.append({k: v.detach() for k, v in out.items()})
+    assert len(captured) == len(routers) == model.config.num_hidden_layers
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return outputs, total, revert_weight_conversion(model, grads)
 
 
-def check_family(path: Path) -> dict:
+def _train_pass(chunks, batches: list[dict], path: Path, ref_loss: float, ref_grads: dict) -> dict:
+    """Loss and every gradient of one packed forward-backward against HF's."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    passed = schedule.forward_backward(chunks, batches, policy_loss, OutputRequest(entropy=True, remove_padding=True))
+    grads = hf_tensors(chunks, path, grads=True)
+    return {"loss": abs(passed.loss - ref_loss), "grad_names_mismatch": len(set(ref_grads) ^ set(grads)),
+            "grads": max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)}
+
+
+def check_family(path: Path, aux: bool = False) -> dict:
+    """Outputs, loss, gradients and export against HF; with ``aux`` also the loss and gradients with verl's
+    load-balancing and z-loss keys set (``aux_*``; at TP 1, where the packed micro-batches hold exactly the
+    valid tokens the reference routes), and how far those losses move the gradients (``aux_effect``)."""
     batches = make_micro_batches()
     ref_out, ref_loss, ref_grads = hf_reference(path, batches)
     dp, rank = state.dp_size(), state.dp_rank()
@@ -92,27 +132,28 @@ def check_family(path: Path) -> dict:
         tag = "packed_" if remove_padding else ""
         for key in ("log_probs", "entropy"):
             result[tag + key] = max(float((o[key] - r[key]).abs().max()) for o, r in zip(out, mine_ref))
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    passed = schedule.forward_backward(chunks, mine, policy_loss, OutputRequest(entropy=True, remove_padding=True))
-    result["loss"] = abs(passed.loss - ref_loss)
-    grads = hf_tensors(chunks, path, grads=True)
-    result["grad_names_mismatch"] = len(set(ref_grads) ^ set(grads))
-    result["grads"] = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)
+    result.update(_train_pass(chunks, mine, path, ref_loss, ref_grads))
     original = hf_conversion.HFCheckpointReader(path)
     weights = hf_tensors(chunks, path)
     result["export_mismatches"] = (len(set(original.file_of) ^ set(weights))
                                    + sum(not torch.equal(original.read(n), weights[n]) for n in weights))
+    if aux:
+        _, _, aux_grads = hf_reference(path, batches, aux=True)
+        # the pass's loss is the policy loss: the router losses enter through their gradients only
+        passed = _train_pass(build(path, **AUX_LOSSES), mine, path, ref_loss, aux_grads)
+        result.update({f"aux_{key}": value for key, value in passed.items()})
+        result["aux_effect"] = max(float((aux_grads[k] - ref_grads[k]).abs().max()) for k in ref_grads)
     return result
 
 
-def run_phase(layout: dict, families: tuple[str, ...]) -> dict:
+def run_phase(layout: dict, families: tuple[str, ...], aux: bool) -> dict:
     state.initialize(state.ParallelConfig(timeout_s=TIMEOUT_S, **layout))
     values: dict[str, object] = {}
     for model_type in families:
         start = time.monotonic()
         try:
-            values.update({f"{model_type}.{k}": v for k, v in check_family(tiny_model_dir(tiny_spec(model_type))).items()})
+            found = check_family(tiny_model_dir(tiny_spec(model_type)), aux)
+            values.update({f"{model_type}.{k}": v for k, v in found.items()})
         except Exception:  # recorded, reported by pytest
             values[f"{model_type}.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
         print(f"[rank {dist.get_rank()}] {model_type}: {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
@@ -130,7 +171,7 @@ def main() -> None:
         for model_type in MOE_FAMILIES:
             tiny_model_dir(tiny_spec(model_type))
     dist.barrier()
-    mine = {name: run_phase(layout, families) for name, layout, families in PHASES}
+    mine = {name: run_phase(layout, families, aux) for name, layout, families, aux in PHASES}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:

@@ -3,7 +3,8 @@
 same checks in process at TP1 / EP1 for every MoE family. Against each family's transformers class in fp32:
 log-probs and entropies (row and packed layouts), the loss and every gradient of a packed forward-backward
 (HF runs all micro-batches in one process, so the gradients equal a single-rank run's), and the weights read
-back out of the megatron layout bit for bit. ~50 s for the launch on 2 cores.
+back out of the megatron layout bit for bit; with verl's load-balancing and z-loss keys (at EP2 and in process)
+the gradients against HF's plus those losses written out. ~60 s for the launch on 2 cores.
 """
 
 from __future__ import annotations
@@ -25,13 +26,21 @@ REPO = HERE.parents[1]
 # Entropies are ~10 nats, where fp32 spacing is 9.5e-7 (see test_parallel_multiproc's EXPECT).
 LIMITS = {"log_probs": 1e-5, "entropy": 1.5e-5, "packed_log_probs": 1e-5, "packed_entropy": 1.5e-5, "loss": 1e-6,
           "grads": 1e-5, "grad_names_mismatch": 0, "export_mismatches": 0}
+# With verl's load-balancing and z-loss keys: gradients against HF plus the losses written out; the losses must
+# move some gradient well beyond that tolerance, or the check would pass with them ignored.
+AUX_LIMITS = {"aux_loss": 1e-6, "aux_grads": 1e-5, "aux_grad_names_mismatch": 0}
+AUX_EFFECT = 1e-3
 
 
-def _failures(values: dict, model_type: str) -> list[str]:
-    found = {key: values.get(f"{model_type}.{key}") for key in LIMITS}
+def _failures(values: dict, model_type: str, aux: bool) -> list[str]:
+    limits = {**LIMITS, **(AUX_LIMITS if aux else {})}
+    found = {key: values.get(f"{model_type}.{key}") for key in limits}
     errors = [values[key] for key in values if key.startswith(f"{model_type}.error")]
-    return errors + [f"{key} = {value} (limit {LIMITS[key]})" for key, value in found.items()
-                     if value is None or value > LIMITS[key]]
+    errors += [f"{key} = {value} (limit {limits[key]})" for key, value in found.items()
+               if value is None or value > limits[key]]
+    effect = values.get(f"{model_type}.aux_effect")
+    return errors + ([f"aux_effect = {effect} (must exceed {AUX_EFFECT})"]
+                     if aux and (effect is None or effect < AUX_EFFECT) else [])
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +60,15 @@ def results(tmp_path_factory) -> dict:
     return found
 
 
-CASES = [(phase, model_type) for phase, _, families in PHASES for model_type in families]
+CASES = [(phase, model_type, aux) for phase, _, families, aux in PHASES for model_type in families]
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("phase,model_type", CASES, ids=[f"{p}-{m}" for p, m in CASES])
-def test_expert_parallel_layouts_match_hf(results: dict, phase: str, model_type: str) -> None:
+@pytest.mark.parametrize("phase,model_type,aux", CASES, ids=[f"{p}-{m}" for p, m, _ in CASES])
+def test_expert_parallel_layouts_match_hf(results: dict, phase: str, model_type: str, aux: bool) -> None:
     assert phase in results, results["_log"]
-    assert not _failures(results[phase], model_type), _failures(results[phase], model_type)
+    assert not _failures(results[phase], model_type, aux), _failures(results[phase], model_type, aux)
 
 
 @pytest.mark.slow
@@ -68,7 +77,8 @@ def test_single_rank_matches_hf() -> None:
     state.initialize(state.ParallelConfig())
     try:
         for model_type in MOE_FAMILIES:
-            values = {f"{model_type}.{k}": v for k, v in check_family(tiny_model_dir(tiny_spec(model_type))).items()}
-            assert not _failures(values, model_type), _failures(values, model_type)
+            found = check_family(tiny_model_dir(tiny_spec(model_type)), aux=True)
+            values = {f"{model_type}.{k}": v for k, v in found.items()}
+            assert not _failures(values, model_type, aux=True), _failures(values, model_type, aux=True)
     finally:
         state.destroy()
