@@ -168,13 +168,11 @@ def check_adapter_config(folder: Path, settings: LoraSettings) -> None:
 @torch.no_grad()
 def load_adapter(chunks: list[torch.nn.Module], folder: str | os.PathLike) -> None:
     """Copy this rank's shard of the PEFT adapter in ``folder`` into the chunks' adapters."""
+    from megatron.core import parallel_state
     from safetensors import safe_open
 
     folder = Path(folder)
-    settings = settings_of(chunks)
-    check_adapter_config(folder, settings)
-    from megatron.core import parallel_state
-
+    check_adapter_config(folder, settings_of(chunks))
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with safe_open(folder / WEIGHTS_FILE, framework="pt") as handle:
         names = set(handle.keys())
@@ -186,14 +184,15 @@ def load_adapter(chunks: list[torch.nn.Module], folder: str | os.PathLike) -> No
             dim = _split_dim(adapter, which)
             if dim is not None:
                 tensor = tensor.chunk(adapter.tp, dim=dim)[tp_rank]
-            if which == "A" and SHARED in adapter.lora_A and not torch.equal(tensor.to(param.dtype), param) \
-                    and part != adapter.parts[0]:
-                raise ValueError(f"{key} differs from the {adapter.parts[0]} A of the same layer, but this run's "
-                                 "fused LoRA shares one A across them: load it with per-module adapters "
-                                 "(lora.type=canonical_lora, or the FSDP keys)")
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"{key} has shape {tuple(tensor.shape)}, the model's adapter needs "
                                  f"{tuple(param.shape)} (TP shard)")
+            # A shared A was already copied from the layer's first part: the others must be copies of it.
+            shared_copy = which == "A" and SHARED in adapter.lora_A and part != adapter.parts[0]
+            if shared_copy and not torch.equal(tensor.to(param.dtype), param):
+                raise ValueError(f"{key} differs from the {adapter.parts[0]} A of the same layer, but this run's "
+                                 "fused LoRA shares one A across them: load it with per-module adapters "
+                                 "(lora.type=canonical_lora, or the FSDP keys)")
             param.copy_(tensor)
 
 

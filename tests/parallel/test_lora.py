@@ -134,6 +134,10 @@ def test_load_adapter_refuses_other_settings(tp1, tiny_llama_dir, tmp_path) -> N
     other = lora_model(tiny_llama_dir, lora.LoraSettings(rank=8, alpha=16, targets=("q_proj",)))
     with pytest.raises(ValueError, match=r"r: adapter 4, run 8.*target_modules"):
         peft_io.load_adapter(other, folder)
+    # per-module A's (kaiming draws differ) cannot become the one A a fused adapter shares
+    fused = lora_model(tiny_llama_dir, lora.LoraSettings(rank=4, alpha=16, targets=ALL, shared_a=True))
+    with pytest.raises(ValueError, match="k_proj.lora_A.weight differs from the q_proj A"):
+        peft_io.load_adapter(fused, folder)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
