@@ -91,6 +91,16 @@ def test_one_output_alone_and_its_gradient(tp1) -> None:
         assert close(h.grad, r.grad)
 
 
+def test_no_selected_token_gives_empty_outputs_and_zero_gradients(tp1) -> None:
+    """A placeholder micro-batch (all-zero output mask) selects no position: nothing to project, no error."""
+    hidden, weight = torch.zeros(1, 0, 8, requires_grad=True), torch.randn(31, 8, requires_grad=True)
+    lp, ent = fused_log_probs_entropy(hidden, weight, torch.zeros(1, 0, dtype=torch.long), temperature=0.7,
+                                      softcap=None, chunk_size=4, entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert lp.shape == ent.shape == (1, 0) and hidden.grad.shape == (1, 0, 8)
+    assert not weight.grad.any()
+
+
 def test_a_chunk_size_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="fused_chunk_size must be >= 1"):
         OutputRequest(fused_chunk_size=0)
