@@ -24,6 +24,7 @@ _SHARED: dict[str, dict[str, Any]] = {
                     vocab_size=32768, head_dim=128, tie_word_embeddings=False),
     # Gemma 2: 256k vocabulary (tied), head_dim 256, soft-capping, alternating 4096-token sliding window.
     "phi3": dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    "glm4": dict(attention_dropout=0.0),
     "gemma2": dict(vocab_size=256000, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192,
                    rope_theta=10000.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
@@ -77,6 +78,11 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                              num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192,
                                              vocab_size=32064, max_position_embeddings=4096, sliding_window=2047,
                                              rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # GLM-4-9B-0414: q/k/v biases, half-head interleaved RoPE, four norms per layer, fused gate_up
+    "THUDM/GLM-4-9B-0414": dict(model_type="glm4", num_hidden_layers=40, hidden_size=4096, num_attention_heads=32,
+                                num_key_value_heads=2, head_dim=128, intermediate_size=13696, vocab_size=151552,
+                                max_position_embeddings=32768, rope_theta=10000.0, partial_rotary_factor=0.5,
+                                rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False),
 }
 
 

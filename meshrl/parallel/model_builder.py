@@ -310,6 +310,7 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
             share_embeddings_and_output_weights=spec.tie_word_embeddings and not critic,
             position_embedding_type="rope",
             rotary_base=spec.rope_theta,
+            rotary_percent=spec.rotary_fraction,
             vp_stage=stage,
         )
         if critic and post:

@@ -19,6 +19,7 @@ PUBLISHED_B = {
     "Qwen/Qwen2-7B-Instruct": 7.62, "deepseek-ai/deepseek-llm-7b-chat": 6.91,
     "Qwen/Qwen3-8B": 8.19, "Qwen/Qwen3-32B": 32.8, "google/gemma-2-2b-it": 2.61, "google/gemma-2-9b-it": 9.24,
     "mistralai/Mistral-7B-Instruct-v0.3": 7.25, "microsoft/Phi-3-mini-4k-instruct": 3.82,
+    "THUDM/GLM-4-9B-0414": 9.40,
 }
 
 

@@ -38,7 +38,7 @@ def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "glm4"])
 def test_engine_serves_the_resharded_megatron_weights(tp1, model_type: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -40,7 +40,7 @@ LLAMA, QWEN2 = FAMILIES["llama"], FAMILIES["qwen2"]
 LLAMA4 = TinySpec(num_hidden_layers=4)
 # The policy's rollout temperature per family: 1 and != 1 both run at every layout.
 TEMPERATURE = {"llama": 1.0, "qwen2": 0.7, "qwen3": 0.7, "mistral": 1.0, "gemma": 0.7, "gemma2": 1.0,
-               "gemma3_text": 0.7, "phi3": 1.0}
+               "gemma3_text": 0.7, "phi3": 1.0, "glm4": 0.7}
 TIMEOUT_S = 120.0
 
 SUITES = {

@@ -94,7 +94,7 @@ def test_tp1_matches_the_familys_hf_model(tp1, critics, model_type: str, critic:
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["policy", "critic"])
-@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "glm4"])
 def test_export_reloads_to_the_same_outputs(tp1, critics, tmp_path, model_type: str, critic: bool) -> None:
     """Perturbed megatron weights (a stand-in for training) -> ``save_hf_checkpoint`` -> the family's
     transformers class reloads it and computes megatron's log-probs / values; the parameter count is

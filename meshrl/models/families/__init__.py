@@ -44,6 +44,7 @@ FAMILY_MODULES = {
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
     "phi3": "phi3",
+    "glm4": "glm4",
 }
 
 
@@ -69,6 +70,11 @@ class ModelSpec:
       logits). ``shared_expert_ffn_hidden_size``: a dense SwiGLU MLP every token also runs, its output scaled
       by ``sigmoid(x w_g)`` when ``shared_expert_gate`` (Qwen2-MoE). ``expert_names``: the HF checkpoint's
       naming of the experts (a key of ``EXPERT_NAMES``).
+    - ``rotary_fraction``: RoPE turns the first ``rotary_fraction * head_dim`` dimensions of each head (HF's
+      ``partial_rotary_factor``), the rest pass unrotated; ``rotary_interleaved``: it rotates adjacent pairs
+      ``(x_2i, x_2i+1)`` (GLM-4) instead of the two halves.
+    - ``post_norm_names``: the HF names of the three norms around a ``post_norms`` layer's attention and MLP
+      (a key of ``POST_NORM_NAMES``).
     - ``hf_fused``: HF tensors that concatenate several of the table's pieces along dim 0 (keys of ``HF_FUSIONS``:
       Phi-3's ``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]); ``hf_layout`` keeps the parts' names and
       the checkpoint reader / writer map them onto the fused tensors (``hf_fusions``).
@@ -106,11 +112,16 @@ class ModelSpec:
     shared_expert_gate: bool = False
     expert_names: str | None = None
     hf_fused: tuple[str, ...] = ()
+    rotary_fraction: float = 1.0
+    rotary_interleaved: bool = False
+    post_norm_names: str = "gemma2"
 
     def __post_init__(self) -> None:
         # A spec read back from a checkpoint's JSON holds a list here.
         object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         object.__setattr__(self, "hf_fused", tuple(self.hf_fused))
+        if self.post_norm_names not in POST_NORM_NAMES:
+            raise ValueError(f"post_norm_names {self.post_norm_names!r} is not one of {', '.join(POST_NORM_NAMES)}")
         if set(self.hf_fused) - set(HF_FUSIONS):
             raise ValueError(f"hf_fused {self.hf_fused!r}: each must be one of {', '.join(HF_FUSIONS)}")
         if self.activation not in ACTIVATIONS:
@@ -157,6 +168,13 @@ def _rope_type(hf_config) -> str:
 # ModelSpec.expert_names -> the HF checkpoint's (MoE block, gate, up, down projection) names: a layer's router is
 # ``model.layers.{i}.{block}.gate.weight``, expert e's gate projection ``...{block}.experts.{e}.{gate}.weight``.
 EXPERT_NAMES = {"qwen": ("mlp", "gate_proj", "up_proj", "down_proj"), "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+# ModelSpec.post_norm_names -> the HF names of a post-normed layer's (attention output norm, MLP input norm, MLP
+# output norm); the input norm is input_layernorm in both.
+POST_NORM_NAMES = {
+    "gemma2": ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "glm4": ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+}
 
 # ModelSpec.hf_fused -> (the fused HF tensor of a layer, the pieces it concatenates along dim 0, in order).
 HF_FUSIONS = {
@@ -212,6 +230,7 @@ class Family:
     # vLLM attends to the whole sequence where the HF model slides its window (it reads windows from layer_types,
     # which this family's config lacks): meshrl.rollout.engines.engine_window_problems
     engine_ignores_window: bool = False
+    lifts: tuple[str, ...] = ()  # fields of COMMON_REFUSALS the family implements itself (GLM-4's partial rotary)
     tiny_shape: dict[str, Any] = field(default_factory=dict)  # TinySpec fields of ``tiny:<model_type>``
     tiny_config: dict[str, Any] = field(default_factory=dict)  # HF config kwargs of every tiny model
 
@@ -247,7 +266,8 @@ def model_spec(hf_config) -> ModelSpec:
     """
     model_type = getattr(hf_config, "model_type", None)
     fam = family(model_type)
-    refusals = (fam.activation_refusal,) + COMMON_REFUSALS + fam.refusals
+    refusals = (fam.activation_refusal,) + tuple(r for r in COMMON_REFUSALS if r.field not in fam.lifts) \
+        + fam.refusals
     problems = [p for r in refusals if (p := r.problem(hf_config))]
     if problems:
         raise ValueError(f"{model_type} config not supported by meshrl: " + "; ".join(problems))
@@ -289,13 +309,15 @@ def transformer_options(spec: ModelSpec) -> dict[str, Any]:
     not), a gated MLP with SiLU or tanh-GELU, no bias except the family's QKV bias, q/k RMSNorm (eps
     ``rms_norm_eps``, as HF's q_norm / k_norm), the softmax scale, and the sliding-window layers
     (``window_size=(window - 1, 0)``: ``window`` keys including the query's own; ``window_attn_skip_freq``
-    as a per-layer list, 1 = windowed)."""
+    as a per-layer list, 1 = windowed), interleaved RoPE pairs (``rotary_interleaved``; the rotated fraction of
+    each head is ``GPTModel``'s ``rotary_percent``, set by ``meshrl.parallel.model_builder``)."""
     import torch.nn.functional as F
 
     options = dict(normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
                    activation_func=F.silu if spec.activation == "silu" else gelu_tanh, add_bias_linear=False,
                    add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
-                   layernorm_zero_centered_gamma=spec.zero_centered_norms, softmax_scale=spec.softmax_scale)
+                   layernorm_zero_centered_gamma=spec.zero_centered_norms, softmax_scale=spec.softmax_scale,
+                   rotary_interleaved=spec.rotary_interleaved)
     if spec.sliding_window is not None:
         options.update(window_size=(spec.sliding_window - 1, 0),
                        window_attn_skip_freq=[int(i in spec.sliding_layers) for i in range(spec.num_layers)])
@@ -371,13 +393,14 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
     fc1, fc2, ffn = layer + "mlp.linear_fc1.weight", layer + "mlp.linear_fc2.weight", "intermediate_size, hidden_size"
     pieces.append(piece("self_attn.o_proj.weight", attn + "linear_proj.weight", 1, None, (h, nq * d),
                         f"hidden_size, {q_rows}"))
+    attn_out_norm, mlp_in_norm, mlp_out_norm = POST_NORM_NAMES[spec.post_norm_names]
     if spec.post_norms:
-        # Gemma2/3: HF's post_attention_layernorm normalises the attention output (meshrl.parallel.layers'
-        # norm after linear_proj); the MLP's input norm is pre_feedforward_layernorm.
-        pieces += [piece("post_attention_layernorm.weight", attn + "linear_proj.post_norm.weight", None, None, (h,),
+        # Gemma2/3's post_attention_layernorm (GLM-4's post_self_attn_layernorm) normalises the attention output
+        # (meshrl.parallel.layers' norm after linear_proj); the MLP's input norm is pre_feedforward_layernorm
+        # (GLM-4's post_attention_layernorm).
+        pieces += [piece(f"{attn_out_norm}.weight", attn + "linear_proj.post_norm.weight", None, None, (h,),
                          "hidden_size"),
-                   piece("pre_feedforward_layernorm.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,),
-                         "hidden_size")]
+                   piece(f"{mlp_in_norm}.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,), "hidden_size")]
     else:
         pieces.append(piece("post_attention_layernorm.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,),
                             "hidden_size"))
@@ -390,8 +413,8 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
             piece("mlp.down_proj.weight", fc2, 1, None, (h, f), "hidden_size, intermediate_size"),
         ]
     if spec.post_norms:
-        pieces.append(piece("post_feedforward_layernorm.weight", layer + "mlp.linear_fc2.post_norm.weight", None,
-                            None, (h,), "hidden_size"))
+        pieces.append(piece(f"{mlp_out_norm}.weight", layer + "mlp.linear_fc2.post_norm.weight", None, None, (h,),
+                            "hidden_size"))
     return pieces
 
 
