@@ -113,9 +113,9 @@ REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one
                   "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
                   "(e.g. DAPO's overlong buffer) are not built yet")
 MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral "
-       "with TP / PP / DP and megatron's load-balancing / z-loss (override_transformer_config.moe_aux_loss_coeff, "
-       "moe_z_loss_coeff, moe_router_load_balancing_type), but not yet with expert parallelism, router replay, other "
-       "MoE settings or MoE rollout sizes; leave those keys at their defaults")
+       "with TP / PP / DP / EP and megatron's load-balancing / z-loss (override_transformer_config.moe_aux_loss_coeff, "
+       "moe_z_loss_coeff, moe_router_load_balancing_type), but not yet with router replay, other MoE settings or "
+       "MoE rollout sizes; leave those keys at their defaults")
 MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
 PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_pf_ppo=False"
 VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "
@@ -158,8 +158,6 @@ REFUSED = {
                                          "generate per engine replica); leave rollout.agent at its defaults",
     "*.model.override_config": "HF config overrides would change the model meshrl builds but not the vLLM "
                                  "engine's copy; edit the model folder's config.json instead",
-    "*.megatron.expert_model_parallel_size": MOE,
-    "*.megatron.expert_tensor_parallel_size": MOE,
     "*.megatron.router_replay.*": MOE,
     "*.megatron.override_transformer_config.moe_*": MOE,  # but READ_ENTRIES
     "actor_rollout_ref.rollout.expert_parallel_size": MOE,

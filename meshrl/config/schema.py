@@ -223,7 +223,7 @@ class MegatronConfig:
     # model.use_remove_padding, which meshrl reads (inert).
     use_remove_padding: bool = True
     use_megatron_fsdp: bool = False  # Megatron's own FSDP; refused
-    # verl's mixture-of-experts keys (None: the tensor-parallel size); refused, as expert_model_parallel_size > 1 is
+    # the experts' tensor-parallel size (verl's; None: the tensor-parallel size)
     expert_tensor_parallel_size: Optional[int] = None
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 

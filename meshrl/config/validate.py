@@ -221,7 +221,8 @@ def _check_reference_layout(p: _Problems, actor: DictConfig, ref: DictConfig) ->
     """The reference runs in the policy's processes, on the policy's parallel layout (verl's Megatron workers do
     the same); its megatron section may repeat the actor's sizes, not change them."""
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                 "context_parallel_size", "expert_model_parallel_size", "sequence_parallel", "seed"):
+                 "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                 "sequence_parallel", "seed"):
         p.require(ref[name] == actor[name] or ref[name] == REF_LAYOUT_DEFAULTS[name],
                   f"actor_rollout_ref.ref.megatron.{name}",
                   f"{ref[name]} differs from the actor's {actor[name]}; the reference shares the actor's layout: "
@@ -301,6 +302,12 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
         p.require(ws % model_parallel == 0, key,
                   f"TP×PP×CP = {model_parallel} must divide the {ws} training processes "
                   "(trainer.nnodes × trainer.n_gpus_per_node); change the parallel sizes or the process count")
+    experts = ((mg.expert_tensor_parallel_size or mg.tensor_model_parallel_size) * mg.expert_model_parallel_size
+               * mg.pipeline_model_parallel_size)
+    if experts > 0:
+        p.require(ws % experts == 0, f"{key}.expert_model_parallel_size",
+                  f"expert TP×EP×PP = {experts} must divide the {ws} training processes "
+                  "(trainer.nnodes × trainer.n_gpus_per_node); change the expert parallel sizes or the process count")
     if mg.virtual_pipeline_model_parallel_size is not None:
         p.require(mg.pipeline_model_parallel_size > 1, f"{key}.virtual_pipeline_model_parallel_size",
                   "needs pipeline_model_parallel_size > 1")

@@ -88,6 +88,8 @@ class RankWorker:
             pipeline_parallel=megatron_cfg.pipeline_model_parallel_size,
             virtual_pipeline=megatron_cfg.virtual_pipeline_model_parallel_size,
             context_parallel=megatron_cfg.context_parallel_size,
+            expert_parallel=megatron_cfg.expert_model_parallel_size,
+            expert_tensor_parallel=megatron_cfg.expert_tensor_parallel_size,
             timeout_s=self.plan.workers.collective_timeout_s,
             seed=megatron_cfg.seed,
         )

@@ -48,3 +48,21 @@ def test_the_seeds_moe_script_trains_one_cpu_step(tmp_path: Path) -> None:
     assert plan.use_critic and step["step"] == 1
     assert final["actor/optimizer_steps"] >= 1 and step["critic/optimizer_steps"] >= 1
     assert step["rollout/log_prob_max_abs_diff"] < 1e-3
+
+
+# Megatron EP2 (the two ranks hold four experts each, tokens exchanged all-to-all) -> a TP2 vLLM engine on the same
+# two ranks, with a KL loss (the reference runs at EP2 too) and megatron's load-balancing loss through verl's keys.
+EP2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+       "actor_rollout_ref.ref.megatron.expert_model_parallel_size=2",
+       "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=1",
+       "trainer.test_freq=-1", "trainer.val_before_train=False", "actor_rollout_ref.actor.use_kl_loss=True",
+       "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_load_balancing_type=aux_loss",
+       "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01"]
+
+
+def test_one_grpo_step_through_megatron_ep2_and_vllm_tp2(train, tmp_path: Path) -> None:
+    _, steps = train(f"actor_rollout_ref.model.path={MODEL}", *EP2, run_dir=tmp_path / "ep2")
+    step = steps[1]
+    assert step["rollout/log_prob_max_abs_diff"] < 1e-3, step["rollout/log_prob_max_abs_diff"]
+    assert step["actor/ref_log_prob_max_abs_diff"] < 1e-5  # the reference is the policy's exact copy at step 1
+    assert step["actor/grad_norm"] > 0 and step["actor/optimizer_steps"] > 0

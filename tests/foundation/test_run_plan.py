@@ -57,7 +57,8 @@ def test_an_estimator_needing_inputs_meshrl_cannot_give_is_refused(tmp_path, mon
 
 @pytest.mark.parametrize("override, key", [
     ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "context_parallel_size"),
-    ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "expert_model_parallel_size"),
+    # experts over 3 of the 2 training processes (expert parallelism itself runs: tests/e2e/test_moe_e2e.py)
+    ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=3", "expert_model_parallel_size"),
 ])
 def test_unsupported_parallel_sizes_fail_at_config_time(override, key):
     with pytest.raises(ConfigError, match=key):
