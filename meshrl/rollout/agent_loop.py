@@ -253,7 +253,8 @@ _TOOL_FIELDS = ("calls", "errors", "timeouts", "truncated")
 def agent_metrics(stats: Sequence[AgentStats], finish_reasons: Sequence[str]) -> dict[str, float]:
     """A rollout's ``agent/*`` metrics (turns per sample, as verl's ``num_turns`` counts them: assistant +
     tool turns + 1 for the prompt; finish reasons; how many samples reached each assistant turn) and its
-    ``tool/<name>/*`` metrics (calls, errors, timeouts, truncated outputs, mean seconds per call)."""
+    ``tool/<name>/*`` metrics (calls, errors, timeouts, truncated outputs, mean seconds per call; calls of
+    names the tool config lacks count under ``unknown``)."""
     if not stats:
         return {}
     turns = np.array([s.assistant_turns + s.user_turns + 1 for s in stats], dtype=np.float64)
