@@ -1,7 +1,7 @@
 """Multi-process checks of mixture-of-experts models (``tiny:qwen2_moe`` / ``qwen3_moe`` / ``mixtral``) against
 their transformers classes, run under torchrun; one launch runs every layout:
 
-    torchrun --nproc-per-node 4 tests/parallel/moe_worker.py --out DIR/moe.json
+    torchrun --nproc-per-node 4 tests/parallel/moe_worker.py --workdir DIR --out DIR/moe.json
 
 Layouts on 4 ranks: EP2 (TP1, DP4: two expert-parallel groups), EP2 x TP2 (tokens routed per TP rank's share;
 experts split over expert TP = TP, megatron's and verl's default) and EP2 x PP2. Each records, per family:
@@ -26,18 +26,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mp_worker import build, hf_model, hf_outputs, hf_tensors, merge, policy_loss  # noqa: E402
+from mp_worker import OPT, build, hf_model, hf_outputs, hf_tensors, merge, policy_loss  # noqa: E402
 
 from meshrl.models.tiny import tiny_model_dir, tiny_spec  # noqa: E402
-from meshrl.parallel import hf_conversion, schedule, state  # noqa: E402
+from meshrl.parallel import checkpoint, hf_conversion, optimizer, schedule, state  # noqa: E402
 from meshrl.parallel.forward import OutputRequest  # noqa: E402
 
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 TIMEOUT_S = 60.0
-# (name, layout, families, with the load-balancing and z-losses)
-PHASES = [("ep2", dict(expert_parallel=2), ("qwen2_moe",), True),
-          ("ep2tp2", dict(expert_parallel=2, tensor_parallel=2), MOE_FAMILIES, False),
-          ("ep2pp2", dict(expert_parallel=2, pipeline_parallel=2), ("qwen2_moe",), False)]
+# (name, layout, families, with the load-balancing and z-losses, the distributed checkpoint: save / load / None)
+PHASES = [("ep2", dict(expert_parallel=2), ("qwen2_moe",), True, "save"),
+          ("ep2tp2", dict(expert_parallel=2, tensor_parallel=2), MOE_FAMILIES, False, "load"),
+          ("ep2pp2", dict(expert_parallel=2, pipeline_parallel=2), ("qwen2_moe",), False, "load"),
+          ("ep4", dict(expert_parallel=4), (), False, "load")]
 
 
 def make_micro_batches(seed: int = 0) -> list[dict]:
@@ -146,7 +147,45 @@ def check_family(path: Path, aux: bool = False) -> dict:
     return result
 
 
-def run_phase(layout: dict, families: tuple[str, ...], aux: bool) -> dict:
+def _train(chunks, opt, sched, batches: list[dict]) -> None:
+    """One optimizer step on this DP rank's share of ``batches`` (the same global gradient at every layout)."""
+    mine = batches[state.dp_rank()::state.dp_size()]
+    optimizer.train_step(chunks, opt, sched, mine, policy_loss, OutputRequest(entropy=True, remove_padding=True))
+
+
+def check_checkpoint_save(path: Path, workdir: Path) -> dict:
+    """Two updates, a distributed checkpoint (experts sharded by EP rank), a third update whose weights the layouts
+    that load the checkpoint must reproduce."""
+    from safetensors.torch import save_file
+
+    batches = make_micro_batches()
+    chunks = build(path)
+    opt, sched = optimizer.build_optimizer(chunks, OPT)
+    for _ in range(2):
+        _train(chunks, opt, sched, batches)
+    checkpoint.save_checkpoint(workdir / "ckpt", 2, chunks, opt, sched)
+    _train(chunks, opt, sched, batches)
+    weights = hf_tensors(chunks, path)
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(workdir / "step3.safetensors"))
+    dist.barrier()
+    moved = hf_conversion.HFCheckpointReader(path)
+    return {"moved": max(float((weights[k] - moved.read(k)).abs().max()) for k in weights)}
+
+
+def check_checkpoint_load(path: Path, workdir: Path) -> dict:
+    """The checkpoint saved at EP2 loaded at this layout (model, optimizer, schedule), then update 3."""
+    from safetensors.torch import load_file
+
+    chunks = build(path)
+    opt, sched = optimizer.build_optimizer(chunks, OPT)
+    loaded = checkpoint.load_checkpoint(workdir / "ckpt", chunks, opt, sched)
+    _train(chunks, opt, sched, make_micro_batches())
+    weights, reference = hf_tensors(chunks, path), load_file(str(workdir / "step3.safetensors"))
+    return {"weights": max(float((weights[k] - reference[k]).abs().max()) for k in reference), "step": loaded["step"]}
+
+
+def run_phase(layout: dict, families: tuple[str, ...], aux: bool, ckpt: str | None, workdir: Path) -> dict:
     state.initialize(state.ParallelConfig(timeout_s=TIMEOUT_S, **layout))
     values: dict[str, object] = {}
     for model_type in families:
@@ -157,6 +196,13 @@ def run_phase(layout: dict, families: tuple[str, ...], aux: bool) -> dict:
         except Exception:  # recorded, reported by pytest
             values[f"{model_type}.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
         print(f"[rank {dist.get_rank()}] {model_type}: {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+    if ckpt is not None:  # Qwen2-MoE's checkpoint: saved at EP2, loaded at other expert layouts
+        check = check_checkpoint_save if ckpt == "save" else check_checkpoint_load
+        try:
+            found = check(tiny_model_dir(tiny_spec("qwen2_moe")), workdir)
+            values.update({f"checkpoint.{k}": v for k, v in found.items()})
+        except Exception:  # recorded, reported by pytest
+            values["checkpoint.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
     state.destroy()
     return values
 
@@ -164,6 +210,7 @@ def run_phase(layout: dict, families: tuple[str, ...], aux: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--workdir", required=True, type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
@@ -171,7 +218,7 @@ def main() -> None:
         for model_type in MOE_FAMILIES:
             tiny_model_dir(tiny_spec(model_type))
     dist.barrier()
-    mine = {name: run_phase(layout, families, aux) for name, layout, families, aux in PHASES}
+    mine = {name: run_phase(layout, families, aux, ckpt, args.workdir) for name, layout, families, aux, ckpt in PHASES}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:

@@ -1,10 +1,11 @@
 """Mixture-of-experts models under expert parallelism on CPU/gloo: one 4-rank torchrun launch of
-``moe_worker.py`` (EP2, EP2 x TP2, EP2 x PP2; Qwen2-MoE at each, Qwen3-MoE and Mixtral at EP2 x TP2), and the
+``moe_worker.py`` (EP2, EP2 x TP2, EP2 x PP2: Qwen2-MoE at each, Qwen3-MoE and Mixtral at EP2 x TP2; EP4 loads the checkpoint), and the
 same checks in process at TP1 / EP1 for every MoE family. Against each family's transformers class in fp32:
 log-probs and entropies (row and packed layouts), the loss and every gradient of a packed forward-backward
 (HF runs all micro-batches in one process, so the gradients equal a single-rank run's), and the weights read
 back out of the megatron layout bit for bit; with verl's load-balancing and z-loss keys (at EP2 and in process)
-the gradients against HF's plus those losses written out. ~60 s for the launch on 2 cores.
+the gradients against HF's plus those losses written out; a distributed checkpoint saved at EP2 resumed at other
+expert layouts. ~90 s for the launch on 2 cores.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def results(tmp_path_factory) -> dict:
     out, log = workdir / "moe.json", workdir / "moe.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
-               str(HERE / "moe_worker.py"), "--out", str(out)]
+               str(HERE / "moe_worker.py"), "--workdir", str(workdir), "--out", str(out)]
     with open(log, "w") as handle:
         try:
             subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=400)
@@ -60,7 +61,8 @@ def results(tmp_path_factory) -> dict:
     return found
 
 
-CASES = [(phase, model_type, aux) for phase, _, families, aux in PHASES for model_type in families]
+CASES = [(phase, model_type, aux) for phase, _, families, aux, _ in PHASES for model_type in families]
+LOADS = [phase for phase, *_, ckpt in PHASES if ckpt == "load"]
 
 
 @pytest.mark.multiproc
@@ -69,6 +71,18 @@ CASES = [(phase, model_type, aux) for phase, _, families, aux in PHASES for mode
 def test_expert_parallel_layouts_match_hf(results: dict, phase: str, model_type: str, aux: bool) -> None:
     assert phase in results, results["_log"]
     assert not _failures(results[phase], model_type, aux), _failures(results[phase], model_type, aux)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("phase", LOADS)
+def test_a_checkpoint_saved_at_ep2_resumes_at_other_expert_layouts(results: dict, phase: str) -> None:
+    """Model, optimizer and schedule saved after two updates at EP2 (DP4), loaded at EP2 x TP2 (experts split over
+    expert TP), EP2 x PP2 and EP4: the third update gives EP2's weights."""
+    saved, loaded = results.get("ep2", {}), results.get(phase, {})
+    assert "checkpoint.error" not in saved and "checkpoint.error" not in loaded, results["_log"]
+    assert saved["checkpoint.moved"] > 1e-4  # the updates moved the weights away from the HF folder's
+    assert loaded["checkpoint.step"] == 2 and loaded["checkpoint.weights"] <= 1e-6, loaded
 
 
 @pytest.mark.slow
