@@ -185,9 +185,19 @@ def test_bad_requests_are_refused_with_what_to_do():
     assert (code, limits.memory_mb, limits.run_timeout_s) == ("x", 300, 2.5)
 
 
-def test_fn_name_cases_are_refused():
-    with pytest.raises(ValueError, match="fn_name"):
-        compute_score("http://127.0.0.1:9/run_code", GOOD, {"inputs": ["1"], "outputs": ["2"], "fn_name": "f"})
+def test_function_call_cases_run_the_named_function_or_solution_method(sandbox_url):
+    # LeetCode style: one JSON argument per stdin line, the result printed (JSON for lists) and compared
+    cases = {"fn_name": "twoSum", "inputs": ["[2, 7, 11, 15]\n9\n", "[3, 2, 4]\n6"], "outputs": ["[0, 1]", "[1, 2]"]}
+    function = ("```python\ndef twoSum(nums, target):\n    seen = {}\n    for i, x in enumerate(nums):\n"
+                "        if target - x in seen:\n            return [seen[target - x], i]\n        seen[x] = i\n```")
+    method = ("```python\nclass Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+              "        return next([j, i] for i in range(len(nums)) for j in range(i) if nums[i] + nums[j] == target)\n```")
+    assert compute_score(sandbox_url, function, cases)[0] == 1.0
+    assert compute_score(sandbox_url, method, cases)[0] == 1.0  # List comes from the harness's typing import
+    score, meta = compute_score(sandbox_url, function.replace("[seen[target - x], i]", "[i, seen[target - x]]"), cases)
+    assert score == 0.0 and [m["status"] for m in meta] == ["wrong_answer", "wrong_answer"], meta
+    score, meta = compute_score(sandbox_url, "```python\ndef other(nums, target):\n    return []\n```", cases)
+    assert score == 0.0 and "function or method 'twoSum' not found" in meta[0]["stderr"]
 
 
 def test_a_private_tmpdir_does_not_break_the_runs(tmp_path, monkeypatch):

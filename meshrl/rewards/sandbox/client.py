@@ -19,8 +19,14 @@ Concurrency: the cases of one completion run on threads, and ``concurrent_semaph
 ``reward_model.sandbox_fusion.max_concurrent`` slots shared by every reward process) bounds the requests
 in flight across all of them; without one, at most ``MAX_CASE_THREADS`` per completion.
 
-Not yet supported (refused with :class:`ValueError`): ``fn_name`` cases (verl wraps the code into a
-function-call harness for LeetCode-style sets).
+Function-call cases (LeetCode-style sets: ``fn_name`` in the test cases), as verl runs them: the code runs
+inside a harness (:func:`function_call_program`) with the standard modules a solution may assume imported
+(``math``, ``collections``, ``typing``, ... and their names); each stdin line is one JSON argument; the
+harness calls the global function ``fn_name``, else that method of a ``Solution()`` instance, and prints the
+result (JSON for None, bools, lists, tuples and dicts, else ``str``), which is compared as stdout. Where
+verl's harness prints nothing on an exception (a wrong answer), this one lets it end the program (a
+runtime error with its traceback): the score is the same. A blank line ends the arguments (verl would
+fail a case whose stdin ends with a newline on the empty line).
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ import urllib.request
 # Seconds added to compile + run timeouts for the HTTP round trip (verl: API_TIMEOUT = 10).
 API_TIMEOUT_S = 10.0
 CONTINUOUS_CASES = 10
+# What a LeetCode-style solution may use without importing it (the modules verl's harness imports).
+HARNESS_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
+                   "statistics", "itertools", "functools", "operator", "io", "sys", "json", "typing")
 MAX_CASE_THREADS = 32
 
 
@@ -118,6 +127,31 @@ def check_case(url: str, code: str, stdin, expected, *, timeout: float, memory_l
                     "duration": run.get("execution_time")}
 
 
+def function_call_program(code: str, fn_name: str) -> str:
+    """``code`` inside the function-call harness for ``fn_name`` (module docstring)."""
+    imports = "\n".join(f"import {m}\nfrom {m} import *" for m in HARNESS_MODULES)
+    return f"""{imports}
+
+{code}
+
+def _meshrl_call(name):
+    lines = sys.stdin.read().split("\\n")
+    if "" in lines:
+        lines = lines[:lines.index("")]
+    args = [json.loads(line) for line in lines]
+    target = globals().get(name)
+    if target is None and "Solution" in globals():
+        target = getattr(globals()["Solution"](), name)
+    if target is None:
+        raise NameError(f"function or method {{name!r}} not found")
+    result = target(*args)
+    print(json.dumps(result) if result is None or isinstance(result, (bool, list, tuple, dict)) else result)
+
+
+_meshrl_call({fn_name!r})
+"""
+
+
 def compute_score(url: str, completion: str, test_cases, *, continuous: bool = False, timeout: float = 10,
                   memory_limit_mb: int = 1024, concurrent_semaphore=None) -> tuple[float, list[dict]]:
     """Score a completion against its test cases (contract in the module docstring)."""
@@ -125,9 +159,6 @@ def compute_score(url: str, completion: str, test_cases, *, continuous: bool = F
     if code is None:
         return 0.0, [{"status": "no_code", "error": "Invalid completion (missing code block)"}]
     cases = json.loads(test_cases) if isinstance(test_cases, (str, bytes)) else dict(test_cases)
-    if cases.get("fn_name"):
-        raise ValueError("test cases with fn_name (function-call harness) are not supported by meshrl's sandbox "
-                         "scorer yet; give stdin/stdout cases (inputs/outputs) or assert_case snippets")
     asserts = cases.get("assert_case")
     if isinstance(asserts, list):
         cases.setdefault("inputs", [""] * len(asserts))
@@ -141,9 +172,13 @@ def compute_score(url: str, completion: str, test_cases, *, continuous: bool = F
     if not inputs:
         return 0.0, []
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(inputs), MAX_CASE_THREADS)) as pool:
-        futures = [pool.submit(check_case, url, code + "\n\n" + a, i, o, timeout=timeout,
+        fn_name = cases.get("fn_name")
+        programs = [code + "\n\n" + a for a in asserts]
+        if fn_name:
+            programs = [function_call_program(program, fn_name) for program in programs]
+        futures = [pool.submit(check_case, url, program, i, o, timeout=timeout,
                                memory_limit_mb=memory_limit_mb, concurrent_semaphore=concurrent_semaphore)
-                   for i, o, a in zip(inputs, outputs, asserts)]
+                   for program, i, o in zip(programs, inputs, outputs)]
         results = [f.result() for f in futures]
     verdicts = [r for r, _ in results]
     metadata = [{"case_index": k, **m} for k, (_, m) in enumerate(results)]
