@@ -131,8 +131,6 @@ REFUSED = {
     "reward_model.reward_kwargs": REWARD_MANAGER,
     "reward.reward_manager.*": REWARD_MANAGER,
     "reward.reward_kwargs": REWARD_MANAGER,
-    "reward_model.launch_reward_fn_async": "rewards are scored in a process pool after generation; overlapping them "
-                                           "with the next phase is not built yet: set False",
     "algorithm.use_pf_ppo": PF_PPO,
     "algorithm.pf_ppo.*": PF_PPO,
     "algorithm.rollout_correction.*": "rollout correction (importance sampling and rejection against the rollout "

@@ -593,6 +593,8 @@ class RewardModelConfig:
     # Follows verl-project's reward.reward_model.enable unless set itself.
     enable: bool = II("reward.reward_model.enable")
     reward_manager: str = "naive"
+    # verl's overlap: the reward function scores in the background while the reference / old-log-prob / value
+    # passes run (meshrl.trainer.rl_trainer.RLTrainer.start_scoring)
     launch_reward_fn_async: bool = False
     num_workers: int = II("reward.num_workers")  # reward processes; 0: in the driver, where no timeout cuts in
     timeout_s: float = 10.0  # per response, in batches of every size; a timeout scores 0 and is counted

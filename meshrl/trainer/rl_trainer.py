@@ -21,8 +21,11 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,17 @@ from meshrl.trainer.tracking import Timer, Tracker
 from meshrl.workers.sequences import attended
 
 
+@dataclass
+class Scores:
+    """One batch's scores before they join it (``RLTrainer.apply_scores``): per response, the reward model's when
+    it has one, and the reward function's extra outputs and metrics."""
+
+    scores: torch.Tensor
+    rm_scores: torch.Tensor | None = None
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class RLTrainer:
     def __init__(self, cfg: DictConfig, plan: RunPlan, *, policy, critic, tokenizer, train_data: RLDataset,
                  val_data: RLDataset | None, reward: RewardPool, tracker: Tracker,
@@ -55,6 +69,9 @@ class RLTrainer:
         self.policy = policy  # ActorRolloutRefGroup: generate / log-probs / update / sync / save
         self.critic = critic  # CriticGroup or None
         self.reward_model = reward_model  # RewardModelGroup or None
+        # reward_model.launch_reward_fn_async: the reward function scores on this thread (start_scoring)
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="meshrl-reward") \
+            if cfg.reward_model.launch_reward_fn_async else None
         # The prompts' chat messages travel with the batch for data.return_raw_chat and for the reward model,
         # which renders them with its own chat template.
         self.raw_chat = bool(cfg.data.return_raw_chat) or plan.use_reward_model
@@ -114,7 +131,7 @@ class RLTrainer:
                 prompts = self.next_prompts()
                 batch = self.generate(prompts, mode="train")  # rollout.n rows per prompt
             with timer("reward"):
-                metrics.update(self.score(batch, prefix="score"))
+                scoring = self.start_scoring(batch)  # launch_reward_fn_async: the passes below run meanwhile
             if plan.greedy_baseline:
                 with timer("gen_greedy"):
                     greedy = self.generate(prompts, mode="greedy")
@@ -130,6 +147,8 @@ class RLTrainer:
             if plan.use_critic:
                 with timer("values"):
                     batch = self.critic.compute_values(batch)
+            with timer("reward"):
+                metrics.update(self.apply_scores(batch, scoring.result(), prefix="score"))
             with timer("adv"):
                 metrics.update(compute_token_rewards(batch, cfg.algorithm, self.kl_ctrl))
                 metrics.update(compute_advantages(batch, cfg.algorithm))
@@ -172,25 +191,46 @@ class RLTrainer:
         metrics. The score: the learned reward model's (``reward_model.enable``), or the reward function's that
         the row's ``data.reward_fn_key`` column picks, on the decoded responses; with both (``custom_reward_function
         .path`` set) the function's, which reads the model's as ``extra_info["rm_score"]``."""
+        return self.apply_scores(batch, self.start_scoring(batch).result(), prefix)
+
+    def start_scoring(self, batch: Batch) -> Future:
+        """``score``'s computation, as a future of its ``Scores``. The learned reward model scores here; the reward
+        function too, unless ``reward_model.launch_reward_fn_async``: then it runs on one background thread (its
+        process pool does the work) while the caller goes on, as verl overlaps it with the log-prob passes. That
+        thread scores one batch at a time, so the pool is never used by two calls at once."""
         rm_scores = self.reward_model.compute_scores(batch, self.tokenizer) if self.reward_model is not None else None
-        metrics = {}
         if rm_scores is not None and not self.cfg.custom_reward_function.path:
-            scores = rm_scores
-        else:
-            extra_info = list(batch["extra_info"])
-            if rm_scores is not None:
-                extra_info = [{**(info or {}), "rm_score": float(s)} for info, s in zip(extra_info, rm_scores)]
-            result = self.reward.score(list(batch["reward_source"]), decode_responses(batch, self.tokenizer),
-                                       list(batch["ground_truth"]), extra_info)
-            scores = torch.tensor(result.scores, dtype=torch.float32)
-            set_reward_extras(batch, result.extras)
-            metrics = {k: float(v) for k, v in result.metrics.items()}  # already named reward/...
+            done: Future = Future()
+            done.set_result(Scores(rm_scores, rm_scores))
+            return done
+        # a copy of the field dicts: the caller may add fields to ``batch`` while the function scores
+        job = functools.partial(self.function_scores, batch.select(list(batch.keys())), rm_scores)
+        if self.background is not None:
+            return self.background.submit(job)
+        done = Future()
+        done.set_result(job())
+        return done
+
+    def function_scores(self, batch: Batch, rm_scores: torch.Tensor | None) -> Scores:
+        """The reward function's scores of the decoded responses (with the reward model's in ``extra_info``)."""
+        extra_info = list(batch["extra_info"])
+        if rm_scores is not None:
+            extra_info = [{**(info or {}), "rm_score": float(s)} for info, s in zip(extra_info, rm_scores)]
+        result = self.reward.score(list(batch["reward_source"]), decode_responses(batch, self.tokenizer),
+                                   list(batch["ground_truth"]), extra_info)
+        return Scores(torch.tensor(result.scores, dtype=torch.float32), rm_scores, result.extras,
+                      {k: float(v) for k, v in result.metrics.items()})  # already named reward/...
+
+    def apply_scores(self, batch: Batch, result: Scores, prefix: str) -> dict[str, float]:
+        """Set ``token_level_scores`` (and the function's extra outputs) from ``result``; its metrics."""
+        scores = result.scores
+        set_reward_extras(batch, result.extras)
         batch.set("token_level_scores", outcome_to_token_scores(scores, batch["response_mask"]))
         out = {f"{prefix}/mean": float(scores.mean()), f"{prefix}/std": float(scores.std()) if len(scores) > 1 else 0.0,
                f"{prefix}/accuracy": float((scores >= 1.0).float().mean())}
-        if rm_scores is not None:
-            out[f"{prefix}/reward_model_mean"] = float(rm_scores.mean())
-        out.update(metrics)
+        if result.rm_scores is not None:
+            out[f"{prefix}/reward_model_mean"] = float(result.rm_scores.mean())
+        out.update(result.metrics)
         return out
 
     def mini_batches(self, batch: Batch, schedule: UpdateSchedule, stream: int = 0) -> list[tuple[Batch, GlobalNorm]]:

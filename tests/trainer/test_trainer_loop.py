@@ -270,3 +270,27 @@ def test_a_reward_function_reads_the_reward_models_score(run, tmp_path):
                                         "\n    return 10 * extra_info['rm_score']\n")
     run("reward_model.enable=True", reward_model=FakeRewardModel())
     assert metrics_by_step(tmp_path / "run")[1]["score/mean"] == pytest.approx(1.4)
+
+
+def test_launch_reward_fn_async_scores_while_the_log_prob_passes_run(run, tmp_path, monkeypatch):
+    # The reward function scores 1 only once a log-prob pass has started, which it waits for (up to 5 s): scored
+    # before the passes, as without the overlap, every response would score 0.
+    flag = tmp_path / "log_probs_started"
+    (tmp_path / "reward.py").write_text(
+        "import pathlib, time\n"
+        f"FLAG = pathlib.Path({str(flag)!r})\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    deadline = time.monotonic() + 5\n"
+        "    while not FLAG.exists() and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    return float(FLAG.exists())\n")
+    passes = FakeRole.compute_log_probs
+
+    def compute_log_probs(self, batch, model):
+        flag.touch()
+        return passes(self, batch, model)
+
+    monkeypatch.setattr(FakeRole, "compute_log_probs", compute_log_probs)
+    run("reward_model.launch_reward_fn_async=True", "trainer.val_before_train=False", "trainer.test_freq=-1")
+    steps = metrics_by_step(tmp_path / "run")
+    assert steps[1]["score/mean"] == 1.0 and steps[2]["score/mean"] == 1.0
