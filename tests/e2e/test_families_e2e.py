@@ -13,7 +13,8 @@ TP2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_mod
        "trainer.test_freq=-1", "trainer.val_before_train=False", "actor_rollout_ref.actor.use_kl_loss=True"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # q/k norms; post norms, soft-capping, sliding window
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "glm4"])  # q/k norms; post norms, soft-capping, sliding
+# window; GLM-4: half-head interleaved RoPE, q/k/v biases, its own post norms, the fused gate_up checkpoint tensor
 def test_one_grpo_step_through_megatron_tp2_and_vllm_tp2(train, tmp_path, family):
     _, steps = train(f"actor_rollout_ref.model.path=tiny:{family}", *TP2, run_dir=tmp_path / family)
     step = steps[1]
