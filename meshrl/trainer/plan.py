@@ -43,16 +43,20 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
   layout (``model_builder.build_forward_only_model`` in the policy's process groups: no DDP gradient
   buffer); ``ref.megatron.param_offload`` keeps them on the host outside the log-prob phase. PPO's
   critic (``adv_estimator=gae``) is colocated: its own parameters, gradients, optimizer and activations,
-  in ``critic.megatron``'s layout.
+  in ``critic.megatron``'s layout. The learned reward model (``reward_model.enable``) is colocated too,
+  forward-only: parameters of its fullest ``reward_model.megatron`` stage, and in its own phase the
+  activations of one ``reward_model`` micro-batch (its sequences counted at the policy's length).
 - vLLM (colocated, ``gpu_memory_utilization`` of the whole GPU while generating): bf16 weights split
   over the rollout TP, a profiled activation peak (``max_num_batched_tokens`` through one layer and
   ``max_num_seqs`` fp32 logit rows), and the KV cache in what is left. It sleeps while training
   (``free_cache_engine``); otherwise it holds its budget in every phase.
 - Offload flags (``megatron.param_offload`` / ``grad_offload`` / ``optimizer_offload``, and verl's
   ``fsdp_config`` twins) keep a tensor on the host except in the phases that use it.
-- A fixed runtime overhead (CUDA context, NCCL communicators, allocator slack) per process.
-Phases: rollout, log-prob (old / reference log-probs and values, forward only), actor update
-(forward + backward), actor optimizer step, and for PPO critic update and critic optimizer step.
+- A fixed runtime overhead (CUDA context, NCCL communicators, allocator slack) per process: one per role
+  on each GPU (policy, critic, reward model).
+Phases: rollout, reward model (when there is one), log-prob (old / reference log-probs and values, forward
+only), actor update (forward + backward), actor optimizer step, and for PPO critic update and critic optimizer
+step.
 
 Not modelled: sequence/context parallelism, padding inside a micro-batch (meshrl pads each micro-batch
 to its longest row, so a skewed batch can exceed the budget's estimate), checkpoint saving, and the
@@ -62,7 +66,8 @@ FLOPs per step (upper bound: every sequence at max prompt + max response length)
 token of every sampled sequence (ReMax also decodes one greedy response per prompt), the policy update
 6·N per token per PPO epoch (8·N with recompute; plus 2·h·V with the fused output layer, whose backward
 recomputes the logits), 2·N per token for each forward-only pass (old
-log-probs, which an on-policy update skips: ``run_plan.on_policy_update``; reference; critic values),
+log-probs, which an on-policy update skips: ``run_plan.on_policy_update``; reference; critic values; the
+reward model's scores),
 and the critic's own update. N counts the matmul parameters:
 the layers plus the output projection, not the embedding lookup.
 
@@ -101,8 +106,9 @@ CPU_DEFAULT_KV_BYTES = GIB  # the rollout config's documented default for CPU en
 
 # Row order of the report's memory table.
 ROWS = ("actor params", "actor grads", "actor optimizer", "actor activations", "actor logits", "ref params",
-        "critic params", "critic grads", "critic optimizer", "critic activations", "forward activations",
-        "forward logits", "vLLM weights", "vLLM activations", "vLLM KV cache", "runtime overhead")
+        "critic params", "critic grads", "critic optimizer", "critic activations", "reward model params",
+        "reward model activations", "forward activations", "forward logits", "vLLM weights", "vLLM activations",
+        "vLLM KV cache", "runtime overhead")
 
 
 class PlanError(ValueError):
@@ -119,7 +125,7 @@ def load_hf_config(path: str):
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return AutoConfig.from_pretrained(folder)
-    if path.startswith(("embedded:", "tiny:")):
+    if path.startswith(("embedded:", "tiny:", "tiny-rm:")):
         from meshrl.models.resolve import resolve_model_path
 
         return AutoConfig.from_pretrained(resolve_model_path(path))
@@ -319,6 +325,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         critic_spec = spec if not critic_cfg.model.path else model_spec(load_hf_config(critic_cfg.model.path))
         critic = trainer_of(critic_cfg, critic_cfg.model, critic_spec, True)
     ref_offload = _flag(ref.megatron, ref.fsdp_config, key="param_offload")
+    reward_model = _reward_model(cfg, world) if run.use_reward_model else None
+    rm_dtype = precision(cfg.reward_model.megatron.dtype)
 
     # tokens of one micro-batch: the phase's token budget, or its sequences × the longest sequence
     def budget(phase: str, trained: _Trainer) -> int:
@@ -329,9 +337,11 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     ref_tokens = budget("ref_log_prob", policy) if use_ref else 0
     critic_tokens = budget("critic_update", critic) if critic is not None else 0
     values_tokens = budget("critic_values", critic) if critic is not None else 0
+    rm_tokens = budget("reward_model", reward_model) if reward_model is not None else 0
 
     vllm = _vllm(spec, rollout, dtype, device, limit, seq_len)
-    overhead = OVERHEAD_GIB[device] * GIB * (2 if use_critic else 1)
+    # one process per role on each GPU: the policy's, the critic's and the reward model's
+    overhead = OVERHEAD_GIB[device] * GIB * (1 + use_critic + (reward_model is not None))
     vocab_shard = spec.vocab_size // policy.tp
     logit_train = LOGIT_BYTES_TRAIN + (LOGIT_BYTES_ENTROPY if actor.entropy_coeff else 0)
     if actor_dtype is _CPU:
@@ -364,6 +374,9 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                              "critic optimizer": c["optimizer"]})
             offloaded.update({"critic params": critic.param_offload, "critic grads": critic.grad_offload,
                               "critic optimizer": critic.optimizer_offload})
+        if reward_model is not None:  # forward-only: parameters only, its fullest stage
+            resident["reward model params"] = max(map(reward_model.params, range(reward_model.pp))) * rm_dtype["param"]
+            offloaded["reward model params"] = reward_model.param_offload
         sleeping_vllm = {} if (rollout.free_cache_engine and device == "cuda") else vllm["components"]
 
         def phase(name: str, used: set[str], extra: dict[str, float], with_vllm: bool = False) -> Phase:
@@ -382,6 +395,12 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                 activation_bytes_per_token(critic.spec, critic.tp, critic_dtype["act"]) * values_tokens)
         out = [
             phase("rollout", set(), {}, with_vllm=True),
+        ]
+        if reward_model is not None:  # scores the rollout's responses before the log-prob passes
+            out.append(phase("reward model", {"reward model params"}, {
+                "reward model activations": activation_bytes_per_token(reward_model.spec, reward_model.tp,
+                                                                       rm_dtype["act"]) * rm_tokens}))
+        out += [
             phase("log-prob", {"actor params", "ref params", "critic params"}, forward),
             phase("actor update", {"actor params", "actor grads"},
                   {"actor activations": policy.activations(stage, train_tokens, actor_dtype),
@@ -416,6 +435,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         # the fused output layer's backward recomputes each chunk's logits: one more vocabulary projection
         + (2.0 * spec.hidden_size * spec.vocab_size * tokens * actor.ppo_epochs if chunk else 0.0),
     }
+    if reward_model is not None:
+        flops["reward_model"] = 2.0 * matmul_parameters(reward_model.spec, critic=True) * tokens
     if critic is not None:
         n_critic = matmul_parameters(critic.spec, critic=True)
         epochs = run.critic_update.epochs
@@ -437,7 +458,11 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                 "train_tokens_per_micro_batch": train_tokens, "log_prob_tokens_per_micro_batch": logprob_tokens,
                 "fused_output_chunk": chunk, "reference": use_ref,
                 "critic": None if critic is None else {"tp": critic.tp, "pp": critic.pp, "dp": critic.dp,
-                                                       "tokens_per_micro_batch": critic_tokens}},
+                                                       "tokens_per_micro_batch": critic_tokens},
+                "reward_model": None if reward_model is None else {
+                    "path": cfg.reward_model.model.path, "parameters": stage_parameters(reward_model.spec, critic=True),
+                    "tp": reward_model.tp, "pp": reward_model.pp, "dp": reward_model.dp,
+                    "tokens_per_micro_batch": rm_tokens}},
         stage={"actor": worst[0], "actor_pp": policy.pp, "critic": worst[1] if critic else None,
                "critic_pp": critic.pp if critic else None},
         phases=phases,
@@ -447,6 +472,23 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     )
     _judge(result, cfg, policy, critic, use_ref, ref_offload, vllm, device)
     return result
+
+
+def _reward_model(cfg, world: int) -> _Trainer:
+    """The learned reward model's layout (``reward_model.enable``): forward-only, its own ``reward_model.megatron``."""
+    from meshrl.parallel.model_builder import check_layout, model_spec
+    from meshrl.parallel.state import ParallelConfig
+
+    rm, mg = cfg.reward_model, cfg.reward_model.megatron
+    spec = model_spec(load_hf_config(rm.model.path))
+    tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+    try:
+        check_layout(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+    except ValueError as exc:
+        raise PlanError(f"reward_model.megatron: {exc}") from None
+    return _Trainer(spec=spec, tp=tp, pp=pp, vpp=1, dp=world // (tp * pp), distributed_optimizer=False,
+                    recompute=False, param_offload=_flag(mg, rm.model.fsdp_config, key="param_offload"),
+                    grad_offload=False, optimizer_offload=False, critic=True)
 
 
 def _vllm(spec, rollout, dtype: dict, device: str, limit: float, seq_len: int) -> dict[str, Any]:
@@ -536,6 +578,8 @@ def _judge(result: Plan, cfg, policy: _Trainer, critic: _Trainer | None, use_ref
                                                  f"{cfg.actor_rollout_ref.rollout.gpu_memory_utilization})")
         elif items.get("vLLM KV cache"):
             lever(items["vLLM KV cache"], f"set {arr}.rollout.free_cache_engine=True (vLLM sleeps while training)")
+        if items.get("reward model params") and phase.name != "reward model":
+            lever(items["reward model params"], "set reward_model.megatron.param_offload=True")
         if use_ref and items.get("ref params") and phase.name != "log-prob" and not ref_offload:
             lever(items["ref params"], f"set {arr}.ref.megatron.param_offload=True")
         if critic is not None:
@@ -597,6 +641,10 @@ def render(result: Plan, recipe: str | None) -> str:
         c = lay["critic"]
         lines.append(f"  critic   TP {c['tp']} x PP {c['pp']} -> DP {c['dp']}; "
                      f"{c['tokens_per_micro_batch']} tokens per micro-batch")
+    if lay["reward_model"]:
+        r = lay["reward_model"]
+        lines.append(f"  reward   {r['path']} ({r['parameters'] / 1e9:.2f} B), TP {r['tp']} x PP {r['pp']} -> DP "
+                     f"{r['dp']}; {r['tokens_per_micro_batch']} tokens per micro-batch")
     lines.append(f"  rollout  vLLM TP {ro['tp']}; budget {_gib(ro['budget_bytes'])} GiB = weights "
                  f"{_gib(ro['weights_bytes'])} + activations {_gib(ro['activation_bytes'])} + KV cache "
                  f"{_gib(max(ro['kv_cache_bytes'], 0))} ({ro['kv_capacity_tokens']:,} tokens = "

@@ -198,3 +198,18 @@ def test_actor_dtype_sets_the_byte_counts():
     gpu_fp32 = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.dtype=float32"))
     assert phase(gpu_fp32, "actor update").items["actor params"] == pytest.approx(
         2 * phase(gpu, "actor update").items["actor params"])
+
+
+def test_the_reward_model_is_planned_as_its_own_role():
+    base = ["reward_model.enable=True", "reward_model.model.path=tiny-rm:llama"]
+    without = plan(load_config([], recipe="cpu_tiny_ppo"), gpu_memory_gib=80)
+    result = plan(load_config(base, recipe="cpu_tiny_ppo"), gpu_memory_gib=80)
+    params = stage_parameters(spec_of("tiny-rm:llama"), critic=True) * 4  # fp32 on CPU
+    phases = {p.name: p for p in result.phases}
+    assert "reward model" in phases and "reward model" not in {p.name for p in without.phases}
+    assert all(p.items["reward model params"] == params for p in result.phases)  # resident throughout
+    assert phases["reward model"].items["reward model activations"] > 0
+    assert phases["rollout"].items["runtime overhead"] > without.phases[0].items["runtime overhead"]  # a process more
+    assert result.flops["reward_model"] > 0 and result.layout["reward_model"]["tp"] == 1
+    offloaded = plan(load_config([*base, "reward_model.megatron.param_offload=True"], recipe="cpu_tiny_ppo"), 80)
+    assert [p.name for p in offloaded.phases if "reward model params" in p.items] == ["reward model"]
