@@ -39,6 +39,9 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
   of 16 B in the update (fp32 logits, softmax and gradient) plus the fp32 accumulator of the output
   weight's gradient (``V/TP x h x 4 B``), 12 B in forward-only passes (measured on CPU in fp32 for
   4096 tokens of SmolLM2's 49k vocabulary: 16.6 B and 12.0 B per chunk element, with the entropy).
+- LoRA (``RunPlan.lora``): the base's parameters, frozen, plus the adapters (``lora_parameters``: ``r·(in + out)``
+  per adapted linear, its TP-split side divided by TP), whose gradients and optimizer state are the only ones;
+  no reference model (the policy with its adapters off), and an update without weight gradients (4·N per token).
 - Reference model (when ``use_kl_in_reward`` or ``use_kl_loss``): bf16 parameters only, in the policy's
   layout (``model_builder.build_forward_only_model`` in the policy's process groups: no DDP gradient
   buffer); ``ref.megatron.param_offload`` keeps them on the host outside the log-prob phase. PPO's
@@ -170,6 +173,36 @@ def matmul_parameters(spec, critic: bool = False) -> int:
     return spec.num_layers * layer_parameters(spec) + head
 
 
+# LoRA (``RunPlan.lora``): the (input, output) sizes of each adapted HF linear, and the ones megatron splits on their
+# input over TP (row-parallel: A split, B replicated); the others split their output (A replicated, B split).
+def _linear_sizes(spec) -> dict[str, tuple[int, int]]:
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_kv_heads * d
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
+            "up_proj": (h, f), "down_proj": (f, h)}
+
+
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def lora_parameters(spec, lora, tp: int = 1, pp: int = 1) -> int:
+    """Adapter parameters of one rank's layers (a stage's ``num_layers / PP``): ``r·(in + out)`` per adapted linear,
+    the TP-split side divided by TP; with ``lora.shared_a`` one A per fused megatron layer (q/k/v, gate/up)."""
+    from meshrl.config.lora_keys import FUSED
+
+    sizes, r = _linear_sizes(spec), lora.rank
+    per_layer = 0
+    for name in lora.targets:
+        fan_in, fan_out = sizes[name]
+        row = name in ROW_PARALLEL
+        per_layer += r * (fan_in // (tp if row else 1) + fan_out // (1 if row else tp))
+    if lora.shared_a:  # the A's of a fused layer's adapted parts are one
+        for parts in FUSED.values():
+            shared = [name for name in parts if name in lora.targets]
+            per_layer -= r * sum(sizes[name][0] for name in shared[1:])
+    return per_layer * (spec.num_layers // pp)
+
+
 def activation_bytes_per_token(spec, tp: int, act_bytes: int) -> int:
     """Bytes one layer keeps for its backward, per token (see the module docstring)."""
     h, f = spec.hidden_size, spec.ffn_hidden_size
@@ -235,14 +268,18 @@ class _Trainer:
     grad_offload: bool
     optimizer_offload: bool
     critic: bool
+    lora: Any = None  # the policy's LoRA adapters (RunPlan.lora), None: every weight trains
 
     def params(self, stage: int) -> int:
         return stage_parameters(self.spec, tp=self.tp, pp=self.pp, stage=stage, critic=self.critic)
 
     def static(self, stage: int, dtype: dict) -> dict[str, float]:
         n = self.params(stage)
-        optim = n * dtype["optim"] / (self.dp if self.distributed_optimizer else 1)
-        return {"params": n * dtype["param"], "grads": n * dtype["grad"], "optimizer": optim}
+        # with LoRA only the adapters have gradients and optimizer state; the frozen base keeps its parameters
+        trained = n if self.lora is None else lora_parameters(self.spec, self.lora, self.tp, self.pp)
+        optim = trained * dtype["optim"] / (self.dp if self.distributed_optimizer else 1)
+        return {"params": (n + (trained if self.lora is not None else 0)) * dtype["param"],
+                "grads": trained * dtype["grad"], "optimizer": optim}
 
     def activations(self, stage: int, tokens: int, dtype: dict) -> float:
         """Saved activations of the backward on ``stage`` for micro-batches of ``tokens``."""
@@ -317,7 +354,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                         param_offload=_flag(mg, *fsdp, key="param_offload"),
                         grad_offload=_flag(mg, key="grad_offload"),
                         optimizer_offload=_flag(mg, *fsdp, key="optimizer_offload"),
-                        critic=is_critic)
+                        critic=is_critic, lora=None if is_critic else run.lora)
 
     policy = trainer_of(actor, arr.model, spec, False)
     critic = None
@@ -365,7 +402,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         resident = {"actor params": a["params"], "actor grads": a["grads"], "actor optimizer": a["optimizer"]}
         offloaded = {"actor params": policy.param_offload, "actor grads": policy.grad_offload,
                      "actor optimizer": policy.optimizer_offload}
-        if use_ref:
+        if use_ref and run.lora is None:  # with LoRA the reference is the policy with its adapters off
             resident["ref params"] = policy.params(stage) * ref_dtype["param"]
             offloaded["ref params"] = ref_offload
         if critic is not None:
@@ -431,7 +468,9 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         "generation": 2.0 * n_policy * generated * seq_len,
         "old_log_probs": 0.0 if run.on_policy else 2.0 * n_policy * tokens,
         "reference": 2.0 * n_policy * tokens if use_ref else 0.0,
-        "actor_update": (8.0 if policy.recompute else 6.0) * n_policy * tokens * actor.ppo_epochs
+        # a frozen (LoRA) base computes no weight gradients: 2·N per token less
+        "actor_update": ((8.0 if policy.recompute else 6.0) - (2.0 if run.lora else 0.0)) * n_policy * tokens
+        * actor.ppo_epochs
         # the fused output layer's backward recomputes each chunk's logits: one more vocabulary projection
         + (2.0 * spec.hidden_size * spec.vocab_size * tokens * actor.ppo_epochs if chunk else 0.0),
     }
@@ -457,6 +496,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                 "host_offload_bytes_per_node": host_offload * trainer.n_gpus_per_node,
                 "train_tokens_per_micro_batch": train_tokens, "log_prob_tokens_per_micro_batch": logprob_tokens,
                 "fused_output_chunk": chunk, "reference": use_ref,
+                "lora": None if run.lora is None else {"rank": run.lora.rank, "targets": list(run.lora.targets),
+                                                       "trained_parameters": lora_parameters(spec, run.lora)},
                 "critic": None if critic is None else {"tp": critic.tp, "pp": critic.pp, "dp": critic.dp,
                                                        "tokens_per_micro_batch": critic_tokens},
                 "reward_model": None if reward_model is None else {
@@ -620,6 +661,9 @@ def render(result: Plan, recipe: str | None) -> str:
              + f" -> DP {lay['dp']}"]
     flags.append("distributed optimizer" if lay["distributed_optimizer"] else "optimizer replicated over DP")
     flags.append("recompute" if lay["recompute"] else "no recompute")
+    if lay["lora"]:
+        flags.append(f"LoRA rank {lay['lora']['rank']} ({lay['lora']['trained_parameters'] / 1e6:.1f} M trained, "
+                     "base frozen, reference = adapters off)")
     offloads = [k for k, v in lay["offload"].items() if v]
     if offloads:
         flags.append("offload: " + ", ".join(offloads))

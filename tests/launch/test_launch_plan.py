@@ -213,3 +213,25 @@ def test_the_reward_model_is_planned_as_its_own_role():
     assert result.flops["reward_model"] > 0 and result.layout["reward_model"]["tp"] == 1
     offloaded = plan(load_config([*base, "reward_model.megatron.param_offload=True"], recipe="cpu_tiny_ppo"), 80)
     assert [p.name for p in offloaded.phases if "reward model params" in p.items] == ["reward model"]
+
+
+def test_lora_counts_pefts_adapters_and_builds_no_reference():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.models.resolve import resolve_model_path
+
+    overrides = ["actor_rollout_ref.actor.use_kl_loss=True"]
+    full = plan(load_config(overrides, recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
+    lora = plan(load_config([*overrides, "actor_rollout_ref.model.lora_rank=8",
+                             "actor_rollout_ref.model.target_modules=all-linear"], recipe="cpu_tiny_grpo"), 80)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny:llama"))
+    trainable = sum(p.numel() for p in get_peft_model(hf, LoraConfig(r=8, target_modules="all-linear")).parameters()
+                    if p.requires_grad)
+    assert lora.layout["lora"]["trained_parameters"] == trainable  # PEFT's own count
+    update = {p.name: p for p in lora.phases}["actor update"].items
+    assert update["actor grads"] == trainable * 4 and update["actor optimizer"] == trainable * 8  # fp32 CPU, Adam
+    assert any("ref params" in p.items for p in full.phases) and not any("ref params" in p.items for p in lora.phases)
+    # no weight gradients for the frozen base: 2·N per token less, one reference pass's worth per epoch
+    epochs = load_config([], recipe="cpu_tiny_grpo").actor_rollout_ref.actor.ppo_epochs
+    assert full.flops["actor_update"] - lora.flops["actor_update"] == pytest.approx(full.flops["reference"] * epochs)
