@@ -58,6 +58,7 @@ def plot(report: dict) -> None:
     for offset, (name, runs) in enumerate(report["runs"].items()):
         steps = [r["step"] + (offset - 0.5) * 0.35 for r in runs]
         ax.bar(steps, [100 * r["reward_share"] for r in runs], width=0.35, label=name)
+    ax.set_xticks(sorted({r["step"] for runs in report["runs"].values() for r in runs}))
     ax.axhline(10, color="grey", linestyle="--", linewidth=1, label="target < 10%")
     ax.set_xlabel("step")
     ax.set_ylabel("reward phase, % of the step")
