@@ -32,6 +32,9 @@ SCRIPTS = {
     "qwen3_grpo": ("volcengine/verl", "examples/grpo_trainer/run_qwen3-8b.sh", "tiny:qwen3"),
     # PPO scored by a learned reward model (verl's reward-loop keys, reward_model.rollout.*) on a tiny one
     "rm_ppo": ("volcengine/verl", "examples/ppo_trainer/run_qwen2-7b_rm.sh"),
+    # LoRA with verl's FSDP keys (lora_rank, target_modules=all-linear) and with its Megatron keys (model.lora.*)
+    "lora_fsdp": ("volcengine/verl", "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh"),
+    "lora_megatron": ("volcengine/verl", "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh"),
 }
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
@@ -85,6 +88,8 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
         assert plan.use_critic and step["critic/optimizer_steps"] >= 1
     if name == "rm_ppo":  # the reward model's scores are the rewards
         assert plan.use_reward_model and step["score/mean"] == step["score/reward_model_mean"]
+    if name.startswith("lora"):  # adapters on a frozen base; the reference is the policy with them off
+        assert plan.lora is not None and final["actor/optimizer_steps"] >= 1
     if name == "cispo_fsdp":
         assert plan.policy_loss == "cispo" and "actor/pg_loss" in step
 
