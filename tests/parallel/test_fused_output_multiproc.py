@@ -4,30 +4,19 @@ the bounds of ``test_fused_output.py``."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from fused_output_worker import LAYOUTS, MODELS
 from test_fused_output import GRAD_TOLERANCE, TOLERANCE
-
-HERE = Path(__file__).resolve().parent
+from torchrun_launch import launch
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_fused_output_matches_the_unfused_one_at_tp2_and_pp2(tmp_path: Path) -> None:
-    out, log = tmp_path / "fused.json", tmp_path / "fused.log"
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(log, "w") as handle:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                        str(HERE / "fused_output_worker.py"), "--out", str(out)],
-                       cwd=HERE.parents[1], env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=540)
-    assert out.is_file(), log.read_text()[-6000:]
-    results = json.loads(out.read_text())
+    results = launch("fused_output_worker.py", 2, tmp_path, "fused", 540)
+    assert set(results) != {"_log"}, results["_log"]  # the launch wrote its results
     failures = []
     for layout in LAYOUTS:
         for model in MODELS:

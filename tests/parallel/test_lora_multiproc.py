@@ -9,31 +9,16 @@ merged tensors exact.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from torchrun_launch import launch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 PHASES = ("tp2-llama", "pp2-llama", "tp2-qwen2")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("lora-mp")
-    out, log = workdir / "lora.json", workdir / "lora.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(HERE / "lora_mp_worker.py"), "--workdir", str(workdir), "--out", str(out)]
-    with open(log, "w") as handle:
-        subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=240)
-    found = json.loads(out.read_text()) if out.is_file() else {}
-    found["_log"] = log.read_text()[-6000:]
-    return found
+    return launch("lora_mp_worker.py", 2, workdir, "lora", 240, "--workdir", str(workdir))
 
 
 @pytest.mark.multiproc

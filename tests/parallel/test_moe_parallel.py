@@ -10,20 +10,13 @@ expert layouts. ~90 s for the launch on 2 cores.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from moe_worker import MOE_FAMILIES, PHASES, check_family
+from torchrun_launch import launch
 
 from meshrl.models.tiny import tiny_model_dir, tiny_spec
 from meshrl.parallel import state
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 # Entropies are ~10 nats, where fp32 spacing is 9.5e-7 (see test_parallel_multiproc's EXPECT).
 LIMITS = {"log_probs": 1e-5, "entropy": 1.5e-5, "packed_log_probs": 1e-5, "packed_entropy": 1.5e-5, "loss": 1e-6,
           "grads": 1e-5, "grad_names_mismatch": 0, "export_mismatches": 0}
@@ -47,18 +40,7 @@ def _failures(values: dict, model_type: str, aux: bool) -> list[str]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("moe-mp")
-    out, log = workdir / "moe.json", workdir / "moe.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
-               str(HERE / "moe_worker.py"), "--workdir", str(workdir), "--out", str(out)]
-    with open(log, "w") as handle:
-        try:
-            subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=400)
-        except subprocess.TimeoutExpired:
-            handle.write("\n*** launch timed out ***\n")
-    found = json.loads(out.read_text()) if out.is_file() else {}
-    found["_log"] = log.read_text()[-6000:]
-    return found
+    return launch("moe_worker.py", 4, workdir, "moe", 400, "--workdir", str(workdir))
 
 
 CASES = [(phase, model_type, aux) for phase, _, families, aux, _ in PHASES for model_type in families]

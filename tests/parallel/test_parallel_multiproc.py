@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torchrun_launch import launch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -74,28 +75,11 @@ GROUPS = {
 CASES = [(phase, group) for phase, groups in GROUPS.items() for group in groups]
 
 
-def launch(suite: str, nproc: int, workdir: Path, timeout: int) -> dict:
-    out = workdir / f"{suite}.json"
-    log = workdir / f"{suite}.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--standalone", str(HERE / "mp_worker.py"), "--suite", suite,
-               "--workdir", str(workdir), "--out", str(out)]
-    with open(log, "w") as handle:
-        try:
-            subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            handle.write(f"\n*** launch timed out after {timeout}s ***\n")
-    results = json.loads(out.read_text()) if out.is_file() else {}
-    results["_log"] = log.read_text()[-6000:]
-    return results
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("parallel-mp")
-    merged = launch("w2", 2, workdir, timeout=480)
-    four = launch("w4", 4, workdir, timeout=360)
+    merged = launch("mp_worker.py", 2, workdir, "w2", 480, "--suite", "w2", "--workdir", str(workdir))
+    four = launch("mp_worker.py", 4, workdir, "w4", 360, "--suite", "w4", "--workdir", str(workdir))
     merged.update({k: v for k, v in four.items() if k != "_log"})
     merged["_log"] += "\n--- w4 ---\n" + four["_log"]
     return merged
