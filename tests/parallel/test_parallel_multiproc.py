@@ -116,7 +116,7 @@ def test_layout(results: dict, phase: str, group: str) -> None:
 @pytest.mark.timeout(300)
 def test_smollm2_and_convert_cli(tmp_path: Path) -> None:
     """Real SmolLM2-135M at TP1 against HF; ``meshrl convert`` both ways, bit-exact, and its refusals."""
-    values = launch("w1", 1, tmp_path, timeout=240)
+    values = launch("mp_worker.py", 1, tmp_path, "w1", 240, "--suite", "w1", "--workdir", str(tmp_path))
     assert "tp1" in values, values["_log"]
     tp1 = values["tp1"]
     errors = {k: v for k, v in tp1.items() if k.endswith(".error")}
