@@ -25,7 +25,10 @@ PROMISED = (["remax_qwen2.5-3b_seq_balance", "remax_qwen2.5-7b_seq_balance", "gr
              "ppo_qwen2-7b_seq_balance", "ppo_deepseek7b_llm",
              "cpu_tiny_remax", "cpu_tiny_gpg", "cpu_tiny_ppo", "cpu_tiny_rloo"]
             + [f"{algo}_qwen2.5-{size}" for algo in ("remax", "grpo", "gpg", "ppo")
-               for size in ("0.5b", "1.5b", "14b", "32b")])
+               for size in ("0.5b", "1.5b", "14b", "32b")]
+            # issue 19: the other families at real sizes, and the CPU recipe on a real Gemma 3
+            + ["grpo_qwen3-8b", "grpo_qwen3-32b", "grpo_gemma2-9b", "grpo_mistral-7b", "grpo_glm4-9b",
+               "grpo_deepseek-llm-7b", "cpu_gemma3_270m_grpo"])
 
 
 def test_promised_recipes_exist():
