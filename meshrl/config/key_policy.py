@@ -95,8 +95,9 @@ INERT = {
     "actor_rollout_ref.rollout.data_parallel_size": "meshrl runs one engine replica per "
                                                     "rollout.tensor_model_parallel_size training processes, so every "
                                                     "process generates, as verl's replicas x data_parallel_size do",
-    "actor_rollout_ref.rollout.layered_summon": "it collects LoRA weights layer by layer under verl's FSDP; meshrl "
-                                                "streams the merged weights one tensor at a time anyway",
+    "actor_rollout_ref.rollout.layered_summon": "it gathers verl's FSDP shards layer by layer for the LoRA sync; "
+                                                "meshrl gathers the adapters (or the merged weights) one tensor at "
+                                                "a time anyway",
     "actor_rollout_ref.model.lora.freeze_*": "it selects what VLM LoRA freezes (vision tower, projection); meshrl "
                                              "trains text-only policies, whose base is always frozen under LoRA",
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": MULTI_TURN_TOKENS,

@@ -16,13 +16,19 @@ verl has two spellings, and a run uses one:
 
 Targets are resolved to HF module names (``q_proj`` ... ``down_proj``); the embeddings and the output layer
 are never adapted (PEFT's ``all-linear`` leaves ``lm_head`` out too).
+
+How the engine gets the policy (``model.lora.merge``, read with either spelling, as verl reads it): False
+(verl's default) sends only the adapters, served by vLLM's LoRA layers on the base weights it already holds
+(``meshrl.rollout.lora_adapter``); True sends the merged weights ``W + (alpha/r)·B·A`` through the full weight
+sync. The transformers engine (``rollout.name=hf``) has no adapter path: it always gets merged weights (a
+start-up note says so when merge is False).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +46,8 @@ FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",
 CANONICAL = {"linear_q": ("q_proj",), "linear_k": ("k_proj",), "linear_v": ("v_proj",), "linear_proj": ("o_proj",),
              "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",)}
 MEGATRON_TYPES = {"lora": FUSED, "canonical_lora": CANONICAL}
+# The largest of vLLM's MaxLoRARanks (vllm/config/lora.py, 0.32), as verl's validate_config checks it.
+VLLM_MAX_LORA_RANK = 512
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class LoraPlan:
     init_a: str  # kaiming (PEFT) | xavier (Megatron-Bridge's default)
     adapter_path: str | None  # a PEFT adapter folder the run starts from
     keys: str  # "FSDP" | "Megatron": which of verl's spellings set it
+    merge: bool = False  # the engine gets merged weights (True) or the adapters (False: vLLM's adapter path)
 
 
 def _names(value: Any) -> list[str]:
@@ -187,9 +196,17 @@ def lora_plan(cfg: DictConfig) -> tuple[LoraPlan | None, list[str], list[str]]:
         problems.append("the LoRA target_modules / exclude_modules leave no linear layer to adapt")
     problems += _other_spelling(model, "FSDP" if fsdp else "Megatron")
     notes = []
-    if plan is not None and plan.keys == "Megatron" and not model.lora.merge:
-        notes.append("actor_rollout_ref.model.lora.merge=False asks for vLLM's LoRA adapter path, which meshrl has "
-                     "not built: the engine is sent the merged weights W + (alpha/rank)·B·A (the same policy)")
+    merge = bool(model.lora.merge)
+    engine = cfg.actor_rollout_ref.rollout.name
+    if plan is not None and not merge and engine != "vllm":
+        merge = True
+        notes.append(f"actor_rollout_ref.model.lora.merge=False: rollout.name={engine} has no LoRA adapter path, so "
+                     "the engine is sent the merged weights W + (alpha/rank)·B·A (the same policy)")
+    if plan is not None and not merge and plan.rank > VLLM_MAX_LORA_RANK:
+        problems.append(f"LoRA rank {plan.rank}: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANK}; set "
+                        "actor_rollout_ref.model.lora.merge=True to send it the merged weights")
+    if plan is not None:
+        plan = replace(plan, merge=merge)
     return (None if problems else plan), problems, notes
 
 
@@ -201,8 +218,9 @@ def _other_spelling(model: DictConfig, used: str) -> list[str]:
 
     from meshrl.config.schema import LoraConfig, ModelConfig
 
-    if used == "FSDP":
+    if used == "FSDP":  # verl reads model.lora.merge with both spellings
         defaults, section, prefix = asdict(LoraConfig()), OmegaConf.to_container(model.lora), "model.lora."
+        section.pop("merge")
     else:
         defaults = {key: getattr(ModelConfig, key) for key in ("lora_alpha", "target_modules", "exclude_modules",
                                                               "lora_adapter_path")}

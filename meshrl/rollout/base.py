@@ -104,6 +104,9 @@ OWNED_VLLM_ARGS = {
     "generation_config": "sampling comes only from the rollout's keys (temperature, top_p, top_k, ...); remove it",
     "override_generation_config": "sampling comes only from the rollout's keys (temperature, top_p, top_k, ...); "
                                   "remove it",
+    **dict.fromkeys(("enable_lora", "max_lora_rank", "max_loras"),
+                    "meshrl serves the policy's LoRA adapter from actor_rollout_ref.model's LoRA keys "
+                    "(model.lora.merge=False); remove it"),
 }
 
 
@@ -212,6 +215,7 @@ class EngineConfig:
       less prefill); the HF engine has none and warns when it is on.
     - ``disable_log_stats``: vLLM's periodic throughput log off.
     - ``load_format``: one of ``LOAD_FORMATS`` (see the module doc); ``random_init`` tells a dummy one.
+    - ``max_lora_rank``: > 0 serves LoRA adapters of up to this rank (``load_adapter``; vLLM only); 0: none.
     - ``vllm_kwargs``: further vLLM engine arguments (verl's ``rollout.engine_kwargs.vllm``); None values
       are dropped (unset, as verl does). Refused: names vLLM's ``EngineArgs`` lacks, those in
       ``OWNED_VLLM_ARGS``, and any with ``name="hf"``.
@@ -236,6 +240,7 @@ class EngineConfig:
     hf_batch_size: int = 64
     disable_log_stats: bool = True
     load_format: str = "auto"
+    max_lora_rank: int = 0
     vllm_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -253,6 +258,10 @@ class EngineConfig:
                     "update_weights_bucket_megabytes", "hf_batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_lora_rank < 0:
+            raise ValueError(f"max_lora_rank must be >= 0 (0: no LoRA adapters), got {self.max_lora_rank}")
+        if self.max_lora_rank and self.name != "vllm":
+            raise ValueError(f"rollout.name={self.name} has no LoRA adapter path: send it merged weights")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -397,6 +406,12 @@ class RolloutEngine(abc.ABC):
         """Replace every weight in place from ``(hf_name, full_tensor)`` pairs; see ``weight_sync``."""
         self._check_open()
         return sync_weights(self, weights, bucket_bytes=bucket_bytes or self.config.bucket_bytes)
+
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], peft_config: Mapping[str, Any]) -> SyncStats:
+        """Serve the base weights plus the LoRA adapter of ``(peft_key, full_tensor)`` pairs (PEFT's names and
+        ``adapter_config.json`` fields, ``meshrl.rollout.lora_adapter``), replacing the previous adapter; engines
+        started with ``max_lora_rank`` > 0 only."""
+        raise EngineStateError(f"the {self.name} engine has no LoRA adapter path: send it merged weights")
 
     @abc.abstractmethod
     def expected_weights(self) -> Mapping[str, torch.Size]:

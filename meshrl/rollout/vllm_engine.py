@@ -77,6 +77,12 @@ and ``vllm_kwargs`` (verl's ``rollout.engine_kwargs.vllm``) join the engine argu
 ``EngineConfig`` has refused names vLLM's ``EngineArgs`` lacks (``meshrl.rollout.base.vllm_engine_arg_names``) and those
 meshrl sets itself (``base.OWNED_VLLM_ARGS``).
 
+**LoRA adapters** (``EngineConfig.max_lora_rank`` > 0; ``meshrl.rollout.lora_adapter``). The engine starts with
+vLLM's LoRA layers (``enable_lora``, ``max_loras=1``); ``load_adapter`` installs the policy's adapter tensors in
+memory as a new adapter id per sync, and every later request names it (``lora_request``), on the base weights
+the engine loaded from the folder or got by a full sync. Served exactly on CPU (PunicaWrapperCPU; fp32 log-probs
+within 4e-6 of the merged HF model, ``tests/parallel/test_lora_vllm.py``).
+
 **GPU path (untested here: no GPU with vLLM on this project's machines).** ``enable_sleep_mode`` with
 ``gpu_memory_utilization``; ``sleep()`` releases the KV cache and offloads (level 1) or drops
 (level 2) the weights while the trainer runs; ``weight_sync.colocated_rollout`` wakes weights, syncs,
@@ -90,7 +96,7 @@ import os
 import pickle
 import random
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -105,9 +111,10 @@ from meshrl.rollout.base import (
     SamplingConfig,
     default_dp_rank,
 )
+from meshrl.rollout.lora_adapter import AdapterSlot, vllm_max_lora_rank
 from meshrl.rollout.vllm_shm import EngineSegments
 from meshrl.rollout.vllm_worker import flatten_bucket
-from meshrl.rollout.weight_sync import hf_weight_manifest
+from meshrl.rollout.weight_sync import SyncStats, WeightSyncError, hf_weight_manifest
 from meshrl.runtime import configure_environment
 
 _WORKER_EXTENSION = "meshrl.rollout.vllm_worker.WeightUpdateExtension"
@@ -208,6 +215,7 @@ class VLLMEngine(RolloutEngine):
                              "(one engine per rank, consecutive ranks form a replica)")
         self._owns_world = not colocated
         self._manifest = hf_weight_manifest(str(self.model_path))
+        self._adapter = AdapterSlot()
         self._llm = self._start(config, colocated)
 
     def _engine_kwargs(self, config: EngineConfig, colocated: bool) -> dict[str, Any]:
@@ -240,6 +248,8 @@ class VLLMEngine(RolloutEngine):
             kwargs["enable_chunked_prefill"] = False
         if colocated:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if config.max_lora_rank:  # one adapter at a time: the policy's (meshrl.rollout.lora_adapter)
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(config.max_lora_rank))
         return kwargs
 
     def _start(self, config: EngineConfig, colocated: bool) -> Any:
@@ -307,7 +317,7 @@ class VLLMEngine(RolloutEngine):
         with contained_process_state():
             if self.config.generation_threads is not None:
                 torch._C.set_num_threads(self.config.generation_threads)
-            outputs = self._llm.generate(requests, params, use_tqdm=False)
+            outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         completions = []
         for prompt_index, output in enumerate(outputs):
             for sample_index, sample in enumerate(output.outputs):
@@ -320,6 +330,34 @@ class VLLMEngine(RolloutEngine):
     # --- weights ----------------------------------------------------------------------------
     def expected_weights(self) -> Mapping[str, torch.Size]:
         return self._manifest
+
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` of the served adapter, for every request (None: the base weights alone)."""
+        return self._adapter.request
+
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], peft_config: Mapping[str, Any]) -> SyncStats:
+        """Install the adapter in memory as the one every later request uses (``meshrl.rollout.lora_adapter``);
+        the base weights must be complete. A failure after the adapter reached vLLM marks the weights incomplete
+        (a full sync, then an adapter, restore them)."""
+        self._check_usable()
+        if not self.config.max_lora_rank:
+            raise EngineStateError("this vLLM engine was started without LoRA (max_lora_rank=0): send it merged "
+                                   "weights")
+        if int(peft_config["r"]) > self.config.max_lora_rank:
+            raise WeightSyncError(f"adapter rank {peft_config['r']} > the engine's max_lora_rank "
+                                  f"{self.config.max_lora_rank}")
+        try:
+            stats = self._adapter.load(self._llm, self.config.in_process, weights, self._manifest, peft_config)
+        except WeightSyncError:
+            raise  # refused before vLLM saw it: the previous adapter is still served
+        except BaseException as error:
+            self._mark_weights_invalid(f"loading a LoRA adapter failed: {error!r}")
+            raise
+        # Cached KV blocks of the old adapter's requests will not be asked for again (another adapter id).
+        if not self._llm.reset_prefix_cache():
+            raise EngineStateError("vLLM refused to reset its prefix cache (requests still running?)")
+        return stats
 
     def begin_weight_update(self) -> None:
         self._check_open()

@@ -141,9 +141,10 @@ class ActorRolloutRefWorker(RankWorker):
         self.remove_padding = packed_sequences(arr.model.use_remove_padding)
         rollout = arr.rollout
         self.response_length = self.plan.response_length
+        adapter_path = self.plan.lora is not None and not self.plan.lora.merge  # the engine serves the adapters
         engine_cfg = EngineConfig.from_rollout(
             rollout, max_model_len=self.plan.prompt_length + self.response_length,
-            generation_threads=threads)
+            generation_threads=threads, max_lora_rank=self.plan.lora.rank if adapter_path else 0)
         self.replica = self.rank // rollout.tensor_model_parallel_size
         self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)
         self.bucket_bytes = engine_cfg.bucket_bytes
@@ -277,12 +278,24 @@ class ActorRolloutRefWorker(RankWorker):
 
     # ---------------------------------------------------------------------------------- weights
     def sync_weights(self) -> dict[str, float]:
-        """Stream the policy's weights into the engine (resharding layer); every MP rank takes part. With LoRA the
-        adapted weights are sent merged, W + scaling·B·A."""
+        """Stream the policy's weights into the engine (resharding layer); every MP rank takes part. With LoRA
+        (``RunPlan.lora.merge``) either the adapters alone (vLLM's adapter path; the frozen base first if the engine
+        lacks it: a dummy start, a failed sync) or the merged weights W + scaling·B·A."""
+        from meshrl.parallel import peft_io
         from meshrl.parallel.hf_conversion import iter_hf_weights
-        from meshrl.parallel.peft_io import iter_merged_weights
 
-        weights = (iter_merged_weights if self.plan.lora is not None else iter_hf_weights)(self.policy, self.hf_config)
+        lora = self.plan.lora
+        if lora is not None and not lora.merge:
+            seconds = gigabytes = buckets = 0.0
+            if not self.engine.weights_complete:
+                base = self.engine.load_weights(iter_hf_weights(self.policy, self.hf_config),
+                                                bucket_bytes=self.bucket_bytes)
+                seconds, gigabytes, buckets = base.seconds, base.bytes / 1e9, float(base.buckets)
+            stats = self.engine.load_adapter(peft_io.iter_adapter_weights(self.policy),
+                                             peft_io.adapter_config(peft_io.settings_of(self.policy), self.model_dir))
+            return {"sync/seconds": seconds + stats.seconds, "sync/gigabytes": gigabytes + stats.bytes / 1e9,
+                    "sync/buckets": buckets + stats.buckets}
+        weights = (iter_hf_weights if lora is None else peft_io.iter_merged_weights)(self.policy, self.hf_config)
         stats = self.engine.load_weights(weights, bucket_bytes=self.bucket_bytes)
         return {"sync/seconds": stats.seconds, "sync/gigabytes": stats.bytes / 1e9, "sync/buckets": float(stats.buckets)}
 

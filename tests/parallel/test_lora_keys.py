@@ -39,13 +39,13 @@ def test_megatron_keys_fused_and_canonical() -> None:
     plan = plan_of(f"{M}lora.rank=8")
     assert (plan.lora.rank, plan.lora.alpha, plan.lora.targets, plan.lora.shared_a, plan.lora.init_a) == \
         (8, 32.0, ALL, True, "xavier")
-    assert any("lora.merge=False" in warning for warning in plan.warnings)
+    assert not plan.lora.merge  # verl's default: the engine gets the adapters
     canonical = plan_of(f"{M}lora.rank=8", f"{M}lora.type=canonical_lora", f"{M}lora.merge=True",
                         f"{M}lora.target_modules=[linear_q,linear_fc1_up]", f"{M}lora.dropout=0.05",
                         f"{M}lora.lora_A_init_method=kaiming")
     assert (canonical.lora.targets, canonical.lora.shared_a, canonical.lora.dropout, canonical.lora.init_a) == \
         (("q_proj", "up_proj"), False, 0.05, "kaiming")
-    assert not any("lora.merge" in warning for warning in canonical.warnings)
+    assert canonical.lora.merge and not any("lora.merge" in warning for warning in canonical.warnings)
     excluded = plan_of(f"{M}lora.rank=8", f"{M}lora.target_modules=[]", f"{M}lora.exclude_modules=[linear_fc1]")
     assert excluded.lora.targets == ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")
 
@@ -65,11 +65,22 @@ def test_megatron_keys_fused_and_canonical() -> None:
     # a key of the other spelling would not be read
     ([f"{M}lora_rank=8", f"{M}lora.alpha=64"], f"{M}lora.alpha"),
     ([f"{M}lora.rank=8", f"{M}target_modules=[q_proj]"], f"{M}target_modules"),
+    # vLLM's adapter path serves ranks up to 512, as verl checks
+    ([f"{M}lora_rank=1024"], "lora.merge=True"),
 ])
 def test_unbuildable_lora_settings_are_refused(overrides, named) -> None:
     with pytest.raises(ConfigError) as info:
         plan_of(*overrides)
     assert named in str(info.value)
+
+
+def test_lora_merge_picks_how_the_engine_gets_the_policy() -> None:
+    """verl reads model.lora.merge with both spellings; the transformers engine has no adapter path."""
+    assert not plan_of(f"{M}lora_rank=8").lora.merge
+    assert plan_of(f"{M}lora_rank=8", f"{M}lora.merge=True").lora.merge
+    assert plan_of(f"{M}lora_rank=1024", f"{M}lora.merge=True").lora.rank == 1024  # merged: any rank
+    hf = plan_of(f"{M}lora_rank=8", "actor_rollout_ref.rollout.name=hf")
+    assert hf.lora.merge and any("rollout.name=hf has no LoRA adapter path" in note for note in hf.warnings)
 
 
 def test_an_adapter_folder_gives_the_lora_as_in_verl(tmp_path) -> None:
