@@ -153,8 +153,10 @@ REFUSED = {
                                                                     "turn) are not built yet; leave it unset",
     "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts": "it repeats verl's SGLang interaction rollouts, which "
                                                                 "are not built; leave it unset",
-    "actor_rollout_ref.rollout.agent.*": "agent-loop rollout is not built yet (meshrl's rollout is one batched "
-                                         "generate per engine replica); leave rollout.agent at its defaults",
+    "actor_rollout_ref.rollout.agent.*": "verl's agent-loop workers, custom agent loops and custom async servers "
+                                         "are not built: meshrl runs its agent loop inside each engine replica "
+                                         "(rollout.mode=async: one coroutine per sample); leave rollout.agent at "
+                                         "its defaults",
     "*.model.override_config": "HF config overrides would change the model meshrl builds but not the vLLM "
                                  "engine's copy; edit the model folder's config.json instead",
     "*.megatron.router_replay.*": MOE,

@@ -391,8 +391,9 @@ class CustomAsyncServerConfig:
 
 @dataclass
 class AgentLoopConfig:
-    """verl's ``rollout.agent`` (its agent-loop rollout), so verl scripts parse: meshrl's rollout is one
-    batched generate per engine replica, and any value other than these defaults is refused."""
+    """verl's ``rollout.agent`` (its agent-loop workers and servers), so verl scripts parse: meshrl runs the
+    agent loop inside each engine replica (``rollout.mode=async``: one coroutine per sample), and any value
+    other than these defaults is refused."""
 
     num_workers: int = 8
     default_agent_loop: str = "single_turn_agent"

@@ -105,9 +105,10 @@ def validate_config(cfg: DictConfig) -> RunPlan:
               "actor_rollout_ref.rollout.tensor_model_parallel_size",
               "multi-turn rollouts run their tools on every rank of an inference replica, and sharing one rank's "
               "tool outputs with the others is not built yet; set it to 1 with rollout.multi_turn.enable")
-    if rollout.mode == "async":
-        notes.append("rollout.mode=async: meshrl generates with one batched call per engine replica (the samples an "
-                     "async single-turn rollout gives); the async agent-loop server is not built yet")
+    # Async rollout steps vLLM's engine request by request (meshrl.rollout.async_engine); transformers has no such API.
+    p.require(not (rollout.mode == "async" and rollout.name == "hf"), "actor_rollout_ref.rollout.mode",
+              "async drives vLLM's engine request by request, and rollout.name=hf generates in batches only; set "
+              "rollout.mode=sync with rollout.name=hf, or rollout.name=vllm")
 
     # actor
     for key, section in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", ref), ("critic", critic),

@@ -29,10 +29,17 @@ the first rendering is not a prefix of the second (or that ends no assistant tur
 refused when the loop is built. The tool schemas are not rendered into the delta (they belong to the
 prompt: the dataset renders them, ``meshrl.data.dataset.load_datasets``).
 
-**Batching.** Each turn is one ``generate`` call for every sample still running (the engine batches them),
-so a batch takes as many engine calls as its longest conversation has assistant turns; the samples of
-one prompt start from one prompt each (``n`` rows), not from vLLM's ``n``, so their seeds differ from a
-single-turn rollout's.
+**Batching** (``rollout.mode=sync``). Each turn is one ``generate`` call for every sample still running
+(the engine batches them), so a batch takes as many engine calls as its longest conversation has
+assistant turns, and every turn waits for the slowest sample's turn and tools; the samples of one prompt
+start from one prompt each (``n`` rows), not from vLLM's ``n``, so their seeds differ from a single-turn
+rollout's.
+
+**Async** (``rollout.mode=async``, ``meshrl.rollout.async_engine``). One coroutine per sample runs the loop
+above on its own: each turn is one engine request, its tools run on a thread (``asyncio.to_thread`` around
+the runner) while the other samples keep generating, and its next turn joins the engine's running batch
+as soon as they answer. Turn k of sample j of prompt i is seeded ``turn_seed(seed_i + j, k)``, so the
+first turn draws what a single-turn rollout's sample j would.
 
 Output: one ``Completion`` per sample (prompt-major) whose ``loss_mask`` is 0 on tool tokens (log-prob 0
 there), and per sample the statistics ``AgentStats`` that ``agent_metrics`` turns into the rollout's
@@ -41,8 +48,9 @@ there), and per sample the statistics ``AgentStats`` that ``agent_metrics`` turn
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -50,6 +58,9 @@ from meshrl.rollout.base import Completion, RolloutEngine, SamplingConfig, secti
 from meshrl.rollout.tool_parsers import tool_parser
 from meshrl.rollout.tools.base import CallResult, Invocation, ToolRunner
 from meshrl.rollout.tools.config import load_tools, tool_schemas
+
+if TYPE_CHECKING:  # the async engine imports vLLM's engine module; a multi-turn loop without it need not
+    from meshrl.rollout.async_engine import AsyncEngine
 
 FINISH_REASONS = ("stop", "length", "max_turns")
 
@@ -145,8 +156,9 @@ class AgentLoop:
     """The multi-turn loop of the module docstring over one engine, with ``runner``'s tools."""
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, runner: ToolRunner, settings: MultiTurnSettings,
-                 response_length: int) -> None:
+                 response_length: int, async_engine: AsyncEngine | None = None) -> None:
         self.engine = engine
+        self.async_engine = async_engine  # rollout.mode=async: one coroutine per conversation
         self.tokenizer = tokenizer
         self.runner = runner
         self.settings = settings
@@ -162,17 +174,51 @@ class AgentLoop:
         samples = [_Sample(i, j, list(map(int, prompt)), kwargs[i] or {})
                    for i, prompt in enumerate(prompts) for j in range(sampling.n)]
         turn = replace(sampling, n=1, max_response_length=min(sampling.max_response_length, self.response_length))
-        active = samples
-        while active:
-            outputs = self.engine.generate([s.prompt + s.tokens for s in active], turn,
-                                           max_tokens=[min(self.response_length - len(s.tokens),
-                                                           turn.max_response_length) for s in active])
-            calling = [(s, calls) for s, out in zip(active, outputs) if (calls := self._after_turn(s, out))]
-            self._run_tools(calling)
-            active = [s for s in samples if s.finish is None]
+        if self.async_engine is None:
+            self._converse_in_batches(samples, turn)
+        else:
+            self._converse_async(samples, turn, prompts)
         completions = [Completion(s.prompt_index, s.sample_index, s.tokens, s.logprobs, s.finish, loss_mask=s.mask)
                        for s in samples]
         return completions, [s.stats for s in samples]
+
+    def _cap(self, sample: _Sample, turn: SamplingConfig) -> int:
+        return min(self.response_length - len(sample.tokens), turn.max_response_length)
+
+    def _converse_in_batches(self, samples: list[_Sample], turn: SamplingConfig) -> None:
+        active = samples
+        while active:
+            outputs = self.engine.generate([s.prompt + s.tokens for s in active], turn,
+                                           max_tokens=[self._cap(s, turn) for s in active])
+            calling = [(s, calls) for s, out in zip(active, outputs) if (calls := self._after_turn(s, out))]
+            results = iter(self.runner.run(self._invocations(calling)))
+            for sample, calls in calling:
+                self._append_tool_outputs(sample, calls, [next(results) for _ in calls])
+            active = [s for s in samples if s.finish is None]
+
+    def _converse_async(self, samples: list[_Sample], turn: SamplingConfig, prompts: Sequence[Sequence[int]]) -> None:
+        """One coroutine per conversation on the async engine; its tools run on the runner's threads while
+        the other conversations generate. Turn k of sample j of prompt i is seeded with
+        ``turn_seed(seeds[i] + j, k)`` (``meshrl.rollout.async_engine``)."""
+        from meshrl.rollout.async_engine import turn_seed
+
+        engine = self.async_engine
+        assert engine is not None
+        _, seeds, _ = self.engine.reserve_call(prompts, turn)
+
+        async def converse(sample: _Sample) -> None:
+            seed = seeds[sample.prompt_index] + sample.sample_index
+            while sample.finish is None:
+                out = await engine.sample(sample.prompt + sample.tokens, turn,
+                                          turn_seed(seed, sample.stats.assistant_turns), self._cap(sample, turn))
+                if calls := self._after_turn(sample, out):
+                    results = await asyncio.to_thread(self.runner.run, self._invocations([(sample, calls)]))
+                    self._append_tool_outputs(sample, calls, results)
+
+        async def conversations() -> None:
+            await asyncio.gather(*(converse(s) for s in samples))
+
+        engine.run(conversations)
 
     def _after_turn(self, sample: _Sample, out: Completion) -> list:
         """Append a generated turn; the calls to run now, or [] with ``sample.finish`` set."""
@@ -193,35 +239,35 @@ class AgentLoop:
             sample.finish = "max_turns"
         return [] if sample.finish else parsed.calls[:settings.max_parallel_calls]
 
-    def _run_tools(self, calling: list) -> None:
-        invocations = [Invocation(call.name, call.arguments, sample.tools_kwargs)
-                       for sample, calls in calling for call in calls]
-        results = iter(self.runner.run(invocations))
-        for sample, calls in calling:
-            texts = []
-            for call in calls:
-                result = next(results)
-                sample.stats.add_call(call.name if call.name in self.runner.tools else "unknown", result)
-                texts.append(result.text)
-            delta = self.tool_tokens(texts)
-            if len(sample.tokens) + len(delta) >= self.response_length:
-                sample.finish = "length"
-                continue
-            sample.append(delta, [0.0] * len(delta), sampled=False)
-            sample.stats.tool_tokens += len(delta)
-            sample.stats.user_turns += 1
+    @staticmethod
+    def _invocations(calling: list) -> list[Invocation]:
+        return [Invocation(call.name, call.arguments, sample.tools_kwargs) for sample, calls in calling for call in calls]
+
+    def _append_tool_outputs(self, sample: _Sample, calls: list, results: Sequence[CallResult]) -> None:
+        """Count the calls and append their tool messages' tokens (loss mask 0), or end the sample at "length"."""
+        for call, result in zip(calls, results):
+            sample.stats.add_call(call.name if call.name in self.runner.tools else "unknown", result)
+        delta = self.tool_tokens([result.text for result in results])
+        if len(sample.tokens) + len(delta) >= self.response_length:
+            sample.finish = "length"
+            return
+        sample.append(delta, [0.0] * len(delta), sampled=False)
+        sample.stats.tool_tokens += len(delta)
+        sample.stats.user_turns += 1
 
 
 AGENT_STATS = "agent_stats"  # the RL batch's per-row AgentStats field (a multi-turn rollout's)
 
 
-def agent_loop_for(rollout: Any, engine: RolloutEngine, tokenizer: Any, response_length: int) -> AgentLoop | None:
-    """The loop a verl ``rollout`` section asks for on ``engine``: None unless ``multi_turn.enable``."""
+def agent_loop_for(rollout: Any, engine: RolloutEngine, tokenizer: Any, response_length: int,
+                   async_engine: AsyncEngine | None = None) -> AgentLoop | None:
+    """The loop a verl ``rollout`` section asks for on ``engine`` (conversations as coroutines on
+    ``async_engine`` when given: ``rollout.mode=async``): None unless ``multi_turn.enable``."""
     multi_turn = section_getter(rollout)("multi_turn") or {}
     if not section_getter(multi_turn)("enable", False):
         return None
     return AgentLoop(engine, tokenizer, tool_runner(multi_turn), MultiTurnSettings.from_rollout(multi_turn),
-                     response_length)
+                     response_length, async_engine)
 
 
 def prompt_tool_schemas(multi_turn: Any) -> list[dict[str, Any]] | None:

@@ -374,6 +374,16 @@ class RolloutEngine(abc.ABC):
         sequence) agree token for token, other replicas and later calls differ. The call counter is
         part of ``state_dict()``.
         """
+        prompts, seeds, caps = self.reserve_call(prompt_token_ids, sampling, max_tokens)
+        if not prompts:
+            return []
+        return self._generate(prompts, sampling, seeds, caps)
+
+    def reserve_call(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
+                     max_tokens: Sequence[int] | None = None) -> tuple[list[list[int]], list[int], list[int]]:
+        """Check one ``generate`` call's prompts and caps and take its call index: ``(prompts, seeds, caps)``,
+        ``seeds[i]`` seeding prompt i's samples as ``generate`` documents (vLLM seeds sample j with
+        ``seeds[i] + j``). ``meshrl.rollout.async_engine`` calls it to seed its per-sample requests alike."""
         self._check_usable()
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         for index, prompt in enumerate(prompts):
@@ -389,9 +399,7 @@ class RolloutEngine(abc.ABC):
         replica_seed = sampling.seed + self.dp_rank
         seeds = [request_seed(replica_seed, self._calls, i) for i in range(len(prompts))]
         self._calls += 1
-        if not prompts:
-            return []
-        return self._generate(prompts, sampling, seeds, caps)
+        return prompts, seeds, caps
 
     def stop_token_ids(self, sampling: SamplingConfig) -> list[int]:
         """Token ids that end a response under ``sampling``."""

@@ -184,6 +184,14 @@ def _scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def completion(prompt_index: int, sample_index: int, sample: Any) -> Completion:
+    """A ``Completion`` from one of vLLM's ``CompletionOutput`` (requested with ``logprobs=0``)."""
+    token_ids = list(sample.token_ids)
+    logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids)]
+    return Completion(prompt_index, sample_index, token_ids, logprobs,
+                      "stop" if sample.finish_reason == "stop" else "length")
+
+
 def _resolve_dtype(dtype: str, cuda: bool) -> str:
     if dtype != "auto":
         return dtype
@@ -301,31 +309,34 @@ class VLLMEngine(RolloutEngine):
     # --- generation -------------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                   seeds: list[int], max_tokens: list[int]) -> list[Completion]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        stops = self.stop_token_ids(sampling)
-        common = dict(n=sampling.n, stop_token_ids=stops, ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
-        if sampling.greedy:
-            params = [SamplingParams(temperature=0.0, max_tokens=cap, **common) for cap in max_tokens]
-        else:
-            params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                     top_k=0 if sampling.top_k == -1 else sampling.top_k, seed=seed, max_tokens=cap,
-                                     **common)
-                      for seed, cap in zip(seeds, max_tokens)]
+        params = [self.sampling_params(sampling, seed, cap) for seed, cap in zip(seeds, max_tokens)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        with self.generation_scope():
+            outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+        return [completion(prompt_index, sample_index, sample)
+                for prompt_index, output in enumerate(outputs) for sample_index, sample in enumerate(output.outputs)]
+
+    def sampling_params(self, sampling: SamplingConfig, seed: int, max_tokens: int, *, n: int | None = None) -> Any:
+        """vLLM's ``SamplingParams`` for one request of ``sampling`` (``n`` samples, default ``sampling.n``)
+        seeded with ``seed`` (vLLM seeds sample j with ``seed + j``; unseeded when greedy)."""
+        from vllm import SamplingParams
+
+        common = dict(n=sampling.n if n is None else n, stop_token_ids=self.stop_token_ids(sampling),
+                      ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False, max_tokens=max_tokens)
+        if sampling.greedy:
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                              top_k=0 if sampling.top_k == -1 else sampling.top_k, seed=seed, **common)
+
+    @contextmanager
+    def generation_scope(self) -> Iterator[None]:
+        """Where vLLM generates: the process state it changes restored after, ``generation_threads`` inside."""
         with contained_process_state():
             if self.config.generation_threads is not None:
                 torch._C.set_num_threads(self.config.generation_threads)
-            outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
-        completions = []
-        for prompt_index, output in enumerate(outputs):
-            for sample_index, sample in enumerate(output.outputs):
-                token_ids = list(sample.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids)]
-                reason = "stop" if sample.finish_reason == "stop" else "length"
-                completions.append(Completion(prompt_index, sample_index, token_ids, logprobs, reason))
-        return completions
+            yield
 
     # --- weights ----------------------------------------------------------------------------
     def expected_weights(self) -> Mapping[str, torch.Size]:

@@ -100,6 +100,7 @@ class ActorRolloutRefWorker(RankWorker):
         from meshrl.parallel.optimizer import build_optimizer
         from meshrl.rollout.base import EngineConfig, SamplingConfig
         from meshrl.rollout.agent_loop import agent_loop_for
+        from meshrl.rollout.async_engine import async_engine_for
         from meshrl.rollout.engines import create_engine
 
         arr = self.section
@@ -154,8 +155,10 @@ class ActorRolloutRefWorker(RankWorker):
         self.sampling = {"train": train, "greedy": train.as_greedy(),
                          "val": SamplingConfig.from_rollout(rollout, max_response_length=self.response_length,
                                                             validation=True)}
+        # rollout.mode=async: one request per sample (one coroutine per conversation) on this engine's core.
+        self.async_engine = async_engine_for(rollout, self.engine)
         # rollout.multi_turn: conversations with tools, turn by turn on this engine (None: single-turn).
-        self.agent_loop = agent_loop_for(rollout, self.engine, tokenizer, self.response_length)
+        self.agent_loop = agent_loop_for(rollout, self.engine, tokenizer, self.response_length, self.async_engine)
         # The engine sleeps between rollouts (releases its GPU memory; a no-op on CPU).
         self.engine.sleep()
         return {**self.layout_dict(), "replica": self.replica,
@@ -173,7 +176,8 @@ class ActorRolloutRefWorker(RankWorker):
         offload, onload = self._offload_hooks()
         with colocated_rollout(self.engine, offload_trainer=offload, onload_trainer=onload):
             if self.agent_loop is None:
-                completions = self.engine.generate([list(p) for p in prompts["prompt_ids"]], sampling)
+                completions = (self.async_engine or self.engine).generate([list(p) for p in prompts["prompt_ids"]],
+                                                                          sampling)
             else:
                 completions, stats = self.agent_loop.generate([list(p) for p in prompts["prompt_ids"]], sampling,
                                                               tools_kwargs_of(prompts["extra_info"]))

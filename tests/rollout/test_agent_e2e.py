@@ -1,4 +1,6 @@
-"""One GRPO step of the real trainer (Ray, Megatron policy, colocated vLLM) on multi-turn samples with a tool.
+"""One GRPO step of the real trainer (Ray, Megatron policy, colocated vLLM) on multi-turn samples with a tool,
+generated as verl's multi-turn examples ask: ``rollout.mode=async`` (one coroutine per conversation on the
+engine, ``meshrl.rollout.async_engine``; the batched loop is checked on a scripted engine, test_agent_loop.py).
 
 A tiny random model never writes a tool call, so the test alone makes it converse: a ``sitecustomize`` on
 the policy workers' ``PYTHONPATH`` (``ray_kwargs.ray_init.runtime_env.env_vars``, as the alarm's e2e test
@@ -61,7 +63,7 @@ def test_one_multi_turn_grpo_step_trains_on_the_engines_tokens(tmp_path):
         "trainer.test_freq=-1", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
         f"data.train_files={task['train']}", f"data.val_files={task['test']}", "data.train_batch_size=2",
         "data.max_response_length=64", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=8",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={task['tool_config']}",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH={path}"], recipe="cpu_tiny_grpo")
