@@ -56,16 +56,11 @@ MULTI_TURN_TOKENS = ("meshrl's multi-turn rollout trains on exactly the tokens t
                      "never re-renders or re-tokenises a conversation, so there is no second rendering to pick or check")
 RM_POOL = ("meshrl colocates the reward model with the training ranks (one more worker per GPU, like the critic); "
            "a separate resource pool is not built: set enable_resource_pool=False")
-RM_ENGINE = ("verl serves a discriminative reward model with an inference engine (its reward loop); meshrl runs it "
-             "as a Megatron forward role (reward_model.megatron.*, micro_batch_size_per_gpu or "
-             "forward_max_token_len_per_gpu), which gives the same scores")
 
 INERT = {
     "data.filter_overlong_prompts_workers": "meshrl filters prompts in one process; the result is the same",
     "data.dataloader_num_workers": "meshrl's sampler reads prompts from memory, with no DataLoader workers",
     "actor_rollout_ref.model.use_shm": "meshrl reads the model folder where it is",
-    "reward_model.rollout.*": RM_ENGINE,
-    "reward.reward_model.rollout.*": RM_ENGINE,
     "reward_model.n_gpus_per_node": "it sizes verl's separate reward-model pool (enable_resource_pool)",
     "reward_model.nnodes": "it sizes verl's separate reward-model pool (enable_resource_pool)",
     "reward.reward_model.n_gpus_per_node": "it sizes verl's separate reward-model pool (enable_resource_pool)",

@@ -40,6 +40,7 @@ from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, POLIC
 from meshrl.config.loader import ConfigError
 from meshrl.config.lora_keys import LoraPlan, lora_plan
 from meshrl.config.micro_batching import ROLE_SECTIONS, MicroBatching, data_parallel_size, micro_batching
+from meshrl.config.reward_model_kind import DISCRIMINATIVE, GENERATIVE, reward_model_kind, unused_judge_keys
 from meshrl.config.schema import MISMATCH_ACTIONS
 
 # Batch fields the trainer can hand an estimator, and the roles that produce them.
@@ -119,6 +120,8 @@ class RunPlan:
     micro_batching: dict[str, MicroBatching] = field(default_factory=dict)
     # The learned reward model's layout (reward_model.enable), None: rewards come from functions only.
     reward_model_layout: ParallelLayout | None = None
+    # A generative reward model served by vLLM to the reward function (meshrl.rewards.judge), not a Megatron role.
+    reward_judge: bool = False
     warnings: tuple[str, ...] = ()  # said once at start-up (meshrl.trainer.main)
     # The train/rollout log-prob alarm's tolerance on the token-mean |old - rollout| (meshrl.trainer.alarms);
     # None: no alarm (trainer.on_mismatch=ignore, or the engine's log-probs are not the trainer's by config).
@@ -139,7 +142,7 @@ class RunPlan:
     def roles(self) -> tuple[str, ...]:
         return ("policy", "rollout") + (("reference",) if self.use_reference else ()) \
             + (("critic",) if self.use_critic else ()) + (("greedy_baseline",) if self.greedy_baseline else ()) \
-            + (("reward_model",) if self.use_reward_model else ())
+            + (("reward_model",) if self.use_reward_model else ()) + (("reward_judge",) if self.reward_judge else ())
 
 
 def _resolve(registry: Registry, name: str, key: str, problems: list[str]) -> bool:
@@ -214,7 +217,12 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
             bool(critic.shuffle if critic.shuffle is not None else actor.shuffle))
     kl_in_reward = algo.kl_penalty if algo.use_kl_in_reward else None
     kl_loss = actor.kl_loss_type if actor.use_kl_loss else None
-    use_reward_model = bool(cfg.reward_model.enable)
+    rm_kind = reward_model_kind(cfg)
+    use_reward_model = rm_kind == DISCRIMINATIVE
+    if unused := unused_judge_keys(cfg, rm_kind):
+        warnings.append(f"{', '.join(unused)}: no effect on this run (reward_model.rollout.* configures the vLLM "
+                        "server of a generative reward model, which this run does not have: a discriminative one "
+                        "runs as a Megatron role, reward_model.megatron.*)")
     phases = ["actor_update", "actor_log_prob"] + (["ref_log_prob"] if kl_in_reward or kl_loss else []) \
         + (["critic_update", "critic_values"] if use_critic else []) + (["reward_model"] if use_reward_model else [])
     batching, phase_problems = {}, []
@@ -241,6 +249,7 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
         prompt_length=int(rollout.prompt_length or data.max_prompt_length), temperature=float(rollout.temperature),
         actor_layout=_layout(cfg, "actor"), critic_layout=_layout(cfg, "critic") if use_critic else None,
         reward_model_layout=_layout(cfg, "reward_model") if use_reward_model else None,
+        reward_judge=rm_kind == GENERATIVE,
         rollout_tensor_parallel=rollout.tensor_model_parallel_size, on_policy=on_policy_update(cfg),
         actor_update=actor_update,
         critic_update=critic_update, micro_batching=batching, warnings=tuple(warnings),

@@ -528,7 +528,8 @@ class CriticConfig:
 
 @dataclass
 class RewardModelRolloutConfig:
-    """verl's ``reward_model.rollout``: the inference engine serving a learned reward model (refused)."""
+    """verl's ``reward_model.rollout``: the vLLM server of a generative reward model (``meshrl.rewards.judge``,
+    which lists what is read); a discriminative one runs as a Megatron role and reads none of it."""
 
     name: Optional[str] = None
     dtype: str = "bfloat16"
@@ -549,6 +550,8 @@ class RewardModelRolloutConfig:
     skip_tokenizer_init: bool = False
     prompt_length: int = 2048
     response_length: int = 2048
+    seed: int = 42
+    kv_cache_memory_bytes: Optional[int] = None  # meshrl's: the judge's KV cache on CPU (null: 1 GiB)
 
 
 @dataclass

@@ -24,7 +24,10 @@ Built-in dispatch (the ``data_source`` names verl's preprocess scripts write, pl
 A custom reward (``custom_reward_function.path`` / ``.name`` in the config, as in verl) is a Python
 file defining ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``
 returning a float, or a dict with a ``"score"`` key whose other entries are reported per sample.
-``reward_kwargs`` are passed as keyword arguments on every call.
+``reward_kwargs`` are passed as keyword arguments on every call. The function may be ``async def`` (verl's
+form for calls to a service: meshrl's pool runs such calls concurrently). With a generative reward model (a judge
+served by vLLM, ``meshrl.rewards.judge``) every call also gets ``reward_router_address`` and
+``reward_model_tokenizer``, as in verl.
 """
 
 from __future__ import annotations
@@ -156,17 +159,28 @@ class SandboxSettings:
 
 
 @dataclass(frozen=True)
+class JudgeSettings:
+    """Where the generative reward model answers (``host:port``) and the folder of its tokenizer."""
+
+    address: str
+    tokenizer_path: str
+
+
+@dataclass(frozen=True)
 class RewardSpec:
     """Picklable description of the reward function, so that worker processes can rebuild it.
 
     ``custom_path`` None selects :func:`default_compute_score`; ``reward_kwargs`` are passed to every call;
-    ``sandbox`` is where the built-in reward runs code sources (None: the run has none to score).
+    ``sandbox`` is where the built-in reward runs code sources (None: the run has none to score); ``judge``: the
+    generative reward model the custom function asks (verl's ``reward_router_address`` and
+    ``reward_model_tokenizer`` arguments on every call), None: none.
     """
 
     custom_path: str | None = None
     custom_name: str = "compute_score"
     reward_kwargs: Mapping[str, Any] = field(default_factory=dict)
     sandbox: SandboxSettings | None = None
+    judge: JudgeSettings | None = None
 
     @property
     def label(self) -> str:
@@ -187,4 +201,10 @@ class RewardSpec:
                                    code_case_timeout_s=self.sandbox.case_timeout_s)
         else:
             fn = default_compute_score
-        return functools.partial(fn, **self.reward_kwargs) if self.reward_kwargs else fn
+        kwargs = dict(self.reward_kwargs)
+        if self.judge is not None:
+            from transformers import AutoTokenizer
+
+            kwargs.update(reward_router_address=self.judge.address,
+                          reward_model_tokenizer=AutoTokenizer.from_pretrained(self.judge.tokenizer_path))
+        return functools.partial(fn, **kwargs) if kwargs else fn

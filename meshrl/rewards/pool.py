@@ -24,6 +24,11 @@ deadline per call and kills the worker (then starts a fresh one) when it is miss
 spawned (not forked: the trainer process holds torch threads), and math-verify's signal-based
 timeouts work there because each call runs in the worker's main thread.
 
+An ``async def`` reward function (verl's recommended form for calls to a model or a service, e.g. a judge:
+``meshrl.rewards.judge``) runs each chunk's calls concurrently in the worker's event loop, each cut at
+``timeout_s`` there (the worker survives; the parent's deadline keeps a grace of ``ASYNC_GRACE_S`` for a worker
+stuck in blocking code), and a worker gets one chunk per batch so that the whole batch is in flight.
+
 Every batch goes to the workers, however small, so that the timeout holds for every batch: a warm
 pool answers a batch of 4 GSM8K responses in ~0.2 ms and one of 32 in ~1 ms (inline: 0.01 / 0.09 ms),
 nothing beside an RL step's seconds. With ``num_workers=0`` everything is scored in the calling
@@ -36,7 +41,10 @@ their top level behind ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import inspect
 import logging
 import math
 import multiprocessing
@@ -60,6 +68,8 @@ logger = logging.getLogger(__name__)
 FLOAT32_MAX = 3.4028234663852886e38
 
 _Item = tuple[int, str, str, str, Mapping[str, Any] | None]
+_Outcome = tuple[str, Any]  # ("ok", (score, extras)) | ("err", message) | ("nonfinite", score) | ("timeout", None)
+ASYNC_GRACE_S = 5.0
 
 
 def normalize_reward_output(out: Any) -> tuple[float, dict[str, Any]]:
@@ -97,7 +107,47 @@ class RewardError(RuntimeError):
     ``max_failed_batches`` batches in a row in which no call succeeded. The message names the function."""
 
 
-def _worker_main(conn: Connection, spec: RewardSpec, concurrency) -> None:
+def _outcome(call) -> _Outcome:
+    """The outcome of one reward call (``call()``: the function's return value)."""
+    try:
+        return "ok", normalize_reward_output(call())
+    except NonFiniteScore as e:
+        return "nonfinite", e.score
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # math-verify's TimeoutException derives from BaseException
+        return "err", f"{type(e).__name__}: {e}"
+
+
+def score_items(fn: RewardFn, items: Sequence[_Item], timeout_s: float, send) -> None:
+    """Score ``items`` with ``fn``, calling ``send(index, outcome)`` for each in input order. A synchronous ``fn``
+    runs one call after another (whoever calls this enforces the time limit); an ``async def`` one runs all calls
+    at once in one event loop, each cut at ``timeout_s`` (outcome ``("timeout", None)``)."""
+    if not inspect.iscoroutinefunction(fn):
+        for index, *args in items:
+            send(index, _outcome(lambda: fn(*args)))
+        return
+
+    async def one(args) -> _Outcome:
+        try:
+            value = await asyncio.wait_for(fn(*args), timeout_s)
+        except asyncio.TimeoutError:
+            return "timeout", None
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            return "err", f"{type(e).__name__}: {e}"
+        return _outcome(lambda: value)
+
+    async def all_items() -> None:
+        tasks = [asyncio.ensure_future(one(args)) for _, *args in items]
+        for (index, *_), task in zip(items, tasks):
+            send(index, await task)
+
+    asyncio.run(all_items())
+
+
+def _worker_main(conn: Connection, spec: RewardSpec, concurrency, timeout_s: float) -> None:
     """Worker loop: build the reward function once, then score chunks, answering item by item."""
     # A terminal's Ctrl-C reaches the whole process group; the driver closes the pool itself, and a
     # traceback from each worker would bury its one "interrupted" line.
@@ -111,19 +161,14 @@ def _worker_main(conn: Connection, spec: RewardSpec, concurrency) -> None:
         chunk = conn.recv()
         if chunk is None:
             return
-        for index, data_source, solution, ground_truth, extra_info in chunk:
-            try:
-                message = ("ok", index, normalize_reward_output(fn(data_source, solution, ground_truth, extra_info)))
-            except NonFiniteScore as e:
-                message = ("nonfinite", index, e.score)
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as e:  # math-verify's TimeoutException derives from BaseException
-                message = ("err", index, f"{type(e).__name__}: {e}")
-            try:
-                conn.send(message)
-            except Exception as e:  # unpicklable extras
-                conn.send(("err", index, f"reward output cannot be sent back: {type(e).__name__}: {e}"))
+        score_items(fn, chunk, timeout_s, functools.partial(_answer, conn))
+
+
+def _answer(conn: Connection, index: int, outcome: _Outcome) -> None:
+    try:
+        conn.send((outcome[0], index, outcome[1]))
+    except Exception as e:  # unpicklable extras
+        conn.send(("err", index, f"reward output cannot be sent back: {type(e).__name__}: {e}"))
 
 
 @dataclass
@@ -179,6 +224,7 @@ class RewardPool:
         # Passed to each worker at its start (a semaphore crosses processes only by inheritance).
         self._concurrency = self._ctx.BoundedSemaphore(self.spec.sandbox.max_concurrent) if self.spec.sandbox else None
         self._fn: RewardFn = self.spec.build(self._concurrency)
+        self._async = inspect.iscoroutinefunction(self._fn)
         self.num_workers = min(8, len(os.sched_getaffinity(0))) if num_workers is None else num_workers
         if self.num_workers < 0:
             raise ValueError(f"reward num_workers must be >= 0, got {num_workers}")
@@ -198,7 +244,8 @@ class RewardPool:
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(child, self.spec, self._concurrency), daemon=True, name="meshrl-reward")
+        process = self._ctx.Process(target=_worker_main, args=(child, self.spec, self._concurrency, self.timeout_s),
+                                    daemon=True, name="meshrl-reward")
         process.start()
         child.close()
         return _Worker(process, parent)
@@ -255,30 +302,30 @@ class RewardPool:
         return self._collect(outcomes, data_sources, pooled, time.perf_counter() - start)
 
     def _score_inline(self, items: list[_Item], outcomes: list[tuple[str, Any]]) -> None:
-        for index, data_source, solution, ground_truth, extra_info in items:
-            t0 = time.perf_counter()
-            try:
-                result = normalize_reward_output(self._fn(data_source, solution, ground_truth, extra_info))
-            except NonFiniteScore as e:
-                outcomes[index] = ("nonfinite", e.score)
-                continue
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as e:
-                outcomes[index] = ("err", f"{type(e).__name__}: {e}")
-                continue
-            late = time.perf_counter() - t0 > self.timeout_s
-            outcomes[index] = ("timeout", None) if late else ("ok", result)
+        last = time.perf_counter()
+
+        def record(index: int, outcome: _Outcome) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            # a synchronous call that returned after the limit (nothing could cut it) counts as timed out
+            late = not self._async and outcome[0] == "ok" and now - last > self.timeout_s
+            outcomes[index] = ("timeout", None) if late else outcome
+            last = now
+
+        score_items(self._fn, items, self.timeout_s, record)
 
     def _score_pooled(self, items: list[_Item], outcomes: list[tuple[str, Any]]) -> None:
-        size = self.chunk_size or max(1, min(256, math.ceil(len(items) / (4 * self.num_workers))))
+        # an async function's calls run concurrently within a chunk: one chunk per worker keeps all in flight
+        spread = self.num_workers if self._async else 4 * self.num_workers
+        size = self.chunk_size or max(1, min(256, math.ceil(len(items) / spread)))
+        limit = self.timeout_s + (ASYNC_GRACE_S if self._async else 0.0)
         pending: deque[list[_Item]] = deque(items[i : i + size] for i in range(0, len(items), size))
         failed_starts = 0
         while pending or any(w.chunk for w in self._workers):
             now = time.perf_counter()
             for w in self._workers:
                 if w.ready and not w.chunk and pending:
-                    w.chunk, w.position, w.deadline = pending.popleft(), 0, now + self.timeout_s
+                    w.chunk, w.position, w.deadline = pending.popleft(), 0, now + limit
                     w.conn.send(w.chunk)
             deadline = min((w.deadline for w in self._workers if w.chunk), default=now + 1.0)
             readable = wait([w.conn for w in self._workers], timeout=max(0.0, deadline - now))
@@ -302,7 +349,7 @@ class RewardPool:
                 kind, index, payload = message
                 outcomes[index] = (kind, payload)
                 w.position += 1
-                w.deadline = time.perf_counter() + self.timeout_s
+                w.deadline = time.perf_counter() + limit
                 if w.position == len(w.chunk):
                     w.chunk, w.deadline = [], math.inf
             now = time.perf_counter()

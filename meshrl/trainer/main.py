@@ -144,12 +144,13 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     owns_ray = not ray.is_initialized()
     start_ray(cfg)
     policy = critic = reward_model = trainer = reward = None
-    sandbox = contextlib.ExitStack()  # the local code sandbox, when this run starts one
+    sandbox = contextlib.ExitStack()  # the local code sandbox and the judge's server, when this run starts them
     failure = None
     # Installed after ray.init, which sets a SIGTERM handler of its own.
     with Interrupts(cfg.trainer.save_on_preempt) as interrupts:
         try:
-            reward = RewardPool(reward_spec(cfg, sandbox.enter_context(code_sandbox(cfg, inputs))),
+            reward = RewardPool(reward_spec(cfg, sandbox.enter_context(code_sandbox(cfg, inputs)),
+                                            sandbox.enter_context(reward_judge(cfg, plan, run_dir))),
                                 num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
                                 on_nonfinite_score=cfg.reward_model.on_nonfinite_score,
                                 max_failed_batches=cfg.reward_model.max_failed_batches)
@@ -213,10 +214,11 @@ def preflight(cfg):
         raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}, whose HF checkpoint fuses "
                           "its projections (qkv_proj, gate_up_proj), is not built yet; train every weight "
                           "(no LoRA keys) or use another family", ["actor_rollout_ref.model.lora"])
-    if plan.use_reward_model:
+    if plan.use_reward_model or plan.reward_judge:
+        from meshrl.rewards.judge import judge_problems
         from meshrl.workers.reward_model import reward_model_problems
 
-        if problems := reward_model_problems(cfg):
+        if problems := (judge_problems(cfg) if plan.reward_judge else reward_model_problems(cfg)):
             raise ConfigError("invalid reward model ({} problem(s)):\n  - {}".format(
                 len(problems), "\n  - ".join(problems)), [line.split(":")[0].split("=")[0] for line in problems])
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
@@ -230,16 +232,35 @@ def preflight(cfg):
     return plan
 
 
-def reward_spec(cfg, sandbox_url: str | None = None):
+def reward_spec(cfg, sandbox_url: str | None = None, judge=None):
     """The run's reward function, as the reward processes rebuild it (``custom_reward_function.*``; code
-    sources run at ``sandbox_url`` with ``reward_model.sandbox_fusion.*``'s limits)."""
+    sources run at ``sandbox_url`` with ``reward_model.sandbox_fusion.*``'s limits; ``judge``: the generative
+    reward model's ``JudgeSettings``)."""
     from meshrl.rewards.code import case_timeout
     from meshrl.rewards.dispatch import RewardSpec, SandboxSettings
 
     custom, box = cfg.custom_reward_function, cfg.reward_model.sandbox_fusion
     sandbox = None if sandbox_url is None else SandboxSettings(
         sandbox_url, box.max_concurrent, box.memory_limit_mb, case_timeout(cfg.reward_model.timeout_s))
-    return RewardSpec(custom.path, custom.name, dict(custom.reward_kwargs), sandbox)
+    return RewardSpec(custom.path, custom.name, dict(custom.reward_kwargs), sandbox, judge)
+
+
+@contextlib.contextmanager
+def reward_judge(cfg, plan, run_dir: Path):
+    """The generative reward model's ``JudgeSettings`` while its vLLM server runs (``meshrl.rewards.judge``;
+    stopped on leaving), or None when the run has no judge."""
+    if not plan.reward_judge:
+        yield None
+        return
+    from meshrl.logs import logs_dir
+    from meshrl.models.resolve import resolve_model_path
+    from meshrl.rewards.dispatch import JudgeSettings
+    from meshrl.rewards.judge import judge_server, serve_judge
+
+    folder = resolve_model_path(cfg.reward_model.model.path)
+    with serve_judge(judge_server(cfg, folder), logs_dir(run_dir) / "reward-judge.log",
+                     say=lambda line: print(line, file=sys.stderr)) as address:
+        yield JudgeSettings(address, str(folder))
 
 
 def code_sandbox(cfg, inputs: RunInputs):
@@ -256,11 +277,13 @@ def code_sandbox(cfg, inputs: RunInputs):
 
 
 def check_reward_function(cfg) -> None:
-    """Load the reward function once in the driver: a missing file, a missing function, a wrong signature or
+    """Load the reward function once in the driver: a missing file, a missing function, a wrong signature (one
+    that cannot take a judge's ``reward_router_address`` / ``reward_model_tokenizer`` when the run serves one) or
     an error while importing the file is a ``ConfigError`` naming the key, before Ray starts. So are a reward
     manager meshrl's pool is not, sandbox limits out of range, a sandbox URL beside a custom function (which
     gets no sandbox, as in verl) and a sandbox that does not answer at ``reward_model.sandbox_fusion.url``."""
     from meshrl.config import ConfigError
+    from meshrl.config.reward_model_kind import GENERATIVE, reward_model_kind
     from meshrl.rewards.code import check_sandbox
     from meshrl.rewards.dispatch import REWARD_MANAGERS
 
@@ -280,10 +303,19 @@ def check_reward_function(cfg) -> None:
                           "meshrl.rewards.code.compute_score(..., sandbox_fusion_url=...) from your function and "
                           "unset reward_model.sandbox_fusion.url", ["reward_model.sandbox_fusion.url"])
     try:
-        reward_spec(cfg).build()
+        fn = reward_spec(cfg).build()
     except Exception as exc:  # the user's file runs here: any import-time error is theirs to fix
         key = "custom_reward_function.name" if isinstance(exc, AttributeError) else "custom_reward_function.path"
         raise ConfigError(f"{key}: {type(exc).__name__}: {exc}", [key]) from None
+    if reward_model_kind(cfg) == GENERATIVE:
+        from meshrl.rewards.judge import JUDGE_ARGUMENTS, accepts_judge_arguments
+
+        if not accepts_judge_arguments(fn):
+            raise ConfigError(f"custom_reward_function.name={cfg.custom_reward_function.name}: the reward model "
+                              f"{cfg.reward_model.model.path} is a generative model served to this function, which "
+                              f"must take {' and '.join(JUDGE_ARGUMENTS)} (verl's GenRM contract: POST "
+                              "http://{reward_router_address}/v1/chat/completions); add them, or use a "
+                              "*ForSequenceClassification reward model", ["custom_reward_function.name"])
     if box.url:
         try:
             check_sandbox(box.url)

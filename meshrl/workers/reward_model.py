@@ -7,8 +7,8 @@ Score of a response (verl's reward loop, ``meshrl.rewards.reward_model_inputs``)
 the decoded response as the assistant's turn, rendered with the reward model's own chat template and tokenizer;
 the ``score`` head at the last token of that sequence. The score becomes the response's reward at its last token
 (``token_level_scores``), in place of the rule-based function's — or, with ``custom_reward_function.path``,
-the function scores and reads it as ``extra_info["rm_score"]`` (verl's reward loop hands the function the
-reward model instead).
+the function scores and reads it as ``extra_info["rm_score"]``. A causal LM with a custom function is a
+generative judge instead (``meshrl.config.reward_model_kind``, ``meshrl.rewards.judge``).
 
 The model is the critic's structure (a value head in place of the vocabulary projection; the checkpoint's
 ``score.weight``, no bias). meshrl's forward outputs at token t come from the hidden state before t
@@ -60,7 +60,8 @@ def reward_model_problems(cfg) -> list[str]:
     reader = HFCheckpointReader(folder)
     if SCORE not in reader:
         problems.append(f"{key}={rm.model.path}: the checkpoint has no {SCORE}: it is not a reward model (an HF "
-                        f"*ForSequenceClassification checkpoint); a causal LM would score at random")
+                        f"*ForSequenceClassification checkpoint); a causal LM serves as a generative judge only to a "
+                        f"custom_reward_function.path function (meshrl.rewards.judge)")
     elif reader.shape(SCORE) != (1, spec.hidden_size):
         problems.append(f"{key}={rm.model.path}: {SCORE} has shape {reader.shape(SCORE)}; a reward model has one "
                         f"label, shape (1, {spec.hidden_size})")
