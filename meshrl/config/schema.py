@@ -31,6 +31,7 @@ ROLLOUT_MODES = ("sync", "async")
 MEGATRON_DTYPES = ("auto", "bfloat16", "float32")
 # megatron.override_transformer_config.moe_router_load_balancing_type values meshrl applies (validate.py says why)
 MOE_BALANCING = ("none", "aux_loss")
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # verl's router_replay.mode values (meshrl.parallel.router_replay)
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")  # verl FSDP's lr_scheduler_type / warmup_style
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse_square_root", "WSD")  # verl Megatron's lr_decay_style
@@ -183,7 +184,9 @@ class OptimConfig:
 
 @dataclass
 class RouterReplayConfig:
-    """verl's MoE router replay (the rollout's expert choices replayed in training); refused."""
+    """verl's MoE router replay (``meshrl.parallel.router_replay``): ``mode`` disabled | R2 (the old-log-prob pass's
+    experts replayed in the update; the actor's section only) | R3 (the rollout's; refused: vLLM on CPU cannot
+    report routing); verl reads neither file key."""
 
     mode: str = "disabled"
     record_file: Optional[str] = None

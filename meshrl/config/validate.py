@@ -13,7 +13,8 @@ import difflib
 
 from omegaconf import DictConfig
 
-from meshrl.config.key_policy import key_policy
+from meshrl.config.key_policy import ROLLOUT_ROUTING, key_policy
+from meshrl.config.schema import ROUTER_REPLAY_MODES
 from meshrl.config.loader import ConfigError, default_config
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS
 from meshrl.config.run_plan import RunPlan, check_run_plan, estimator_inputs
@@ -336,6 +337,12 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
                       "applies megatron's per-micro-batch switch loss or none (seq_aux_loss would count a packed "
                       "micro-batch as one sequence, global_aux_loss keeps statistics across steps, sinkhorn changes "
                       "the model's routing)")
+    mode = mg.router_replay.mode
+    p.choice(mode, f"{key}.router_replay.mode", ROUTER_REPLAY_MODES)
+    p.require(mode != "R3", f"{key}.router_replay.mode", ROLLOUT_ROUTING)
+    p.require(not (mode == "R2" and cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay),
+              "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+              "R2 records the routing in the old-log-prob pass; the rollout's is R3's (verl refuses both at once)")
     p.require(mg.dtype in MEGATRON_DTYPES, f"{key}.dtype",
               f"'{mg.dtype}' is not one of {', '.join(MEGATRON_DTYPES)}"
               + ("; float16 needs loss scaling, which meshrl does not wire: use bfloat16"
@@ -364,4 +371,8 @@ def validate_against_model(cfg: DictConfig, plan: RunPlan, hf_config) -> None:
     rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     p.require(heads % rtp == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",
               f"{rtp} does not divide the model's {heads} attention heads")
+    replay = cfg.actor_rollout_ref.actor.megatron.router_replay.mode
+    moe = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    p.require(replay == "disabled" or bool(moe), "actor_rollout_ref.actor.megatron.router_replay.mode",
+              f"{replay} replays expert routing, but {hf_config.model_type} is dense: set disabled")
     p.raise_if_any("configuration for this model")

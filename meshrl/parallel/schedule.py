@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from meshrl.parallel import router_replay
 from meshrl.parallel.forward import (LossFn, MicroBatch, OutputRequest, compute_outputs, model_inputs,
                                      select_hidden)
 from meshrl.parallel.fused_output import projection_skipped
@@ -70,7 +71,7 @@ def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | N
         # A fused pass: the last stage returns hidden states, and head projects them in compute_outputs.
         fused = projection_skipped(unwrap(model)) if request.fused_chunk_size and not critic \
             else contextlib.nullcontext()
-        with fused as head, _output_layer_on(model, inputs.selected):
+        with fused as head, _output_layer_on(model, inputs.selected), router_replay.routing(model, micro_batch, inputs):
             output = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=None,
                            packed_seq_params=inputs.packed_seq_params)
 

@@ -16,11 +16,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from meshrl.parallel import router_replay
+from meshrl.parallel.router_replay import ROUTES
 from meshrl.protocol import Batch
 from meshrl.workers.dispatch import DispatchGroup
 from meshrl.workers.engine import MICRO_INDEX, NonFinitePolicy, TrainingEngine
 from meshrl.workers.objectives import ActorObjective
 from meshrl.workers.rank import RankWorker
+from meshrl.workers.routes import routes_in_row_order
 from meshrl.workers.sequences import response_part, responses_batch, sequence_fields
 
 
@@ -118,6 +121,10 @@ class ActorRolloutRefWorker(RankWorker):
         load_initial_weights(self.policy, actor.megatron, self.model_dir, self.hf_config)
         if self.plan.lora is not None:  # the optimizer then holds the adapters only
             self.policy = with_lora(self.policy, self.plan.lora)
+        # router_replay.mode=R2: the old-log-prob pass records each token's experts, the update replays them
+        self.replay_routes = actor.megatron.router_replay.mode == "R2"
+        if self.replay_routes:
+            router_replay.install(self.policy)
         self.optimizer, self.scheduler = build_optimizer(
             self.policy, optimizer_config(actor.optim, distributed_opt))
         self.train_engine = TrainingEngine(
@@ -220,11 +227,29 @@ class ActorRolloutRefWorker(RankWorker):
         # The samples came from softmax(logits / T): the reference and the policy are evaluated at T too (verl).
         request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding,
                                 fused_chunk_size=self.plan.fused_chunk_size)
+        out = {}
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext(), \
-                adapters_disabled(chunks) if base_of_policy else contextlib.nullcontext():
+                adapters_disabled(chunks) if base_of_policy else contextlib.nullcontext(), \
+                self._recording_routes(model, out):
             log_probs = self.train_engine.forward(shard, self.plan.micro_batching[phase], request, "log_probs",
-                                                  self.response_length, chunks=chunks)
-        return Batch(tensors={field: log_probs}) if self.layout.collect else None
+                                                  self.response_length, chunks=chunks, on_split=out.get("on_split"))
+        out = {ROUTES: out[ROUTES]} if ROUTES in out else {}
+        return Batch(tensors={field: log_probs, **out}) if self.layout.collect else None
+
+    @contextlib.contextmanager
+    def _recording_routes(self, model: str, out: dict):
+        """Router replay (R2): around the policy's old-log-prob pass, record the experts of every token;
+        ``out[ROUTES]`` then holds them in row order (``meshrl.workers.routes``). The reference routes natively."""
+        if model != "actor" or not self.replay_routes:
+            yield
+            return
+        with router_replay.recording(self.policy) as record:
+            def on_split(split):
+                out[ROUTES] = routes_in_row_order(record.gather(split.micros), split, self.plan.prompt_length,
+                                                  self.response_length)
+
+            out["on_split"] = on_split
+            yield
 
     @contextlib.contextmanager
     def _reference_on_device(self):
@@ -274,11 +299,29 @@ class ActorRolloutRefWorker(RankWorker):
 
         metrics, splits = self.train_engine.train(updates, self.plan.micro_batching["actor_update"], request,
                                                   loss_fn, fields)
+        if self.replay_routes:
+            metrics.update(self._replay_metrics())
         if not (on_policy and self.layout.collect):
             return metrics, None
         # The last pipeline stage (where collecting ranks sit) ran loss_fn on every micro-batch.
         parts = [seen[index].cpu() for index in range(len(splits[0].micros))]
         return metrics, Batch(tensors={"old_log_probs": splits[0].gather(parts, self.response_length)})
+
+    def _replay_metrics(self) -> dict[str, float]:
+        """``actor/replayed_route_changes``: of the update's replayed token routes (a token at an MoE layer), the share
+        whose recorded experts are not those the policy being updated would choose (0 while its weights are the old
+        ones); every rank's routers count their own tokens. Absent when nothing was replayed (an on-policy update:
+        no old-log-prob pass recorded any)."""
+        import torch
+        import torch.distributed as dist
+
+        from meshrl.collectives import collective_device
+
+        counts = torch.tensor(router_replay.take_replay_counts(self.policy), dtype=torch.float64,
+                              device=collective_device())
+        dist.all_reduce(counts)
+        replayed, changed = counts.tolist()
+        return {"actor/replayed_route_changes": changed / replayed} if replayed else {}
 
     # ---------------------------------------------------------------------------------- weights
     def sync_weights(self) -> dict[str, float]:
@@ -351,6 +394,8 @@ class ActorRolloutRefGroup(DispatchGroup):
         fields = [*sequence_fields(updates[0][0]), "advantages"]
         if not on_policy:
             fields.append("old_log_probs")
+        if ROUTES in updates[0][0]:  # router replay: the experts the old-log-prob pass chose
+            fields.append(ROUTES)
         if self.plan.kl_loss is not None:
             fields.append("ref_log_probs")
         per_dp: list[list[tuple[Batch, Any]]] = [[] for _ in range(self.dp_size)]

@@ -36,8 +36,10 @@ import torch
 from meshrl.collectives import collective_device
 from meshrl.config.micro_batching import MicroBatching
 from meshrl.config.schema import NONFINITE_ACTIONS
+from meshrl.parallel.router_replay import ROUTES
 from meshrl.protocol import Batch
 from meshrl.workers.objectives import sum_metrics
+from meshrl.workers.routes import attach_routes
 from meshrl.workers.sequences import gather_response_outputs, response_part, split_micro_batches
 
 # Key of a micro-batch's position in its mini-batch, for loss functions that hand outputs back.
@@ -100,16 +102,22 @@ class TrainingEngine:
                                                  response_fields=response_fields, min_micro=self.min_micro)
         for index, micro in enumerate(micros):
             micro[MICRO_INDEX] = index
+        if ROUTES in shard:  # router replay: the recorded experts go with their tokens
+            attach_routes(shard, micros, rows)
         return MiniBatchSplit(plan, rows, micros)
 
     def forward(self, shard: Batch, batching: MicroBatching, request, output: str, width: int,
-                chunks: list[torch.nn.Module] | None = None) -> torch.Tensor:
+                chunks: list[torch.nn.Module] | None = None,
+                on_split: Callable[[MiniBatchSplit], None] | None = None) -> torch.Tensor:
         """Forward-only ``output`` (``log_probs`` / ``values``) of the shard's responses, (B, ``width``: the
-        run's response width), row order; ``chunks`` runs another model on the same split (the reference)."""
+        run's response width), row order; ``chunks`` runs another model on the same split (the reference);
+        ``on_split`` is given the split after the pass (what was recorded during it is per micro-batch)."""
         from meshrl.parallel.schedule import forward_only
 
         split = self.split(shard, batching)
         outputs = forward_only(chunks if chunks is not None else self.chunks, split.micros, request)
+        if on_split is not None:
+            on_split(split)
         return split.gather([response_part(o[output], m) for o, m in zip(outputs, split.micros)], width)
 
     def train(self, updates: list[tuple[Batch, Any]], batching: MicroBatching, request, loss_fn: RoleLoss,

@@ -51,8 +51,10 @@ def test_the_seeds_moe_script_trains_one_cpu_step(tmp_path: Path) -> None:
 
 
 # Megatron EP2 (the two ranks hold four experts each, tokens exchanged all-to-all) -> a TP2 vLLM engine on the same
-# two ranks, with a KL loss (the reference runs at EP2 too) and megatron's load-balancing loss through verl's keys.
+# two ranks, with a KL loss (the reference runs at EP2 too), megatron's load-balancing loss through verl's keys and
+# router replay (R2: the old-log-prob pass records each token's experts, both mini-batches' updates replay them).
 EP2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+       "actor_rollout_ref.actor.megatron.router_replay.mode=R2",
        "actor_rollout_ref.ref.megatron.expert_model_parallel_size=2",
        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=1",
        "trainer.test_freq=-1", "trainer.val_before_train=False", "actor_rollout_ref.actor.use_kl_loss=True",
@@ -65,4 +67,6 @@ def test_one_grpo_step_through_megatron_ep2_and_vllm_tp2(train, tmp_path: Path) 
     step = steps[1]
     assert step["rollout/log_prob_max_abs_diff"] < 1e-3, step["rollout/log_prob_max_abs_diff"]
     assert step["actor/ref_log_prob_max_abs_diff"] < 1e-5  # the reference is the policy's exact copy at step 1
-    assert step["actor/grad_norm"] > 0 and step["actor/optimizer_steps"] > 0
+    assert step["actor/grad_norm"] > 0 and step["actor/optimizer_steps"] == 2
+    # the routes came back from the old-log-prob pass, through the driver, into both updates' routers
+    assert 0.0 <= step["actor/replayed_route_changes"] <= 1.0

@@ -116,7 +116,7 @@ def test_verl_defaults_of_refused_keys_load_silently():
 def test_moe_transformer_overrides_are_refused_as_moe():
     cfg = load_config(["+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True",
                        "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
-                       "actor_rollout_ref.actor.megatron.router_replay.mode=R2"], recipe="cpu_tiny_grpo")
+                       "actor_rollout_ref.rollout.expert_parallel_size=2"], recipe="cpu_tiny_grpo")
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)
     assert "1 problem" in str(err.value) and "mixture-of-experts" in str(err.value)

@@ -14,6 +14,7 @@ merged results at the end (numbers: max over ranks). ``tests/parallel/test_moe_p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -29,10 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from mp_worker import OPT, build, hf_model, hf_outputs, hf_tensors, merge, policy_loss  # noqa: E402
 
 from meshrl.models.tiny import tiny_model_dir, tiny_spec  # noqa: E402
-from meshrl.parallel import checkpoint, hf_conversion, optimizer, schedule, state  # noqa: E402
+from meshrl.parallel import checkpoint, hf_conversion, optimizer, router_replay, schedule, state  # noqa: E402
 from meshrl.parallel.forward import OutputRequest  # noqa: E402
 
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+REPLAY_FAMILY = "qwen2_moe"
 TIMEOUT_S = 60.0
 # (name, layout, families, with the load-balancing and z-losses, the distributed checkpoint: save / load / None)
 PHASES = [("ep2", dict(expert_parallel=2), ("qwen2_moe",), True, "save"),
@@ -79,21 +81,43 @@ def router_losses(logits: torch.Tensor, topk: int) -> torch.Tensor:
     return balance + AUX_LOSSES["moe_z_loss_coeff"] * (torch.logsumexp(logits, dim=-1) ** 2).mean()
 
 
-def hf_reference(path: Path, batches: list[dict], aux: bool = False) -> tuple[list[dict], float, dict]:
-    """HF's outputs, total loss and gradients under the checkpoint's names (transformers keeps the experts of
-    a layer fused in memory; ``revert_weight_conversion`` names them per expert as its checkpoints do). With
-    ``aux`` each micro-batch adds its layers' ``router_losses`` over its valid tokens divided by the number of
-    micro-batches: their mean over micro-batches (and, split over DP ranks, over those)."""
+def hf_reference(path: Path, batches: list[dict], aux: bool = False, routes: list[torch.Tensor] | None = None
+                 ) -> tuple[list[dict], float, dict, list[torch.Tensor]]:
+    """HF's outputs, total loss, gradients under the checkpoint's names (transformers keeps the experts of
+    a layer fused in memory; ``revert_weight_conversion`` names them per expert as its checkpoints do) and the
+    experts its routers chose (per micro-batch ``[b, s, L, k]``). With ``aux`` each micro-batch adds its layers'
+    ``router_losses`` over its valid tokens divided by the number of micro-batches: their mean over micro-batches
+    (and, split over DP ranks, over those). With ``routes`` (per micro-batch ``[b, s, L, k]``) each router sends a
+    token to those experts unless they are ``NATIVE``, its weights the softmax of its own logits at them
+    (renormalised with ``norm_topk_prob`` and always for Mixtral): router replay written out on HF's router."""
     from transformers.core_model_loading import revert_weight_conversion
 
     model = hf_model(path, critic=False)
     routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
     captured: list[torch.Tensor] = []
-    for router in routers:
-        router.register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    chosen: list[dict[int, torch.Tensor]] = []
+    current: list[torch.Tensor] = []  # this micro-batch's forced routes, flattened [b * s, L, k]
+
+    def route(layer: int, module, args, output):
+        logits, weights, indices = output
+        captured.append(logits)
+        chosen[-1][layer] = indices.detach()
+        if not current:
+            return output
+        forced = current[0][:, layer].long()
+        indices = torch.where((forced >= 0).all(dim=1, keepdim=True), forced, indices)
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, indices)
+        if getattr(module, "norm_topk_prob", True):  # Mixtral's router always renormalises
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), indices
+
+    for layer, router in enumerate(routers):
+        router.register_forward_hook(functools.partial(route, layer))
     outputs, total = [], 0.0
-    for mb in batches:
+    for index, mb in enumerate(batches):
         captured.clear()
+        chosen.append({})
+        current[:] = [] if routes is None else [routes[index].reshape(-1, *routes[index].shape[2:])]
         out = hf_outputs(model, mb, critic=False)
         loss, _ = policy_loss(out, mb)
         if aux:
@@ -105,7 +129,10 @@ def hf_reference(path: Path, batches: list[dict], aux: bool = False) -> tuple[li
         outputs.append({k: v.detach() for k, v in out.items()})
     assert len(captured) == len(routers) == model.config.num_hidden_layers
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return outputs, total, revert_weight_conversion(model, grads)
+    shape = [tuple(mb["input_ids"].shape) for mb in batches]
+    natives = [torch.stack([layers[i] for i in range(len(routers))], dim=1).view(*size, len(routers), -1)
+               for layers, size in zip(chosen, shape)]
+    return outputs, total, revert_weight_conversion(model, grads), natives
 
 
 def _train_pass(chunks, batches: list[dict], path: Path, ref_loss: float, ref_grads: dict) -> dict:
@@ -118,12 +145,12 @@ def _train_pass(chunks, batches: list[dict], path: Path, ref_loss: float, ref_gr
             "grads": max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)}
 
 
-def check_family(path: Path, aux: bool = False) -> dict:
+def check_family(path: Path, aux: bool = False, replay: bool = True) -> dict:
     """Outputs, loss, gradients and export against HF; with ``aux`` also the loss and gradients with verl's
     load-balancing and z-loss keys set (``aux_*``; at TP 1, where the packed micro-batches hold exactly the
     valid tokens the reference routes), and how far those losses move the gradients (``aux_effect``)."""
     batches = make_micro_batches()
-    ref_out, ref_loss, ref_grads = hf_reference(path, batches)
+    ref_out, ref_loss, ref_grads, ref_routes = hf_reference(path, batches)
     dp, rank = state.dp_size(), state.dp_rank()
     mine, mine_ref = batches[rank::dp], ref_out[rank::dp]
     chunks = build(path)
@@ -139,11 +166,68 @@ def check_family(path: Path, aux: bool = False) -> dict:
     result["export_mismatches"] = (len(set(original.file_of) ^ set(weights))
                                    + sum(not torch.equal(original.read(n), weights[n]) for n in weights))
     if aux:
-        _, _, aux_grads = hf_reference(path, batches, aux=True)
+        _, _, aux_grads, _ = hf_reference(path, batches, aux=True)
         # the pass's loss is the policy loss: the router losses enter through their gradients only
         passed = _train_pass(build(path, **AUX_LOSSES), mine, path, ref_loss, aux_grads)
         result.update({f"aux_{key}": value for key, value in passed.items()})
         result["aux_effect"] = max(float((aux_grads[k] - ref_grads[k]).abs().max()) for k in ref_grads)
+    if replay:
+        result.update(check_replay(path, chunks, batches, ref_out, ref_routes[rank::dp]))
+    return result
+
+
+def forced_routes(batches: list[dict], num_layers: int, experts: int, topk: int, seed: int = 1) -> list[torch.Tensor]:
+    """Per micro-batch ``[b, s, L, k]``: random distinct experts for every valid token and layer (far from what the
+    routers would choose), ``NATIVE`` on padding and on every row's last valid token (routed as usual)."""
+    g = torch.Generator().manual_seed(seed)
+    routes = []
+    for mb in batches:
+        b, s = mb["input_ids"].shape
+        forced = torch.rand((b, s, num_layers, experts), generator=g).argsort(dim=-1)[..., :topk]
+        mask = mb["attention_mask"].bool()
+        forced[~mask] = router_replay.NATIVE
+        last = s - 1 - mask.flip(1).long().argmax(1)
+        forced[torch.arange(b), last] = router_replay.NATIVE
+        routes.append(forced)
+    return routes
+
+
+def check_replay(path: Path, chunks, batches: list[dict], native_out: list[dict], native_routes: list) -> dict:
+    """Router replay against HF's router forced to the same experts: the routes recorded in a forward pass are
+    HF's own choices (``replay_recorded_mismatches``: valid tokens x layers that differ); with random forced routes,
+    log-probs and entropies (rows and packed) and one packed forward-backward's loss and gradients match HF forced
+    (``replay_*``; ``replay_recompute_*`` with full activation recompute), and the forcing moved the log-probs
+    (``replay_effect``, so the checks bite)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    routes = forced_routes(batches, config.num_hidden_layers, config.num_local_experts
+                           if hasattr(config, "num_local_experts") else config.num_experts,
+                           config.num_experts_per_tok)
+    ref_out, ref_loss, ref_grads, _ = hf_reference(path, batches, routes=routes)
+    dp, rank = state.dp_size(), state.dp_rank()
+    mine, mine_ref, mine_native = batches[rank::dp], ref_out[rank::dp], native_out[rank::dp]
+    router_replay.install(chunks)
+    with router_replay.recording(chunks) as record:
+        schedule.forward_only(chunks, mine, OutputRequest(remove_padding=True))
+        recorded = record.gather(mine)
+    result = {"replay_recorded_mismatches": sum(
+        int((got.long().sort(-1).values != want.sort(-1).values).any(-1)[mb["attention_mask"].bool()].sum())
+        for got, want, mb in zip(recorded, native_routes, mine))}
+    forced = [{**mb, router_replay.ROUTES: r} for mb, r in zip(mine, routes[rank::dp])]
+    for remove_padding in (False, True):
+        out = schedule.forward_only(chunks, forced, OutputRequest(entropy=True, remove_padding=remove_padding))
+        tag = "replay_packed_" if remove_padding else "replay_"
+        for key in ("log_probs", "entropy"):
+            result[tag + key] = max(float((o[key] - r[key]).abs().max()) for o, r in zip(out, mine_ref))
+    result["replay_effect"] = min(float((r["log_probs"] - n["log_probs"]).abs().max())
+                                  for r, n in zip(mine_ref, mine_native))
+    result.update({f"replay_{k}": v for k, v in _train_pass(chunks, forced, path, ref_loss, ref_grads).items()})
+    # full activation recompute: the backward runs every layer again, outside the forward step
+    recomputing = build(path, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    router_replay.install(recomputing)
+    passed = _train_pass(recomputing, forced, path, ref_loss, ref_grads)
+    result.update({f"replay_recompute_{k}": v for k, v in passed.items()})
     return result
 
 
@@ -191,7 +275,8 @@ def run_phase(layout: dict, families: tuple[str, ...], aux: bool, ckpt: str | No
     for model_type in families:
         start = time.monotonic()
         try:
-            found = check_family(tiny_model_dir(tiny_spec(model_type)), aux)
+            # replay's layout-dependent parts (TP shares, pipeline stages) with one family; every family in process
+            found = check_family(tiny_model_dir(tiny_spec(model_type)), aux, replay=model_type == REPLAY_FAMILY)
             values.update({f"{model_type}.{k}": v for k, v in found.items()})
         except Exception:  # recorded, reported by pytest
             values[f"{model_type}.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"

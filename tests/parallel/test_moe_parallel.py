@@ -5,13 +5,16 @@ log-probs and entropies (row and packed layouts), the loss and every gradient of
 (HF runs all micro-batches in one process, so the gradients equal a single-rank run's), and the weights read
 back out of the megatron layout bit for bit; with verl's load-balancing and z-loss keys (at EP2 and in process)
 the gradients against HF's plus those losses written out; a distributed checkpoint saved at EP2 resumed at other
-expert layouts. ~90 s for the launch on 2 cores.
+expert layouts; router replay (``meshrl.parallel.router_replay``): recorded routes are HF's own choices, and
+forced routes give HF's outputs, loss and gradients under the same forcing (with and without full activation
+recompute), Qwen2-MoE in the launch (TP shares, pipeline stages), every family in process. ~90 s for the
+launch on 2 quiet cores (144 s at load 40).
 """
 
 from __future__ import annotations
 
 import pytest
-from moe_worker import MOE_FAMILIES, PHASES, check_family
+from moe_worker import MOE_FAMILIES, PHASES, REPLAY_FAMILY, check_family
 from torchrun_launch import launch
 
 from meshrl.models.tiny import tiny_model_dir, tiny_spec
@@ -24,15 +27,24 @@ LIMITS = {"log_probs": 1e-5, "entropy": 1.5e-5, "packed_log_probs": 1e-5, "packe
 # move some gradient well beyond that tolerance, or the check would pass with them ignored.
 AUX_LIMITS = {"aux_loss": 1e-6, "aux_grads": 1e-5, "aux_grad_names_mismatch": 0}
 AUX_EFFECT = 1e-3
+# Router replay (moe_worker.check_replay): recorded routes are HF's choices; forced routes give HF-forced outputs,
+# loss and gradients; the forcing must move some log-prob well beyond those tolerances.
+REPLAY_LIMITS = {"replay_recorded_mismatches": 0, "replay_log_probs": 1e-5, "replay_entropy": 1.5e-5,
+                 "replay_packed_log_probs": 1e-5, "replay_packed_entropy": 1.5e-5, "replay_loss": 1e-6,
+                 "replay_grads": 1e-5, "replay_grad_names_mismatch": 0, "replay_recompute_loss": 1e-6,
+                 "replay_recompute_grads": 1e-5, "replay_recompute_grad_names_mismatch": 0}
+REPLAY_EFFECT = 1e-2
 
 
-def _failures(values: dict, model_type: str, aux: bool) -> list[str]:
-    limits = {**LIMITS, **(AUX_LIMITS if aux else {})}
+def _failures(values: dict, model_type: str, aux: bool, replay: bool = True) -> list[str]:
+    limits = {**LIMITS, **(REPLAY_LIMITS if replay else {}), **(AUX_LIMITS if aux else {})}
     found = {key: values.get(f"{model_type}.{key}") for key in limits}
     errors = [values[key] for key in values if key.startswith(f"{model_type}.error")]
     errors += [f"{key} = {value} (limit {limits[key]})" for key, value in found.items()
                if value is None or value > limits[key]]
-    effect = values.get(f"{model_type}.aux_effect")
+    effect, replayed = values.get(f"{model_type}.aux_effect"), values.get(f"{model_type}.replay_effect")
+    errors += [f"replay_effect = {replayed} (must exceed {REPLAY_EFFECT})"] \
+        if replay and (replayed is None or replayed < REPLAY_EFFECT) else []
     return errors + ([f"aux_effect = {effect} (must exceed {AUX_EFFECT})"]
                      if aux and (effect is None or effect < AUX_EFFECT) else [])
 
@@ -52,7 +64,8 @@ LOADS = [phase for phase, *_, ckpt in PHASES if ckpt == "load"]
 @pytest.mark.parametrize("phase,model_type,aux", CASES, ids=[f"{p}-{m}" for p, m, _ in CASES])
 def test_expert_parallel_layouts_match_hf(results: dict, phase: str, model_type: str, aux: bool) -> None:
     assert phase in results, results["_log"]
-    assert not _failures(results[phase], model_type, aux), _failures(results[phase], model_type, aux)
+    failures = _failures(results[phase], model_type, aux, replay=model_type == REPLAY_FAMILY)
+    assert not failures, failures
 
 
 @pytest.mark.multiproc
