@@ -25,6 +25,15 @@ _SHARED: dict[str, dict[str, Any]] = {
     # Gemma 2: 256k vocabulary (tied), head_dim 256, soft-capping, alternating 4096-token sliding window.
     "phi3": dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
     "glm4": dict(attention_dropout=0.0),
+    # Mixture-of-experts (every layer sparse): Qwen1.5-MoE (qwen2_moe: QKV bias, a gated shared expert,
+    # unnormalised top-k weights), Qwen3-MoE (q/k norms, normalised top-k, no shared expert), Mixtral.
+    "qwen2_moe": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=8192, vocab_size=151936,
+                      tie_word_embeddings=False, decoder_sparse_step=1, norm_topk_prob=False, use_sliding_window=False),
+    "qwen3_moe": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960, head_dim=128,
+                      vocab_size=151936, attention_bias=False, tie_word_embeddings=False, decoder_sparse_step=1,
+                      mlp_only_layers=[], norm_topk_prob=True, use_sliding_window=False),
+    "mixtral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=32768, vocab_size=32000,
+                    sliding_window=None, tie_word_embeddings=False),
     "gemma2": dict(vocab_size=256000, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192,
                    rope_theta=10000.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
@@ -83,6 +92,17 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                 num_key_value_heads=2, head_dim=128, intermediate_size=13696, vocab_size=151552,
                                 max_position_embeddings=32768, rope_theta=10000.0, partial_rotary_factor=0.5,
                                 rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False),
+    # MoE: the seed's script's model, Qwen3-30B-A3B and Mixtral-8x7B
+    "Qwen/Qwen1.5-MoE-A2.7B": dict(model_type="qwen2_moe", num_hidden_layers=24, hidden_size=2048,
+                                   num_attention_heads=16, num_key_value_heads=16, intermediate_size=5632,
+                                   moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+                                   num_experts_per_tok=4),
+    "Qwen/Qwen3-30B-A3B": dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
+                               num_key_value_heads=4, intermediate_size=6144, moe_intermediate_size=768,
+                               num_experts=128, num_experts_per_tok=8),
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": dict(model_type="mixtral", num_hidden_layers=32, hidden_size=4096,
+                                                 num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                                                 num_local_experts=8, num_experts_per_tok=2),
 }
 
 

@@ -39,6 +39,14 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
   of 16 B in the update (fp32 logits, softmax and gradient) plus the fp32 accumulator of the output
   weight's gradient (``V/TP x h x 4 B``), 12 B in forward-only passes (measured on CPU in fp32 for
   4096 tokens of SmolLM2's 49k vocabulary: 16.6 B and 12.0 B per chunk element, with the entropy).
+- Mixture-of-experts layers (``expert_model_parallel_size`` EP, ``expert_tensor_parallel_size`` ETP, default TP):
+  the router and a shared expert as dense tensors (TP-split or replicated), the routed experts ``num_experts / EP``
+  per rank, each split over ETP; with the distributed optimizer the experts' AdamW state is sharded over the
+  expert-data-parallel ranks (``world / (ETP x EP x PP)``), the rest over DP. Activations count the MLP width a
+  token runs (``moe_topk`` experts plus the shared one). Reported: total and active parameters (what one token
+  runs: the published "A2.7B"), the expert weights per GPU, and the all-to-all volume per GPU per step (dispatch
+  and combine move ``moe_topk`` hidden-state copies per token per layer, ``(EP - 1) / EP`` of them off the rank,
+  in every forward and again in the backward; balanced routing, full-length upper bound).
 - LoRA (``RunPlan.lora``): the base's parameters, frozen, plus the adapters (``lora_parameters``: ``r·(in + out)``
   per adapted linear, its TP-split side divided by TP), whose gradients and optimizer state are the only ones;
   no reference model (the policy with its adapters off), and an update without weight gradients (4·N per token).
@@ -72,7 +80,7 @@ recomputes the logits), 2·N per token for each forward-only pass (old
 log-probs, which an on-policy update skips: ``run_plan.on_policy_update``; reference; critic values; the
 reward model's scores),
 and the critic's own update. N counts the matmul parameters:
-the layers plus the output projection, not the embedding lookup.
+the layers plus the output projection, not the embedding lookup; of an MoE layer, the experts a token runs.
 
 With ``trainer.device=cpu`` the same model is evaluated in fp32 per training process (AdamW keeps
 two fp32 moments, no master copy; a ``megatron.dtype=bfloat16`` model is counted as on GPU) with
@@ -138,24 +146,53 @@ def load_hf_config(path: str):
                     f"known: {', '.join(KNOWN_MODELS)}. Pass the model's folder.")
 
 
-def layer_parameters(spec, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one TP rank: the family's tensors of a decoder layer
-    (``meshrl.models.families.layer_pieces``, the table conversion uses), replicated ones (norms) whole,
-    TP-split ones divided."""
-    return sum(prod(p.shape) // (1 if p.tp_dim is None else tp) for p in layer_pieces(spec, 0))
+def layer_parameters(spec, tp: int = 1, ep: int = 1, etp: int | None = None) -> int:
+    """Parameters of one transformer layer on one rank: the family's tensors of a decoder layer
+    (``meshrl.models.families.layer_pieces``, the table conversion uses), replicated ones (norms, an MoE router)
+    whole, TP-split ones divided; an MoE layer's routed experts are split over the expert-parallel ranks
+    (``num_experts / ep`` each) and each expert over the expert-TP ranks (``etp``, megatron's default: TP)."""
+    etp = tp if etp is None else etp
+    local_experts = spec.num_experts // ep if spec.moe else 0
+    count = 0
+    for p in layer_pieces(spec, 0):
+        if p.expert is None:
+            count += prod(p.shape) // (1 if p.tp_dim is None else tp)
+        elif p.expert < local_experts:
+            count += prod(p.shape) // (1 if p.tp_dim is None else etp)
+    return count
 
 
-def stage_parameters(spec, *, tp: int = 1, pp: int = 1, stage: int = 0, critic: bool = False) -> int:
+def expert_parameters(spec) -> int:
+    """Parameters of one routed expert of one layer (0 for a dense model)."""
+    return sum(prod(p.shape) for p in layer_pieces(spec, 0) if p.expert == 0)
+
+
+def active_layer_parameters(spec) -> int:
+    """Parameters of one layer that one token runs through: all but the ``num_experts - moe_topk`` routed experts
+    it is not sent to (the whole layer when dense)."""
+    idle = spec.num_experts - spec.moe_topk if spec.moe else 0
+    return layer_parameters(spec) - idle * expert_parameters(spec)
+
+
+def active_parameters(spec) -> int:
+    """Parameters one token uses, as MoE models publish them ("A2.7B"): every layer's ``active_layer_parameters``,
+    the embedding and the output layer (once when tied)."""
+    return stage_parameters(spec) - spec.num_layers * (layer_parameters(spec) - active_layer_parameters(spec))
+
+
+def stage_parameters(spec, *, tp: int = 1, pp: int = 1, stage: int = 0, critic: bool = False, ep: int = 1,
+                     etp: int | None = None) -> int:
     """Parameters one rank of pipeline stage ``stage`` holds, as megatron's ``GPTModel`` allocates them.
 
     First stage: the vocab-parallel embedding. Last stage: the final norm and the output layer — a
     separate copy of the embedding when untied, or when tied with PP > 1 (megatron keeps a synced
     copy there); a critic's scalar value head instead. ``stage_parameters(spec)`` is the model's total.
+    MoE layers: ``layer_parameters`` at expert-parallel size ``ep`` and expert TP ``etp``.
     """
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} outside 0..{pp - 1}")
     embedding = spec.vocab_size // tp * spec.hidden_size
-    count = spec.num_layers // pp * layer_parameters(spec, tp)
+    count = spec.num_layers // pp * layer_parameters(spec, tp, ep, etp)
     if stage == 0:
         count += embedding
     if stage == pp - 1:
@@ -168,9 +205,19 @@ def stage_parameters(spec, *, tp: int = 1, pp: int = 1, stage: int = 0, critic: 
 
 
 def matmul_parameters(spec, critic: bool = False) -> int:
-    """N of the 2·N / 6·N FLOP rules: every layer plus the output projection (not the embedding lookup)."""
+    """N of the 2·N / 6·N FLOP rules: every layer plus the output projection (not the embedding lookup); an MoE
+    layer counts the experts a token runs (``active_layer_parameters``)."""
     head = spec.hidden_size + 1 if critic else spec.vocab_size * spec.hidden_size
-    return spec.num_layers * layer_parameters(spec) + head
+    return spec.num_layers * active_layer_parameters(spec) + head
+
+
+def all_to_all_bytes_per_token(spec, ep: int, act_bytes: int) -> float:
+    """Bytes one token's MoE layers send to other expert-parallel ranks in one forward pass: the dispatch and the
+    combine all-to-all each move the token's ``moe_topk`` hidden-state copies, of which ``(ep - 1) / ep`` land on
+    another rank under balanced routing (twice that for a forward plus backward)."""
+    if not spec.moe:
+        return 0.0
+    return spec.num_layers * 2 * spec.moe_topk * spec.hidden_size * act_bytes * (ep - 1) / ep
 
 
 # LoRA (``RunPlan.lora``): the (input, output) sizes of each adapted HF linear, and the ones megatron splits on their
@@ -205,12 +252,20 @@ def lora_parameters(spec, lora, tp: int = 1, pp: int = 1) -> int:
 
 def activation_bytes_per_token(spec, tp: int, act_bytes: int) -> int:
     """Bytes one layer keeps for its backward, per token (see the module docstring)."""
-    h, f = spec.hidden_size, spec.ffn_hidden_size
+    h, f = spec.hidden_size, mlp_width(spec)
     q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     split = 2 * q + 2 * kv + 4 * f
     if spec.qk_norm:  # the q/k layernorms' inputs
         split += q + kv
     return act_bytes * (4 * h + split // tp)
+
+
+def mlp_width(spec) -> int:
+    """The SwiGLU width one token runs through in a layer: the dense MLP's, or an MoE layer's ``moe_topk`` routed
+    experts plus its shared expert (the dispatched copies of the hidden state are counted in the all-to-all)."""
+    if not spec.moe:
+        return spec.ffn_hidden_size
+    return spec.moe_topk * spec.moe_ffn_hidden_size + (spec.shared_expert_ffn_hidden_size or 0)
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -269,15 +324,31 @@ class _Trainer:
     optimizer_offload: bool
     critic: bool
     lora: Any = None  # the policy's LoRA adapters (RunPlan.lora), None: every weight trains
+    ep: int = 1  # expert parallelism (MoE)
+    etp: int | None = None  # expert TP, None: TP
 
     def params(self, stage: int) -> int:
-        return stage_parameters(self.spec, tp=self.tp, pp=self.pp, stage=stage, critic=self.critic)
+        return stage_parameters(self.spec, tp=self.tp, pp=self.pp, stage=stage, critic=self.critic, ep=self.ep,
+                                etp=self.etp)
+
+    def expert_params(self) -> int:
+        """Routed-expert parameters of one rank (its ``num_experts / EP`` experts' ETP shards, ``num_layers / PP``)."""
+        if not self.spec.moe:
+            return 0
+        etp = self.tp if self.etp is None else self.etp
+        return self.spec.num_layers // self.pp * self.spec.num_experts // self.ep * expert_parameters(self.spec) // etp
 
     def static(self, stage: int, dtype: dict) -> dict[str, float]:
         n = self.params(stage)
         # with LoRA only the adapters have gradients and optimizer state; the frozen base keeps its parameters
         trained = n if self.lora is None else lora_parameters(self.spec, self.lora, self.tp, self.pp)
         optim = trained * dtype["optim"] / (self.dp if self.distributed_optimizer else 1)
+        if self.distributed_optimizer and self.lora is None and self.spec.moe:
+            # the experts' state is sharded over the expert-data-parallel ranks (world / (ETP x EP x PP)), not DP
+            experts = self.expert_params()
+            etp = self.tp if self.etp is None else self.etp
+            expert_dp = self.dp * self.tp // (etp * self.ep)
+            optim = (trained - experts) * dtype["optim"] / self.dp + experts * dtype["optim"] / expert_dp
         return {"params": (n + (trained if self.lora is not None else 0)) * dtype["param"],
                 "grads": trained * dtype["grad"], "optimizer": optim}
 
@@ -340,7 +411,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                                                      pipeline_parallel=mg.pipeline_model_parallel_size,
                                                      virtual_pipeline=vpp,
                                                      context_parallel=mg.context_parallel_size,
-                                                     expert_parallel=mg.expert_model_parallel_size))
+                                                     expert_parallel=mg.expert_model_parallel_size,
+                                                     expert_tensor_parallel=mg.expert_tensor_parallel_size))
         except ValueError as exc:
             name = "critic" if is_critic else "actor_rollout_ref.actor"
             raise PlanError(f"{name}.megatron: {exc}") from None
@@ -354,7 +426,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                         param_offload=_flag(mg, *fsdp, key="param_offload"),
                         grad_offload=_flag(mg, key="grad_offload"),
                         optimizer_offload=_flag(mg, *fsdp, key="optimizer_offload"),
-                        critic=is_critic, lora=None if is_critic else run.lora)
+                        critic=is_critic, lora=None if is_critic else run.lora,
+                        ep=mg.expert_model_parallel_size, etp=mg.expert_tensor_parallel_size)
 
     policy = trainer_of(actor, arr.model, spec, False)
     critic = None
@@ -483,10 +556,19 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         flops["critic_update"] = (8.0 if critic.recompute else 6.0) * n_critic * tokens * epochs
     flops["total"] = sum(flops.values())
     flops["per_gpu"] = flops["total"] / world
+    experts = None
+    if spec.moe:
+        # every MoE pass over the step's tokens: old log-probs, reference, each epoch's forward + backward (+ recompute)
+        passes = (0 if run.on_policy else 1) + use_ref + actor.ppo_epochs * (3 if policy.recompute else 2)
+        experts = {"routed": spec.num_experts, "topk": spec.moe_topk, "ep": policy.ep, "etp": policy.etp or policy.tp,
+                   "per_rank": spec.num_experts // policy.ep,
+                   "bytes_per_gpu": policy.expert_params() * actor_dtype["param"],
+                   "all_to_all_bytes_per_gpu_per_step":
+                       all_to_all_bytes_per_token(spec, policy.ep, actor_dtype["act"]) * tokens * passes / world}
 
     result = Plan(
         model={"path": arr.model.path, **spec.to_dict(), "parameters": stage_parameters(spec),
-               "matmul_parameters": n_policy},
+               "active_parameters": active_parameters(spec), "matmul_parameters": n_policy},
         layout={"device": device, "actor_dtype": "bfloat16" if actor_dtype is _GPU else "float32",
                 "nnodes": trainer.nnodes, "gpus_per_node": trainer.n_gpus_per_node, "world": world,
                 "tp": policy.tp, "pp": policy.pp, "vpp": policy.vpp, "dp": policy.dp,
@@ -495,7 +577,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                             "optimizer": policy.optimizer_offload, "ref_param": ref_offload},
                 "host_offload_bytes_per_node": host_offload * trainer.n_gpus_per_node,
                 "train_tokens_per_micro_batch": train_tokens, "log_prob_tokens_per_micro_batch": logprob_tokens,
-                "fused_output_chunk": chunk, "reference": use_ref,
+                "fused_output_chunk": chunk, "reference": use_ref, "experts": experts,
                 "lora": None if run.lora is None else {"rank": run.lora.rank, "targets": list(run.lora.targets),
                                                        "trained_parameters": lora_parameters(spec, run.lora)},
                 "critic": None if critic is None else {"tp": critic.tp, "pp": critic.pp, "dp": critic.dp,
@@ -667,9 +749,10 @@ def render(result: Plan, recipe: str | None) -> str:
     offloads = [k for k, v in lay["offload"].items() if v]
     if offloads:
         flags.append("offload: " + ", ".join(offloads))
+    active = f" ({m['active_parameters'] / 1e9:.2f} B active)" if lay["experts"] else ""
     lines = [
         f"meshrl plan{': ' + recipe if recipe else ''}",
-        f"  model    {m['path']} ({m['model_type']}, {m['parameters'] / 1e9:.2f} B parameters, "
+        f"  model    {m['path']} ({m['model_type']}, {m['parameters'] / 1e9:.2f} B parameters{active}, "
         f"{m['num_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']}/"
         f"{m['num_kv_heads']} KV, vocab {m['vocab_size']})",
         f"  cluster  {lay['nnodes']} node(s) x {lay['gpus_per_node']} = {lay['world']} "
@@ -679,6 +762,13 @@ def render(result: Plan, recipe: str | None) -> str:
         + (f"fused output layer, {lay['fused_output_chunk']}-token chunks" if lay["fused_output_chunk"]
            else "unfused logits"),
     ]
+    if lay["experts"]:
+        x = lay["experts"]
+        lines.append(f"  experts  {x['routed']} routed per layer, top-{x['topk']}; EP {x['ep']} x expert TP {x['etp']}: "
+                     f"{x['per_rank']} per rank, {_gib(x['bytes_per_gpu'])} GiB of expert weights per "
+                     f"{'GPU' if lay['device'] == 'cuda' else 'process'}; all-to-all "
+                     f"{_gib(x['all_to_all_bytes_per_gpu_per_step'])} GiB sent per "
+                     f"{'GPU' if lay['device'] == 'cuda' else 'process'} per step (full-length upper bound)")
     if lay["host_offload_bytes_per_node"]:
         lines.append(f"  host     {_gib(lay['host_offload_bytes_per_node'])} GiB per node for offloaded state")
     if lay["critic"]:

@@ -9,7 +9,8 @@ from meshrl.config import load_config
 from meshrl.config.validate import validate_config
 from meshrl.parallel.model_builder import model_spec
 from meshrl.trainer import plan as plan_mod
-from meshrl.trainer.plan import (GIB, KNOWN_MODELS, layer_parameters, load_hf_config, main, plan,
+from meshrl.trainer.plan import (GIB, KNOWN_MODELS, active_parameters, all_to_all_bytes_per_token,
+                                 expert_parameters, layer_parameters, load_hf_config, main, matmul_parameters, plan,
                                  stage_parameters)
 
 # Parameter totals the Hugging Face hub shows for these checkpoints (safetensors), in billions.
@@ -20,7 +21,11 @@ PUBLISHED_B = {
     "Qwen/Qwen3-8B": 8.19, "Qwen/Qwen3-32B": 32.8, "google/gemma-2-2b-it": 2.61, "google/gemma-2-9b-it": 9.24,
     "mistralai/Mistral-7B-Instruct-v0.3": 7.25, "microsoft/Phi-3-mini-4k-instruct": 3.82,
     "THUDM/GLM-4-9B-0414": 9.40,
+    # mixture-of-experts: the model cards' totals
+    "Qwen/Qwen1.5-MoE-A2.7B": 14.3, "Qwen/Qwen3-30B-A3B": 30.5, "mistralai/Mixtral-8x7B-Instruct-v0.1": 46.7,
 }
+# ... and the parameters one token uses, as the cards publish them ("A2.7B", "A3B", Mistral's 12.9 B)
+PUBLISHED_ACTIVE_B = {"Qwen/Qwen1.5-MoE-A2.7B": 2.7, "Qwen/Qwen3-30B-A3B": 3.3, "mistralai/Mixtral-8x7B-Instruct-v0.1": 12.9}
 
 
 def spec_of(model: str, **changes):
@@ -38,6 +43,36 @@ def test_known_models_are_all_checked():
 def test_total_matches_published_count(model):
     total = stage_parameters(spec_of(model))
     assert total / 1e9 == pytest.approx(PUBLISHED_B[model], rel=0.01)
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED_ACTIVE_B))
+def test_active_count_matches_published_count(model):
+    spec = spec_of(model)
+    assert active_parameters(spec) / 1e9 == pytest.approx(PUBLISHED_ACTIVE_B[model], rel=0.02)
+    # FLOPs follow the experts a token runs, not the ones it skips
+    assert matmul_parameters(spec) < active_parameters(spec) < stage_parameters(spec)
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED_ACTIVE_B))
+@pytest.mark.parametrize("ep,etp", [(2, 1), (4, 1), (2, 2), (8, 2)])
+def test_expert_shards_add_up_to_the_model(model, ep, etp):
+    """EP x expert-TP ranks hold every routed expert exactly once between them; the rest of a layer is the TP
+    layout's (TP 2 here)."""
+    spec = spec_of(model)
+    if spec.num_experts % ep:
+        pytest.skip(f"{spec.num_experts} experts over EP {ep}")
+    dense = layer_parameters(spec, tp=2, ep=spec.num_experts) - expert_parameters(spec) // 2  # one expert at ETP 2
+    experts = layer_parameters(spec, tp=2, ep=ep, etp=etp) - dense
+    assert experts * ep * etp == spec.num_experts * expert_parameters(spec)
+
+
+def test_all_to_all_volume_per_step():
+    """Each MoE layer dispatches a token's top-k hidden-state copies and combines them back, (EP - 1) / EP of them
+    to other ranks; nothing crosses at EP 1. Qwen3-30B-A3B in bf16: 48 layers x 2 x 8 x 2048 x 2 B = 3 MiB a token."""
+    spec = spec_of("Qwen/Qwen3-30B-A3B")
+    assert all_to_all_bytes_per_token(spec, ep=1, act_bytes=2) == 0
+    assert all_to_all_bytes_per_token(spec, ep=8, act_bytes=2) == 48 * 2 * 8 * 2048 * 2 * 7 / 8
+    assert all_to_all_bytes_per_token(spec_of("Qwen/Qwen3-8B"), ep=8, act_bytes=2) == 0  # dense
 
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED_B))
@@ -62,7 +97,7 @@ def test_shards_add_up_to_the_model(model, tp, pp):
 @pytest.mark.slow
 def test_counts_match_megatron_gpt_model():
     """The real GPTModel (model_builder.build_model, local spec, CPU) of real-shaped configs with few layers."""
-    from meshrl.models.tiny import TinySpec, tiny_config
+    from meshrl.models.tiny import TinySpec, tiny_config, tiny_spec
     from meshrl.parallel import state
     from meshrl.parallel.model_builder import build_model, unwrap
 
@@ -71,7 +106,10 @@ def test_counts_match_megatron_gpt_model():
              ("qwen2.5-0.5b critic", load_hf_config("Qwen/Qwen2.5-0.5B-Instruct"), 1, True),
              ("llama MHA untied", tiny_config(TinySpec(num_key_value_heads=4, tie_word_embeddings=False)), 3, False),
              ("qwen2 GQA untied", tiny_config(TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False)),
-              2, True)]
+              2, True),
+             # MoE: router, per-expert MLPs, shared expert and its gate
+             ("qwen2_moe", tiny_config(tiny_spec("qwen2_moe")), 2, False),
+             ("mixtral", tiny_config(tiny_spec("mixtral")), 1, False)]
     state.initialize(state.ParallelConfig())
     try:
         for name, config, layers, critic in cases:

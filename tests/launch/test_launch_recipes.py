@@ -28,7 +28,9 @@ PROMISED = (["remax_qwen2.5-3b_seq_balance", "remax_qwen2.5-7b_seq_balance", "gr
                for size in ("0.5b", "1.5b", "14b", "32b")]
             # issue 19: the other families at real sizes, and the CPU recipe on a real Gemma 3
             + ["grpo_qwen3-8b", "grpo_qwen3-32b", "grpo_gemma2-9b", "grpo_mistral-7b", "grpo_glm4-9b",
-               "grpo_deepseek-llm-7b", "cpu_gemma3_270m_grpo"])
+               "grpo_deepseek-llm-7b", "cpu_gemma3_270m_grpo"]
+            # issue 21: the seed's MoE script's model and the other MoE families at real sizes
+            + ["ppo_qwen1.5-moe-a2.7b_megatron", "grpo_qwen3-30b-a3b", "grpo_mixtral-8x7b"])
 
 
 def test_promised_recipes_exist():

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from mp_worker import OPT, build, hf_model, hf_outputs, hf_tensors, merge, policy_loss  # noqa: E402
 
 from meshrl.models.tiny import tiny_model_dir, tiny_spec  # noqa: E402
-from meshrl.parallel import checkpoint, hf_conversion, optimizer, router_replay, schedule, state  # noqa: E402
+from meshrl.parallel import (checkpoint, hf_conversion, model_builder, optimizer, router_replay, schedule,  # noqa: E402
+                             state)
 from meshrl.parallel.forward import OutputRequest  # noqa: E402
 
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
@@ -161,6 +162,8 @@ def check_family(path: Path, aux: bool = False, replay: bool = True) -> dict:
         for key in ("log_probs", "entropy"):
             result[tag + key] = max(float((o[key] - r[key]).abs().max()) for o, r in zip(out, mine_ref))
     result.update(_train_pass(chunks, mine, path, ref_loss, ref_grads))
+    result["planned_parameters"] = abs(planned_parameters(path) - sum(
+        p.numel() for chunk in chunks for p in model_builder.unwrap(chunk).parameters()))
     original = hf_conversion.HFCheckpointReader(path)
     weights = hf_tensors(chunks, path)
     result["export_mismatches"] = (len(set(original.file_of) ^ set(weights))
@@ -174,6 +177,19 @@ def check_family(path: Path, aux: bool = False, replay: bool = True) -> dict:
     if replay:
         result.update(check_replay(path, chunks, batches, ref_out, ref_routes[rank::dp]))
     return result
+
+
+def planned_parameters(path: Path) -> int:
+    """``meshrl plan``'s count of this rank's parameters (its stage, its experts' shards) at the current layout."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoConfig
+
+    from meshrl.trainer.plan import stage_parameters
+
+    return stage_parameters(model_builder.model_spec(AutoConfig.from_pretrained(path)),
+                            tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                            stage=ps.get_pipeline_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
+                            etp=ps.get_expert_tensor_parallel_world_size())
 
 
 def forced_routes(batches: list[dict], num_layers: int, experts: int, topk: int, seed: int = 1) -> list[torch.Tensor]:

@@ -22,7 +22,8 @@ from meshrl.parallel import state
 
 # Entropies are ~10 nats, where fp32 spacing is 9.5e-7 (see test_parallel_multiproc's EXPECT).
 LIMITS = {"log_probs": 1e-5, "entropy": 1.5e-5, "packed_log_probs": 1e-5, "packed_entropy": 1.5e-5, "loss": 1e-6,
-          "grads": 1e-5, "grad_names_mismatch": 0, "export_mismatches": 0}
+          "grads": 1e-5, "grad_names_mismatch": 0, "export_mismatches": 0,
+          "planned_parameters": 0}  # meshrl plan's count of the rank's parameters: its stage, its experts' shards
 # With verl's load-balancing and z-loss keys: gradients against HF plus the losses written out; the losses must
 # move some gradient well beyond that tolerance, or the check would pass with them ignored.
 AUX_LIMITS = {"aux_loss": 1e-6, "aux_grads": 1e-5, "aux_grad_names_mismatch": 0}
