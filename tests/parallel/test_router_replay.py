@@ -12,7 +12,8 @@ import torch
 from meshrl.config import ConfigError, load_config
 from meshrl.config.validate import validate_against_model, validate_config
 from meshrl.parallel.forward import trim_rows
-from meshrl.parallel.router_replay import NATIVE, LayerRouting, _MicroRouting, from_router_order, to_router_order
+from meshrl.parallel.router_replay import (NATIVE, ROUTES, LayerRouting, _MicroRouting, from_router_order,
+                                          to_router_order)
 
 
 def _padded_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +83,41 @@ def test_a_recomputed_forward_replays_what_its_checkpointed_forward_replayed() -
         assert torch.equal(indices, targets[:, 1])
     _, indices = layer.get_replay_topk(scores, 2, default_compute_topk=_topk)  # nothing queued: native
     assert torch.equal(indices, scores.topk(2, dim=1).indices)
+
+
+def test_routes_reach_each_micro_batch_token_and_come_back_in_row_order() -> None:
+    """The batch's routes (here each token's own id, so a misplaced one shows) land on the micro-batches' tokens,
+    whatever their prompt padding and order, and routes recorded per micro-batch return to the batch's rows."""
+    from meshrl.config.micro_batching import MicroBatching
+    from meshrl.protocol import Batch
+    from meshrl.workers.engine import MiniBatchSplit
+    from meshrl.workers.routes import attach_routes, routes_in_row_order
+    from meshrl.workers.sequences import split_micro_batches
+
+    g = torch.Generator().manual_seed(0)
+    prompt_width, width, pad = 6, 5, 0
+    prompts = [torch.randint(1, 30000, (n,), generator=g).tolist() for n in (3, 6, 1, 4, 2)]
+    lengths = [5, 2, 4, 1, 3]
+    responses = torch.full((5, width), pad)
+    mask = torch.zeros(5, width)
+    routes = torch.full((5, prompt_width + width, 2, 3), NATIVE, dtype=torch.int16)
+    for row, (prompt, n) in enumerate(zip(prompts, lengths)):
+        responses[row, :n] = torch.randint(1, 30000, (n,), generator=g)
+        mask[row, :n] = 1
+        routes[row, prompt_width - len(prompt):prompt_width] = torch.tensor(prompt)[:, None, None]
+        routes[row, prompt_width:prompt_width + n] = responses[row, :n, None, None]
+    batch = Batch(tensors={"responses": responses, "response_mask": mask, ROUTES: routes},
+                  non_tensors={"prompt_ids": prompts})
+    plan_, rows, micros = split_micro_batches(batch, MicroBatching(max_token_len=12), None, pad)
+    assert len(micros) > 1
+    attach_routes(batch, micros, rows)
+    for micro in micros:
+        tokens = micro["attention_mask"].bool()
+        assert torch.equal(micro[ROUTES][..., 1, 2][tokens], micro["input_ids"][tokens])
+        assert (micro[ROUTES][~tokens] == NATIVE).all()
+    back = routes_in_row_order([micro[ROUTES] for micro in micros], MiniBatchSplit(plan_, rows, micros),
+                               prompt_width, width)
+    assert torch.equal(back, routes)
 
 
 MOE = ["actor_rollout_ref.model.path=tiny:qwen2_moe"]
