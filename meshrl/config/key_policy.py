@@ -41,8 +41,6 @@ FSDP_READ = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout
 FSDP_ONLY = FSDP_CONFIG + (
     "actor_rollout_ref.actor.grad_clip",  # Megatron clips at optim.clip_grad
     "critic.grad_clip",
-    "actor_rollout_ref.actor.use_torch_compile",  # verl compiles its FSDP entropy with it
-    "actor_rollout_ref.ref.use_torch_compile",
     "*.ulysses_sequence_parallel_size",  # Megatron's counterpart is context_parallel_size
     "actor_rollout_ref.*.entropy_checkpointing",
     "actor_rollout_ref.actor.pad_to_length",

@@ -24,6 +24,10 @@ registries (a typo fails here with a did-you-mean, before Ray, models or a rollo
 - **the fused output layer** (``fused_chunk_size``): with ``model.use_fused_kernels`` the policy's and the
   reference's log-probs and entropy come from ``meshrl.parallel.fused_output`` in chunks of
   ``model.fused_kernel_options.chunk_size`` tokens; None: from the output layer's logits.
+- **compiled models** (``torch_compile``): the models whose norms, SwiGLU and rotary run under ``torch.compile``
+  (``meshrl.parallel.compiled``): the policy with ``actor.use_torch_compile``, the reference with
+  ``ref.use_torch_compile`` (unset: the actor's, as verl's ``oc.select``); none, with a start-up warning, when
+  ``TORCHDYNAMO_DISABLE=1`` switches ``torch.compile`` off in the run's processes.
 - **what every worker process needs of the run** (``workers``: ``WorkerSettings``): the device, the collective
   timeout, the non-finite number policy, where logs go. A worker gets this plan and its own role's config
   section (``actor_rollout_ref`` or ``critic``), never the whole config.
@@ -32,6 +36,7 @@ registries (a typo fails here with a did-you-mean, before Ray, models or a rollo
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
@@ -128,6 +133,7 @@ class RunPlan:
     mismatch_tolerance: float | None = None
     workers: WorkerSettings | None = None
     fused_chunk_size: int | None = None  # tokens per chunk of the fused output layer; None: unfused
+    torch_compile: tuple[str, ...] = ()  # "policy" / "reference": compiled elementwise regions (torch_compile_roles)
     lora: LoraPlan | None = None  # the policy's LoRA adapters; None: every weight trains
 
     @property
@@ -235,6 +241,7 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
     mismatch_tolerance, note, mismatch_problems = rollout_mismatch_check(cfg)
     phase_problems += mismatch_problems
     fused_chunk_size = fused_output_chunk(arr.model, phase_problems)
+    torch_compile = torch_compile_roles(arr, warnings)
     lora, lora_problems, lora_notes = lora_plan(cfg)
     phase_problems += lora_problems
     warnings += lora_notes
@@ -253,7 +260,7 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
         rollout_tensor_parallel=rollout.tensor_model_parallel_size, on_policy=on_policy_update(cfg),
         actor_update=actor_update,
         critic_update=critic_update, micro_batching=batching, warnings=tuple(warnings),
-        fused_chunk_size=fused_chunk_size,
+        fused_chunk_size=fused_chunk_size, torch_compile=torch_compile,
         mismatch_tolerance=mismatch_tolerance, workers=WorkerSettings.from_config(cfg), lora=lora,
     ), []
 
@@ -321,6 +328,21 @@ def fused_output_chunk(model: DictConfig, problems: list[str]) -> int | None:
                         "(the fused output layer holds [chunk_size, vocab / TP] logits at a time; e.g. 512)")
         return None
     return int(chunk)
+
+
+def torch_compile_roles(arr: DictConfig, warnings: list[str]) -> tuple[str, ...]:
+    """The models whose elementwise regions run compiled: "policy" (``actor.use_torch_compile``) and "reference"
+    (``ref.use_torch_compile``, unset: the actor's). None under ``TORCHDYNAMO_DISABLE=1`` (the workers inherit the
+    driver's ``TORCHDYNAMO_*``, and torch.compile is a no-op there), said in ``warnings``."""
+    ref = arr.actor.use_torch_compile if arr.ref.use_torch_compile is None else arr.ref.use_torch_compile
+    keys = {"policy": ("actor_rollout_ref.actor.use_torch_compile", arr.actor.use_torch_compile),
+            "reference": ("actor_rollout_ref.ref.use_torch_compile", ref)}
+    asked = {role: key for role, (key, on) in keys.items() if on}
+    if asked and os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
+        warnings.append(f"{', '.join(asked.values())}=True, but TORCHDYNAMO_DISABLE=1 switches torch.compile off in "
+                        "the run's processes: the models run eager; unset TORCHDYNAMO_DISABLE to compile them")
+        return ()
+    return tuple(asked)
 
 
 def on_policy_update(cfg: DictConfig) -> bool:

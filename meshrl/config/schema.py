@@ -307,6 +307,8 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     ppo_epochs: int = 1
     shuffle: bool = False
+    # verl's key (its default True compiles the FSDP entropy): meshrl compiles the layers' norms, SwiGLU and
+    # rotary (meshrl.parallel.compiled); off by default, as measured on CPU (bench/compile.py)
     use_torch_compile: bool = False
     # meshrl's key (verl has none for it): when the update is exactly on-policy (one epoch, one
     # mini-batch, no KL in the reward) skip the old-log-prob forward pass and use logπ_θ.detach() in
@@ -331,7 +333,7 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     strategy: str = "megatron"
-    use_torch_compile: bool = False  # verl's FSDP key (meshrl.config.key_policy)
+    use_torch_compile: Optional[bool] = None  # None: actor.use_torch_compile (verl's oc.select)
     log_prob_micro_batch_size: Optional[int] = None
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: Optional[bool] = None  # None: actor.use_dynamic_bsz

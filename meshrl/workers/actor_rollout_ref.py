@@ -99,6 +99,7 @@ class ActorRolloutRefWorker(RankWorker):
 
         from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
                                                     param_dtype)
+        from meshrl.parallel.compiled import compile_elementwise
         from meshrl.parallel.offload import HostBuffers, offload
         from meshrl.parallel.optimizer import build_optimizer
         from meshrl.rollout.base import EngineConfig, SamplingConfig
@@ -121,6 +122,8 @@ class ActorRolloutRefWorker(RankWorker):
         load_initial_weights(self.policy, actor.megatron, self.model_dir, self.hf_config)
         if self.plan.lora is not None:  # the optimizer then holds the adapters only
             self.policy = with_lora(self.policy, self.plan.lora)
+        if "policy" in self.plan.torch_compile:
+            compile_elementwise(self.policy)
         # router_replay.mode=R2: the old-log-prob pass records each token's experts, the update replays them
         self.replay_routes = actor.megatron.router_replay.mode == "R2"
         if self.replay_routes:
@@ -140,6 +143,8 @@ class ActorRolloutRefWorker(RankWorker):
             self.ref = build_forward_only_model(self.hf_config, dtype=param_dtype(ref_dtype),
                                                 **transformer_overrides(arr.model, arr.ref.megatron))
             load_initial_weights(self.ref, arr.ref.megatron, self.model_dir, self.hf_config)
+            if "reference" in self.plan.torch_compile:
+                compile_elementwise(self.ref)
             if arr.ref.megatron.param_offload or arr.ref.fsdp_config.param_offload:
                 self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False,
                                             buffers=self.host_buffers)
