@@ -618,7 +618,7 @@ def _vllm(spec, rollout, dtype: dict, device: str, limit: float, seq_len: int) -
     """The rollout engine's share of a GPU while it generates, and what its KV cache holds."""
     rtp = rollout.tensor_model_parallel_size
     weights = stage_parameters(spec) * dtype["param"] / rtp
-    h, f = spec.hidden_size, spec.ffn_hidden_size
+    h, f = spec.hidden_size, mlp_width(spec)
     # vLLM profiles one forward over max_num_batched_tokens, then samples max_num_seqs rows of logits.
     activations = (rollout.max_num_batched_tokens * (4 * h + 3 * f // rtp) * dtype["act"]
                    + rollout.max_num_seqs * spec.vocab_size * 4 * 2)
