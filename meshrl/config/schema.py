@@ -103,7 +103,9 @@ class LoraConfig:
     """verl's ``model.lora`` (its Megatron LoRA spelling; ``meshrl.config.lora_keys`` reads it)."""
 
     type: str = "lora"
-    merge: bool = False
+    # How the engine gets the policy: merged weights (True) or the adapters (False); None: by device
+    # (meshrl.config.lora_keys.merged_sync). verl's default is False.
+    merge: Optional[bool] = None
     rank: int = 0
     alpha: int = 32
     dropout: float = 0.0

@@ -124,13 +124,15 @@ class AdapterSlot:
             tensors = collect_adapter(weights, manifest, peft_config)
         lora_id = next(self._ids)
         config = dict(peft_config)
+        # By name (vllm_worker.WeightUpdateExtension): vLLM sends callables to another process only with its
+        # insecure pickle fallback.
         if in_process:  # tensors by reference
-            llm.collective_rpc(install_adapter, args=(lora_id, tensors, config))
+            llm.collective_rpc("meshrl_install_adapter", args=(lora_id, tensors, config))
         else:  # RPC arguments are serialised: one flat byte buffer, as the weight buckets travel
             from meshrl.rollout.vllm_worker import flatten_bucket
 
             layout, flat = flatten_bucket([(name, tensor.cpu()) for name, tensor in tensors.items()])
-            llm.collective_rpc(install_flat_adapter, args=(lora_id, layout, flat.numpy().tobytes(), config))
+            llm.collective_rpc("meshrl_install_flat_adapter", args=(lora_id, layout, flat.numpy().tobytes(), config))
         self.request = lora_request(lora_id)
         size = sum(tensor_bytes(t) for t in tensors.values())
         return SyncStats(tensors=len(tensors), bytes=size, buckets=1, largest_bucket_bytes=size,
@@ -138,7 +140,7 @@ class AdapterSlot:
 
 
 def install_adapter(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
-    """(Runs in vLLM's worker, ``self`` = ``worker``.) Build adapter ``lora_id`` from ``tensors``, then replace
+    """(Runs in vLLM's worker: ``vllm_worker.WeightUpdateExtension.meshrl_install_adapter``.) Build adapter ``lora_id`` from ``tensors``, then replace
     every loaded adapter with it and activate it; returns the number of adapted modules. The adapter is built
     (and vLLM's checks of it run) before the old one is removed, so a failure leaves the old one served."""
     from vllm.lora.lora_model import LoRAModel
@@ -157,11 +159,3 @@ def install_adapter(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor],
     manager._adapter_manager.activate_adapter(lora_id)
     return len(lora.loras)
 
-
-def install_flat_adapter(worker: Any, lora_id: int, layout: list, payload: bytes, peft_config: dict) -> int:
-    """``install_adapter`` for an engine in another process: the tensors as ``vllm_worker.flatten_bucket`` packed
-    them."""
-    from meshrl.rollout.vllm_worker import unflatten_bucket
-
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return install_adapter(worker, lora_id, dict(unflatten_bucket(layout, flat)), peft_config)

@@ -10,6 +10,9 @@ process otherwise, and are called through ``LLM.collective_rpc`` by name. An upd
                                        gate_up) may straddle buckets
     meshrl_finish_weight_update()      layers that received nothing get their old tensors back
 
+``meshrl_install_adapter`` (``meshrl_install_flat_adapter`` across processes) serves a LoRA adapter built from
+tensors in memory (``meshrl.rollout.lora_adapter``); it is not a session: the base weights are untouched.
+
 One session spans many buckets, which is why this is not ``reload_weights`` once per bucket: a
 per-bucket reload would process a fused layer from a partial set of its tensors. Only the transport
 differs between modes: tensors by reference in process, a flat byte buffer across processes, a
@@ -86,6 +89,16 @@ class WeightUpdateExtension:
         args = list(args)
         args[6] = torch.cuda.current_device()  # the receiver's device index for the shared storage
         self.meshrl_load_weights(unflatten_bucket(layout, rebuild(*args)))
+
+    def meshrl_install_adapter(self, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
+        """Serve LoRA adapter ``lora_id`` built from PEFT-named tensors (``meshrl.rollout.lora_adapter``)."""
+        from meshrl.rollout.lora_adapter import install_adapter
+
+        return install_adapter(self, lora_id, tensors, peft_config)
+
+    def meshrl_install_flat_adapter(self, lora_id: int, layout: TensorLayout, payload: bytes, peft_config: dict) -> int:
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # writable, as in meshrl_load_flat_bucket
+        return self.meshrl_install_adapter(lora_id, dict(unflatten_bucket(layout, flat)), peft_config)
 
     def meshrl_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config

@@ -95,8 +95,10 @@ class ActorRolloutRefWorker(RankWorker):
 
     # ---------------------------------------------------------------------------------- set-up
     def setup(self, address: tuple[str, int]) -> dict[str, Any]:
+        import torch
         from transformers import AutoConfig, AutoTokenizer
 
+        from meshrl.config.lora_keys import merged_sync
         from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
                                                     param_dtype)
         from meshrl.parallel.compiled import compile_elementwise
@@ -154,10 +156,11 @@ class ActorRolloutRefWorker(RankWorker):
         self.remove_padding = packed_sequences(arr.model.use_remove_padding)
         rollout = arr.rollout
         self.response_length = self.plan.response_length
-        adapter_path = self.plan.lora is not None and not self.plan.lora.merge  # the engine serves the adapters
+        # LoRA: the engine serves the adapters (vLLM's adapter path) or is sent merged weights
+        self.adapter_sync = self.plan.lora is not None and not merged_sync(self.plan.lora, torch.cuda.is_available())
         engine_cfg = EngineConfig.from_rollout(
             rollout, max_model_len=self.plan.prompt_length + self.response_length,
-            generation_threads=threads, max_lora_rank=self.plan.lora.rank if adapter_path else 0)
+            generation_threads=threads, max_lora_rank=self.plan.lora.rank if self.adapter_sync else 0)
         self.replica = self.rank // rollout.tensor_model_parallel_size
         self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)
         self.bucket_bytes = engine_cfg.bucket_bytes
@@ -331,13 +334,13 @@ class ActorRolloutRefWorker(RankWorker):
     # ---------------------------------------------------------------------------------- weights
     def sync_weights(self) -> dict[str, float]:
         """Stream the policy's weights into the engine (resharding layer); every MP rank takes part. With LoRA
-        (``RunPlan.lora.merge``) either the adapters alone (vLLM's adapter path; the frozen base first if the engine
-        lacks it: a dummy start, a failed sync) or the merged weights W + scaling·B·A."""
+        (``lora_keys.merged_sync``) either the adapters alone (vLLM's adapter path; the frozen base first if the
+        engine lacks it: a dummy start, a failed sync) or the merged weights W + scaling·B·A."""
         from meshrl.parallel import peft_io
         from meshrl.parallel.hf_conversion import iter_hf_weights
 
         lora = self.plan.lora
-        if lora is not None and not lora.merge:
+        if self.adapter_sync:
             seconds = gigabytes = buckets = 0.0
             if not self.engine.weights_complete:
                 base = self.engine.load_weights(iter_hf_weights(self.policy, self.hf_config),
