@@ -37,8 +37,10 @@ weights follow ``EngineConfig.load_format`` (verl's ``rollout.load_format``): ``
 until a full weight sync has replaced them, so a rollout never samples from them.
 
 Multi-turn tool calling (``rollout.multi_turn``) drives an engine turn by turn through ``generate``'s
-per-prompt ``max_tokens`` (``meshrl.rollout.agent_loop``). verl's ``rollout`` keys for features meshrl's
-rollout does not have (its async agent-loop server, SGLang's and TensorRT-LLM's engine arguments) parse,
+per-prompt ``max_tokens`` (``meshrl.rollout.agent_loop``); ``rollout.mode=async`` drives the vLLM engine one
+request per sample instead (``meshrl.rollout.async_engine``, seeded through ``reserve_call``). verl's ``rollout``
+keys for features meshrl's rollout does not have (its agent-loop workers, SGLang's and TensorRT-LLM's engine
+arguments) parse,
 and ``unsupported_rollout_features`` / ``meshrl.config.key_policy`` name every one set to other than
 verl's default, with what to do instead.
 """
