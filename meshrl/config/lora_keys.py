@@ -21,9 +21,9 @@ How the engine gets the policy (``model.lora.merge``, read with either spelling,
 only the adapters, served by vLLM's LoRA layers on the base weights it already holds
 (``meshrl.rollout.lora_adapter``); True sends the merged weights ``W + (alpha/r)·B·A`` through the full weight
 sync. Unset (None), ``merged_sync`` picks by device: on CUDA the adapters (verl's default, False); on CPU the
-merged weights, because vLLM's CPU LoRA layers make generation 8-12x slower (SmolLM2, rank 16: 39-61 s instead
-of 5 s for the same 16 samples), which costs far more than the 0.3-0.6 s the adapter sync saves. The
-transformers engine (``rollout.name=hf``) has no adapter path: it always gets merged weights (a start-up note
+merged weights, because vLLM's CPU LoRA layers (its torch punica ops copy the adapter for every token) make
+generation 2x slower or worse (``bench/lora.py``, SmolLM2, rank 16: 10.1 s instead of 4.5 s for 16 samples),
+which costs far more than the 0.3-0.8 s the adapter sync saves. The transformers engine (``rollout.name=hf``) has no adapter path: it always gets merged weights (a start-up note
 says so when merge is False).
 """
 
