@@ -1,5 +1,5 @@
-"""``rollout.mode=async`` vs ``sync`` on CPU (issue 23): single-turn generation throughput, and a multi-turn GRPO
-step by phase.
+"""``rollout.mode=async`` vs ``sync`` on CPU (issue 23): single-turn generation throughput, a multi-turn GRPO
+step by phase, and multi-turn generation with a slow tool.
 
 Single-turn: SmolLM2-135M-Instruct (fp32) on GSM8K test questions, chat-templated as the trainer builds them,
 ``--n`` samples each at temperature 1, at most ``--max-tokens`` tokens, EOS ends a response; one in-process
@@ -12,11 +12,15 @@ Multi-turn (``--skip-multi-turn`` to leave it out): ``--steps`` GRPO steps of th
 colocated vLLM) on ``tiny:llama`` and the GSM8K calculator task, per mode, made to converse by the hook of
 tests/rollout/test_agent_e2e.py (a random model writes no tool calls: every token id divisible by 3 ends a
 turn, and a turn without a call gets a calculator call). Per mode: each ``timing/*`` phase averaged over the
-steps after the first, the agent metrics, and ``rollout/log_prob_max_abs_diff`` per step.
+steps after the first, the agent metrics, and ``rollout/log_prob_max_abs_diff`` per step. Then the multi-turn
+generation alone (``AgentLoop.generate``, no trainer) on one ``tiny:llama`` engine, same hook, ``--prompts`` x 2
+conversations of at most ``--turns`` assistant turns, the calculator answering after a random delay in
+[0, ``--tool-delay-s``) per call: wall seconds per mode over ``--rounds`` alternating rounds after a warm-up.
 
 Writes bench/results/async_rollout.json and .png.
 
-    python -m bench.async_rollout [--rounds 3] [--prompts 32] [--n 4] [--max-tokens 128] [--steps 3]
+    python -m bench.async_rollout [--rounds 3] [--prompts 32] [--n 4] [--max-tokens 128] [--steps 3] [--turns 6]
+                                  [--tool-delay-s 0.3] [--skip-multi-turn]
 """
 
 from __future__ import annotations
@@ -25,11 +29,15 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+from meshrl.rollout.tools.calculator import CalculatorTool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("sync", "async")
@@ -85,6 +93,67 @@ def single_turn(args) -> dict:
     return {"model": "SmolLM2-135M-Instruct (fp32)", "prompts": len(prompts), "n": args.n,
             "max_tokens": args.max_tokens, "threads": args.threads, "rounds": rounds,
             "median": summary, "identical_samples_every_round": all(r["identical_samples"] for r in rounds)}
+
+
+class SlowCalculator(CalculatorTool):
+    """Stands in for a remote tool: the calculator answering after a delay drawn uniformly from [0, max_delay_s)
+    per call (seeded), as a sandbox or a search API would."""
+
+    def __init__(self, max_delay_s: float, seed: int) -> None:
+        super().__init__({}, {"type": "function", "function": {"name": "calculator"}})
+        self.max_delay_s = max_delay_s
+        self._rng, self._lock = random.Random(seed), threading.Lock()
+
+    def call(self, arguments, create_kwargs):
+        with self._lock:  # calls run on the runner's threads
+            delay = self._rng.uniform(0.0, self.max_delay_s)
+        time.sleep(delay)
+        return super().call(arguments, create_kwargs)
+
+
+def multi_turn_rollout(args) -> dict:
+    """Multi-turn generation alone, sync vs async, with a tool of random latency: the batched loop waits for the
+    slowest call of every turn, the async loop only for each conversation's own calls."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from bench.rollout import gsm8k_prompts
+    from meshrl.models.tiny import TinySpec, tiny_model_dir
+    from meshrl.rollout import EngineConfig, SamplingConfig, create_engine
+    from meshrl.rollout.agent_loop import AgentLoop, MultiTurnSettings
+    from meshrl.rollout.async_engine import AsyncEngine
+    from meshrl.rollout.tools import ToolRunner
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout"))
+    from test_agent_e2e import SITECUSTOMIZE
+
+    exec(SITECUSTOMIZE, {})  # turns end at every token id divisible by 3 and each calls the calculator
+    torch.set_num_threads(args.threads)
+    model_dir = tiny_model_dir(TinySpec())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = gsm8k_prompts(model_dir, args.prompts)
+    engine = create_engine(model_dir, EngineConfig(max_model_len=1024, kv_cache_memory_bytes=512 << 20,
+                                                   generation_threads=args.threads))
+    settings = MultiTurnSettings(max_assistant_turns=args.turns)
+    sampling = SamplingConfig(n=2, temperature=1.0, max_response_length=128, seed=0)
+    rows = []
+    for index in range(-1, args.rounds):  # round -1: a warm-up of both modes, not recorded
+        row = {}
+        for mode in (MODES if index % 2 == 0 else MODES[::-1]):
+            runner = ToolRunner([SlowCalculator(args.tool_delay_s, seed=index)], max_response_chars=8)
+            loop = AgentLoop(engine, tokenizer, runner, settings, 128, AsyncEngine(engine) if mode == "async" else None)
+            load, seconds = os.getloadavg()[0], time.perf_counter()
+            completions, stats = loop.generate(prompts, sampling)
+            row[mode] = {"seconds": round(time.perf_counter() - seconds, 2), "load_average_1min_before": round(load, 2),
+                         "assistant_turns": sum(s.assistant_turns for s in stats),
+                         "tool_calls": int(sum(r[0] for s in stats for r in s.tools.values()))}
+            runner.shutdown()
+            print("multi-turn rollout", index, mode, row[mode], flush=True)
+        rows += [row] if index >= 0 else []
+    engine.shutdown()
+    return {"model": "tiny:llama (random, fp32), the e2e test's hook", "prompts": len(prompts), "n": 2,
+            "max_assistant_turns": args.turns, "tool_delay_s": f"uniform [0, {args.tool_delay_s})", "rounds": rows,
+            "median_seconds": {m: statistics.median(r[m]["seconds"] for r in rows) for m in MODES}}
 
 
 def multi_turn(args) -> dict:
@@ -147,8 +216,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    multi = result.get("multi_turn")
-    fig, axes = plt.subplots(1, 2 if multi else 1, figsize=(12 if multi else 6, 4.2), squeeze=False)
+    multi, loop = result.get("multi_turn"), result.get("multi_turn_rollout")
+    panels = 1 + bool(multi) + bool(loop)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
     left = axes[0][0]
     single = result["single_turn"]
     rounds = single["rounds"]
@@ -177,6 +247,17 @@ def plot(result: dict, path: Path) -> None:
         right.set_ylabel("seconds (mean over steps after the first)")
         right.set_title(f"multi-turn GRPO step by phase, {multi['model']}\n{multi['task']}", fontsize=9)
         right.legend(fontsize=8)
+    if loop:
+        ax = axes[0][-1]
+        for offset, mode, color in ((-0.2, "sync", "tab:gray"), (0.2, "async", "tab:blue")):
+            bars = ax.bar([i + offset for i in range(len(loop["rounds"]))], [r[mode]["seconds"] for r in loop["rounds"]],
+                          width=0.4, color=color, label=mode)
+            ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        ax.set_xticks(range(len(loop["rounds"])), [f"round {i + 1}" for i in range(len(loop["rounds"]))])
+        ax.set_ylabel("seconds for the multi-turn rollout")
+        ax.set_title(f"multi-turn generation alone, {loop['prompts']} prompts x {loop['n']}, <= "
+                     f"{loop['max_assistant_turns']} turns,\ntool latency {loop['tool_delay_s']} s per call", fontsize=9)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -189,6 +270,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=6, help="max assistant turns of the multi-turn rollout")
+    parser.add_argument("--tool-delay-s", type=float, default=0.3, help="the slow calculator's largest delay")
     parser.add_argument("--skip-multi-turn", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # vLLM's sampler compile: ~20 s, same outputs
@@ -199,6 +282,7 @@ def main() -> None:
               "cpu_count": os.cpu_count(), "single_turn": single_turn(args)}
     if not args.skip_multi_turn:
         result["multi_turn"] = multi_turn(args)
+        result["multi_turn_rollout"] = multi_turn_rollout(args)  # last: it patches the engine's stop tokens
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "async_rollout.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, RESULTS / "async_rollout.png")
