@@ -56,7 +56,10 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
   critic (``adv_estimator=gae``) is colocated: its own parameters, gradients, optimizer and activations,
   in ``critic.megatron``'s layout. The learned reward model (``reward_model.enable``) is colocated too,
   forward-only: parameters of its fullest ``reward_model.megatron`` stage, and in its own phase the
-  activations of one ``reward_model`` micro-batch (its sequences counted at the policy's length).
+  activations of one ``reward_model`` micro-batch (its sequences counted at the policy's length). A generative
+  reward model (``RunPlan.reward_judge``) is a vLLM server held for the whole run, in every phase: on GPU its
+  ``reward_model.rollout.gpu_memory_utilization`` of the GPU (it sits on the first TP x DP GPUs; counted on every
+  GPU the plan reports), on CPU its weights, profiled activations and ``kv_cache_memory_bytes``.
 - vLLM (colocated, ``gpu_memory_utilization`` of the whole GPU while generating): bf16 weights split
   over the rollout TP, a profiled activation peak (``max_num_batched_tokens`` through one layer and
   ``max_num_seqs`` fp32 logit rows), and the KV cache in what is left. It sleeps while training
@@ -437,6 +440,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     ref_offload = _flag(ref.megatron, ref.fsdp_config, key="param_offload")
     reward_model = _reward_model(cfg, world) if run.use_reward_model else None
     rm_dtype = precision(cfg.reward_model.megatron.dtype)
+    judge_bytes = _reward_judge_bytes(cfg, precision, device, limit) if run.reward_judge else 0.0
 
     # tokens of one micro-batch: the phase's token budget, or its sequences × the longest sequence
     def budget(phase: str, trained: _Trainer) -> int:
@@ -484,6 +488,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                              "critic optimizer": c["optimizer"]})
             offloaded.update({"critic params": critic.param_offload, "critic grads": critic.grad_offload,
                               "critic optimizer": critic.optimizer_offload})
+        if judge_bytes:  # the generative reward model's server, up for the whole run
+            resident["reward judge (vLLM server)"], offloaded["reward judge (vLLM server)"] = judge_bytes, False
         if reward_model is not None:  # forward-only: parameters only, its fullest stage
             resident["reward model params"] = max(map(reward_model.params, range(reward_model.pp))) * rm_dtype["param"]
             offloaded["reward model params"] = reward_model.param_offload
@@ -612,6 +618,20 @@ def _reward_model(cfg, world: int) -> _Trainer:
     return _Trainer(spec=spec, tp=tp, pp=pp, vpp=1, dp=world // (tp * pp), distributed_optimizer=False,
                     recompute=False, param_offload=_flag(mg, rm.model.fsdp_config, key="param_offload"),
                     grad_offload=False, optimizer_offload=False, critic=True)
+
+
+def _reward_judge_bytes(cfg, precision, device: str, limit: float) -> float:
+    """The generative reward model's vLLM server, per GPU it sits on (or on the CPU host): :func:`_vllm`'s budget
+    with ``reward_model.rollout``'s settings (``meshrl.rewards.judge``)."""
+    from types import SimpleNamespace
+
+    from meshrl.parallel.model_builder import model_spec
+    from meshrl.rewards.judge import judge_rollout
+
+    values, _ = judge_rollout(cfg)
+    spec = model_spec(load_hf_config(cfg.reward_model.model.path))
+    length = values["max_model_len"] or values["prompt_length"] + values["response_length"]
+    return _vllm(spec, SimpleNamespace(**values), precision(values["dtype"]), device, limit, length)["budget_bytes"]
 
 
 def _vllm(spec, rollout, dtype: dict, device: str, limit: float, seq_len: int) -> dict[str, Any]:

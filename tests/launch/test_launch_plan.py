@@ -273,3 +273,19 @@ def test_lora_counts_pefts_adapters_and_builds_no_reference():
     # no weight gradients for the frozen base: 2·N per token less, one reference pass's worth per epoch
     epochs = load_config([], recipe="cpu_tiny_grpo").actor_rollout_ref.actor.ppo_epochs
     assert full.flops["actor_update"] - lora.flops["actor_update"] == pytest.approx(full.flops["reference"] * epochs)
+
+
+def test_a_generative_reward_model_holds_its_server_through_every_phase():
+    judge = ["reward_model.enable=True", "reward_model.model.path=tiny:qwen2",
+             "custom_reward_function.path=recipes/rewards/llm_judge.py"]
+    key = "reward judge (vLLM server)"
+    # on CPU: its weights, profiled activations and KV cache, with no Megatron reward-model role
+    cpu = plan(load_config([*judge, "reward_model.rollout.kv_cache_memory_bytes=1073741824"],
+                           recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
+    weights = stage_parameters(spec_of("tiny:qwen2")) * 2  # reward_model.rollout.dtype: bfloat16 (verl's default)
+    assert all(p.items[key] > weights + GIB for p in cpu.phases)
+    assert "reward model" not in {p.name for p in cpu.phases}
+    # on GPU: its share of the whole GPU, as vLLM allocates it
+    gpu = plan(load_config([*judge, "trainer.device=cuda", "reward_model.rollout.gpu_memory_utilization=0.25"],
+                           recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
+    assert all(p.items[key] == 0.25 * 80 * GIB for p in gpu.phases)
