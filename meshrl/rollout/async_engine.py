@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from contextlib import suppress
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from meshrl.rollout.base import Completion, RolloutEngine, SamplingConfig, request_seed, section_getter
@@ -94,8 +93,8 @@ class AsyncEngine:
             return await main()
         finally:
             stepper.cancel()
-            with suppress(asyncio.CancelledError):
-                await stepper
+            # The stepper's own error (if any) already reached every waiting coroutine, and so main's caller.
+            await asyncio.gather(stepper, return_exceptions=True)
             if self._waiting:
                 self.engine.llm.llm_engine.abort_request(list(self._waiting))
                 self._waiting.clear()

@@ -56,3 +56,18 @@ def test_a_failed_rollout_leaves_no_request_in_the_engine(engine):
     # Both paths serve on afterwards, alike.
     assert [c.token_ids for c in driver.generate(PROMPTS, GREEDY)] == \
         [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+
+
+def test_an_engine_error_reaches_every_sample_and_leaves_no_request(engine, monkeypatch):
+    driver = AsyncEngine(engine)
+
+    def broken_step():
+        raise RuntimeError("the engine broke")
+
+    monkeypatch.setattr(engine.llm.llm_engine, "step", broken_step)
+    with pytest.raises(RuntimeError, match="the engine broke"):  # raised, not a rollout waiting forever
+        driver.generate(PROMPTS, SAMPLED)
+    monkeypatch.undo()
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert [c.token_ids for c in driver.generate(PROMPTS, GREEDY)] == \
+        [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
