@@ -189,6 +189,15 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def write_result(name: str, result: dict, plot) -> Path:
+    """``bench/results/<name>.json`` and the chart ``plot(result, <name>.png)`` beside it; the JSON's path."""
+    results = Path(__file__).resolve().parent / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plot(result, results / f"{name}.png")
+    return results / f"{name}.json"
+
+
 class ServedVariant:
     """``python -m MODULE --serve VARIANT ARGS...`` started from the repo root with ``threads`` OpenMP threads
     (plus ``env``): it answers each command line written to its stdin with one JSON line, after a first
