@@ -4,9 +4,8 @@ memory, side by side.
 Each mode runs in a fresh process: one policy worker (``ActorRolloutRefWorker``, world size 1, no Ray) with
 its colocated vLLM engine and a KL loss, so the reference exists (full: a second, forward-only model; LoRA:
 the policy with its adapters off). LoRA is rank 16, alpha 32 on every linear layer (the CPU recipe's), synced
-two ways: ``lora_adapter`` (``model.lora.merge=False``: the adapters alone, served by vLLM's LoRA layers) and
-``lora_merged`` (``merge=True``: the merged weights through the full sync; the CPU default, since vLLM's CPU LoRA
-layers slow generation far more than the adapter sync saves).
+two ways: ``lora_adapter`` (``model.lora.merge=False``, the default: the adapters alone, served by vLLM's LoRA
+layers) and ``lora_merged`` (``merge=True``: the merged weights through the full sync).
 
 - update: one ``update`` (two optimizer steps of ``--rows`` / 2 random 100-token prompts with 32-token
   responses), the median of ``--repeats``; the old and reference log-probs are computed once before. The

@@ -17,13 +17,10 @@ verl has two spellings, and a run uses one:
 Targets are resolved to HF module names (``q_proj`` ... ``down_proj``); the embeddings and the output layer
 are never adapted (PEFT's ``all-linear`` leaves ``lm_head`` out too).
 
-How the engine gets the policy (``model.lora.merge``, read with either spelling, as verl reads it): False sends
-only the adapters, served by vLLM's LoRA layers on the base weights it already holds
+How the engine gets the policy (``model.lora.merge``, read with either spelling, as verl reads it): False
+(verl's default) sends only the adapters, served by vLLM's LoRA layers on the base weights it already holds
 (``meshrl.rollout.lora_adapter``); True sends the merged weights ``W + (alpha/r)·B·A`` through the full weight
-sync. Unset (None), ``merged_sync`` picks by device: on CUDA the adapters (verl's default, False); on CPU the
-merged weights, because vLLM's CPU LoRA layers (its torch punica ops copy the adapter for every token) make
-generation 2x slower or worse (``bench/lora.py``, SmolLM2, rank 16: 10.1 s instead of 4.5 s for 16 samples),
-which costs far more than the 0.3-0.8 s the adapter sync saves. The transformers engine (``rollout.name=hf``) has no adapter path: it always gets merged weights (a start-up note
+sync. The transformers engine (``rollout.name=hf``) has no adapter path: it always gets merged weights (a start-up note
 says so when merge is False).
 """
 
@@ -65,7 +62,7 @@ class LoraPlan:
     init_a: str  # kaiming (PEFT) | xavier (Megatron-Bridge's default)
     adapter_path: str | None  # a PEFT adapter folder the run starts from
     keys: str  # "FSDP" | "Megatron": which of verl's spellings set it
-    merge: bool | None = None  # the engine gets merged weights (True), the adapters (False), or by device (None)
+    merge: bool = False  # the engine gets merged weights (True) or the adapters (False: vLLM's adapter path)
 
 
 def _names(value: Any) -> list[str]:
@@ -199,24 +196,18 @@ def lora_plan(cfg: DictConfig) -> tuple[LoraPlan | None, list[str], list[str]]:
         problems.append("the LoRA target_modules / exclude_modules leave no linear layer to adapt")
     problems += _other_spelling(model, "FSDP" if fsdp else "Megatron")
     notes = []
-    merge = model.lora.merge
+    merge = bool(model.lora.merge)
     engine = cfg.actor_rollout_ref.rollout.name
-    if plan is not None and merge is False and engine != "vllm":
+    if plan is not None and not merge and engine != "vllm":
+        merge = True
         notes.append(f"actor_rollout_ref.model.lora.merge=False: rollout.name={engine} has no LoRA adapter path, so "
                      "the engine is sent the merged weights W + (alpha/rank)·B·A (the same policy)")
-    if plan is not None and merge is False and plan.rank > VLLM_MAX_LORA_RANK:
+    if plan is not None and not merge and plan.rank > VLLM_MAX_LORA_RANK:
         problems.append(f"LoRA rank {plan.rank}: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANK}; set "
                         "actor_rollout_ref.model.lora.merge=True to send it the merged weights")
-    if plan is not None and (engine != "vllm" or plan.rank > VLLM_MAX_LORA_RANK):
-        merge = True  # the only way this engine / rank can be served
     if plan is not None:
         plan = replace(plan, merge=merge)
     return (None if problems else plan), problems, notes
-
-
-def merged_sync(plan: LoraPlan, cuda: bool) -> bool:
-    """Whether the engine is sent merged weights: ``plan.merge`` when set, else not on CUDA (see the module doc)."""
-    return plan.merge if plan.merge is not None else not cuda
 
 
 def _other_spelling(model: DictConfig, used: str) -> list[str]:

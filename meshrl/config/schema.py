@@ -103,9 +103,7 @@ class LoraConfig:
     """verl's ``model.lora`` (its Megatron LoRA spelling; ``meshrl.config.lora_keys`` reads it)."""
 
     type: str = "lora"
-    # How the engine gets the policy: merged weights (True) or the adapters (False); None: by device
-    # (meshrl.config.lora_keys.merged_sync). verl's default is False.
-    merge: Optional[bool] = None
+    merge: bool = False
     rank: int = 0
     alpha: int = 32
     dropout: float = 0.0

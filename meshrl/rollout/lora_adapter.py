@@ -10,7 +10,8 @@ PEFT's names,
 ``r·(in + out)`` numbers per module instead of ``out·in`` (rank 16 on SmolLM2-135M: 20 MB instead of 538 MB).
 vLLM (0.32, CPU and CUDA) serves them with its LoRA layers: each packed linear (``qkv_proj`` = q, k, v;
 ``gate_up_proj`` = gate, up; ``o_proj``, ``down_proj``) computes ``W x + (alpha/r)·B (A x)`` per part, as PEFT
-does, with the punica kernels (``PunicaWrapperCPU``, plain torch ops, on CPU). The engine is started with
+does, with the punica kernels (on CPU ``PunicaWrapperCPU``'s torch ops, replaced by ``vllm_cpu_lora``'s at the first
+install: vLLM's copy the adapter for every token). The engine is started with
 ``enable_lora``, ``max_loras=1`` and ``max_lora_rank`` = the smallest rank vLLM allows (``MaxLoRARanks``) >= the
 policy's, as verl starts it.
 
@@ -145,7 +146,12 @@ def install_adapter(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor],
     (and vLLM's checks of it run) before the old one is removed, so a failure leaves the old one served."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
+    from vllm.platforms import current_platform
 
+    if current_platform.is_cpu():  # before any request uses the adapter
+        from meshrl.rollout.vllm_cpu_lora import patch
+
+        patch()
     manager = worker.model_runner.lora_manager
     helper = PEFTHelper.from_dict(peft_config)
     helper.validate_legal(manager.lora_config)

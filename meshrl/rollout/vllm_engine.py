@@ -80,8 +80,9 @@ meshrl sets itself (``base.OWNED_VLLM_ARGS``).
 **LoRA adapters** (``EngineConfig.max_lora_rank`` > 0; ``meshrl.rollout.lora_adapter``). The engine starts with
 vLLM's LoRA layers (``enable_lora``, ``max_loras=1``); ``load_adapter`` installs the policy's adapter tensors in
 memory as a new adapter id per sync, and every later request names it (``lora_request``), on the base weights
-the engine loaded from the folder or got by a full sync. Served exactly on CPU (PunicaWrapperCPU; fp32 log-probs
-within 4e-6 of the merged HF model, ``tests/parallel/test_lora_vllm.py``).
+the engine loaded from the folder or got by a full sync. Served exactly on CPU (PunicaWrapperCPU, with
+``meshrl.rollout.vllm_cpu_lora``'s ops; fp32 log-probs within 4e-6 of the merged HF model,
+``tests/parallel/test_lora_vllm.py``).
 
 **GPU path (untested here: no GPU with vLLM on this project's machines).** ``enable_sleep_mode`` with
 ``gpu_memory_utilization``; ``sleep()`` releases the KV cache and offloads (level 1) or drops

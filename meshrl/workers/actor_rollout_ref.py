@@ -95,10 +95,8 @@ class ActorRolloutRefWorker(RankWorker):
 
     # ---------------------------------------------------------------------------------- set-up
     def setup(self, address: tuple[str, int]) -> dict[str, Any]:
-        import torch
         from transformers import AutoConfig, AutoTokenizer
 
-        from meshrl.config.lora_keys import merged_sync
         from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
                                                     param_dtype)
         from meshrl.parallel.compiled import compile_elementwise
@@ -157,7 +155,7 @@ class ActorRolloutRefWorker(RankWorker):
         rollout = arr.rollout
         self.response_length = self.plan.response_length
         # LoRA: the engine serves the adapters (vLLM's adapter path) or is sent merged weights
-        self.adapter_sync = self.plan.lora is not None and not merged_sync(self.plan.lora, torch.cuda.is_available())
+        self.adapter_sync = self.plan.lora is not None and not self.plan.lora.merge
         engine_cfg = EngineConfig.from_rollout(
             rollout, max_model_len=self.plan.prompt_length + self.response_length,
             generation_threads=threads, max_lora_rank=self.plan.lora.rank if self.adapter_sync else 0)
@@ -334,7 +332,7 @@ class ActorRolloutRefWorker(RankWorker):
     # ---------------------------------------------------------------------------------- weights
     def sync_weights(self) -> dict[str, float]:
         """Stream the policy's weights into the engine (resharding layer); every MP rank takes part. With LoRA
-        (``lora_keys.merged_sync``) either the adapters alone (vLLM's adapter path; the frozen base first if the
+        (``RunPlan.lora.merge``) either the adapters alone (vLLM's adapter path; the frozen base first if the
         engine lacks it: a dummy start, a failed sync) or the merged weights W + scaling·B·A."""
         from meshrl.parallel import peft_io
         from meshrl.parallel.hf_conversion import iter_hf_weights

@@ -57,3 +57,38 @@ def test_streams_that_do_not_fit_are_refused(tiny_llama_dir) -> None:
             collect_adapter(iter(stream), manifest, config)
     with pytest.raises(ValueError, match="list module names"):
         adapter_shapes(manifest, {**config, "target_modules": "all-linear"})
+
+
+def test_cpu_lora_ops_compute_what_vllms_do() -> None:
+    """``vllm_cpu_lora``'s ops (one matmul per adapter slot) against vLLM's own (a copy of the adapter per token),
+    loaded from vLLM's file so that a patched module cannot stand in for them: several slots, -1 (vLLM's index for
+    no adapter), 4-D stacked weights, shrink with scaling, expand with and without adding, the sliced expand."""
+    import importlib.util
+
+    from meshrl.rollout import vllm_cpu_lora as mine
+
+    # The file itself (it imports only torch): importing the vllm package would take seconds.
+    vllm_dir = importlib.util.find_spec("vllm").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location("vllm_lora_ops", f"{vllm_dir}/lora/ops/torch_ops/lora_ops.py")
+    theirs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(theirs)
+    g = torch.Generator().manual_seed(0)
+    tokens, rank, width, slots = 7, 8, 24, 3
+    indices = torch.tensor([0, 2, -1, 0, 1, 2, 0])
+    x, h = torch.randn(tokens, width, generator=g), torch.randn(tokens, rank, generator=g)
+    a, b = torch.randn(slots, 1, rank, width, generator=g), torch.randn(slots, 1, width, rank, generator=g)
+    start = torch.randn(tokens, 2 * width, generator=g)
+    calls = [("bgmv_shrink", (x, a), (0.5,), rank), ("bgmv_expand", (h, b), (True,), width),
+             ("bgmv_expand", (h, b), (False,), width),
+             ("bgmv_expand_slice", (h, b), (width, width, True), 2 * width)]
+    for name, args, extra, out_width in calls:
+        outs = [start[:, :out_width].clone() for _ in range(2)]
+        getattr(theirs, name)(*args, outs[0], indices, *extra)
+        getattr(mine, name)(*args, outs[1], indices, *extra)
+        assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0), name
+        assert not torch.equal(outs[1], start[:, :out_width])  # the call wrote something
+    single = torch.zeros(tokens, dtype=torch.long)  # one slot: the single-matmul path
+    outs = [torch.zeros(tokens, rank) for _ in range(2)]
+    theirs.bgmv_shrink(x, a, outs[0], single, 1.0)
+    mine.bgmv_shrink(x, a, outs[1], single, 1.0)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0)

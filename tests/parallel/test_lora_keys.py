@@ -39,7 +39,7 @@ def test_megatron_keys_fused_and_canonical() -> None:
     plan = plan_of(f"{M}lora.rank=8")
     assert (plan.lora.rank, plan.lora.alpha, plan.lora.targets, plan.lora.shared_a, plan.lora.init_a) == \
         (8, 32.0, ALL, True, "xavier")
-    assert plan.lora.merge is None  # unset: by device (lora_keys.merged_sync)
+    assert not plan.lora.merge  # verl's default: the engine gets the adapters
     canonical = plan_of(f"{M}lora.rank=8", f"{M}lora.type=canonical_lora", f"{M}lora.merge=True",
                         f"{M}lora.target_modules=[linear_q,linear_fc1_up]", f"{M}lora.dropout=0.05",
                         f"{M}lora.lora_A_init_method=kaiming")
@@ -66,7 +66,7 @@ def test_megatron_keys_fused_and_canonical() -> None:
     ([f"{M}lora_rank=8", f"{M}lora.alpha=64"], f"{M}lora.alpha"),
     ([f"{M}lora.rank=8", f"{M}target_modules=[q_proj]"], f"{M}target_modules"),
     # vLLM's adapter path serves ranks up to 512, as verl checks
-    ([f"{M}lora_rank=1024", f"{M}lora.merge=False"], "lora.merge=True"),
+    ([f"{M}lora_rank=1024"], "lora.merge=True"),
 ])
 def test_unbuildable_lora_settings_are_refused(overrides, named) -> None:
     with pytest.raises(ConfigError) as info:
@@ -75,21 +75,11 @@ def test_unbuildable_lora_settings_are_refused(overrides, named) -> None:
 
 
 def test_lora_merge_picks_how_the_engine_gets_the_policy() -> None:
-    """verl reads model.lora.merge with both spellings; unset, CUDA gets the adapters and CPU the merged weights;
-    the transformers engine and ranks above vLLM's largest are served merged only."""
-    from meshrl.config.lora_keys import merged_sync
-
-    unset = plan_of(f"{M}lora_rank=8").lora
-    assert (merged_sync(unset, cuda=True), merged_sync(unset, cuda=False)) == (False, True)
-    for value, merged in (("False", False), ("True", True)):
-        chosen = plan_of(f"{M}lora_rank=8", f"{M}lora.merge={value}").lora
-        assert merged_sync(chosen, cuda=True) == merged_sync(chosen, cuda=False) == merged
-    assert merged_sync(plan_of(f"{M}lora_rank=1024").lora, cuda=True)  # only merged serves it
-    hf = plan_of(f"{M}lora_rank=8", f"{M}lora.merge=False", "actor_rollout_ref.rollout.name=hf")
-    assert merged_sync(hf.lora, cuda=True) and any("rollout.name=hf has no LoRA adapter path" in note
-                                                   for note in hf.warnings)
-    unset_hf = plan_of(f"{M}lora_rank=8", "actor_rollout_ref.rollout.name=hf")
-    assert not any("lora.merge" in note for note in unset_hf.warnings)  # unset: no choice to note
+    """verl reads model.lora.merge with both spellings; the transformers engine has no adapter path."""
+    assert plan_of(f"{M}lora_rank=8", f"{M}lora.merge=True").lora.merge
+    assert plan_of(f"{M}lora_rank=1024", f"{M}lora.merge=True").lora.rank == 1024  # merged: any rank
+    hf = plan_of(f"{M}lora_rank=8", "actor_rollout_ref.rollout.name=hf")
+    assert hf.lora.merge and any("rollout.name=hf has no LoRA adapter path" in note for note in hf.warnings)
 
 
 def test_an_adapter_folder_gives_the_lora_as_in_verl(tmp_path) -> None:
