@@ -130,7 +130,7 @@ class AdapterSlot:
         if in_process:  # tensors by reference
             llm.collective_rpc("meshrl_install_adapter", args=(lora_id, tensors, config))
         else:  # RPC arguments are serialised: one flat byte buffer, as the weight buckets travel
-            from meshrl.rollout.vllm_worker import flatten_bucket
+            from meshrl.rollout.flat_buckets import flatten_bucket
 
             layout, flat = flatten_bucket([(name, tensor.cpu()) for name, tensor in tensors.items()])
             llm.collective_rpc("meshrl_install_flat_adapter", args=(lora_id, layout, flat.numpy().tobytes(), config))

@@ -114,7 +114,7 @@ from meshrl.rollout.base import (
 )
 from meshrl.rollout.lora_adapter import AdapterSlot, vllm_max_lora_rank
 from meshrl.rollout.vllm_shm import EngineSegments
-from meshrl.rollout.vllm_worker import flatten_bucket
+from meshrl.rollout.flat_buckets import flatten_bucket
 from meshrl.rollout.weight_sync import SyncStats, WeightSyncError, hf_weight_manifest
 from meshrl.runtime import configure_environment
 

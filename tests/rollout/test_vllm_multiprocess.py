@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshrl.rollout import EngineConfig, SamplingConfig, WeightSyncError, create_engine
-from meshrl.rollout.vllm_worker import flatten_bucket, unflatten_bucket
+from meshrl.rollout.flat_buckets import flatten_bucket, unflatten_bucket
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], list(range(300, 320))]
 GREEDY = SamplingConfig(temperature=0, max_response_length=10, ignore_eos=True)
