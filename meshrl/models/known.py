@@ -59,6 +59,9 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-32B-Instruct": dict(model_type="qwen2", num_hidden_layers=64, hidden_size=5120,
                                       num_attention_heads=40, num_key_value_heads=8, intermediate_size=27648,
                                       vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-72B-Instruct": dict(model_type="qwen2", num_hidden_layers=80, hidden_size=8192,
+                                      num_attention_heads=64, num_key_value_heads=8, intermediate_size=29568,
+                                      vocab_size=152064, tie_word_embeddings=False),
     # Qwen2-7B has the Qwen2.5-7B shape.
     "Qwen/Qwen2-7B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584,
                                    num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,

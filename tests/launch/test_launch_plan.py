@@ -17,6 +17,7 @@ from meshrl.trainer.plan import (GIB, KNOWN_MODELS, active_parameters, all_to_al
 PUBLISHED_B = {
     "Qwen/Qwen2.5-0.5B-Instruct": 0.494, "Qwen/Qwen2.5-1.5B-Instruct": 1.54, "Qwen/Qwen2.5-3B-Instruct": 3.09,
     "Qwen/Qwen2.5-7B-Instruct": 7.62, "Qwen/Qwen2.5-14B-Instruct": 14.8, "Qwen/Qwen2.5-32B-Instruct": 32.8,
+    "Qwen/Qwen2.5-72B-Instruct": 72.7,
     "Qwen/Qwen2-7B-Instruct": 7.62, "deepseek-ai/deepseek-llm-7b-chat": 6.91,
     "Qwen/Qwen3-8B": 8.19, "Qwen/Qwen3-32B": 32.8, "google/gemma-2-2b-it": 2.61, "google/gemma-2-9b-it": 9.24,
     "mistralai/Mistral-7B-Instruct-v0.3": 7.25, "microsoft/Phi-3-mini-4k-instruct": 3.82,
