@@ -6,7 +6,8 @@ Layout under ``trainer.default_local_dir`` (verl's names, so verl users find wha
     global_step_120/
         actor/ critic/ ...               the parts, written by the workers (``write_parts``); with
                                          ``hf_model`` in a role's ``checkpoint.save_contents``,
-                                         ``<role>/huggingface/`` also holds its HF export (verl's place)
+                                         ``<role>/huggingface/`` also holds its HF export (verl's place;
+                                         with LoRA the merged weights, the PEFT adapter in ``actor/lora_adapter/``)
         trainer_state.pt                 the driver's state dict (torch.save), authoritative
         trainer_state.json               a human-readable view of it (scalars; tensors summarised)
         COMPLETE                         written last: the folder holds a whole checkpoint, whose parts the
@@ -46,7 +47,6 @@ import torch
 
 from meshrl.atomic_io import publish_dir, write_text_atomically
 from meshrl.config.loader import ConfigError
-from meshrl.config.lora_keys import lora_enabled
 from meshrl.config.schema import RESUME_MODES
 
 logger = logging.getLogger(__name__)
@@ -143,11 +143,6 @@ def hf_export_roles(cfg: Any, with_critic: bool) -> list[str]:
                 keys.append(f"{prefix}.{name}")
         if "hf_model" in section.save_contents:
             roles.append(role)
-            if role == "actor" and lora_enabled(cfg):
-                problems.append(f"{prefix}.save_contents: hf_model with LoRA would need a merged HF export, which is "
-                                f"not built yet; the checkpoint holds the PEFT adapter (global_step_N/actor/"
-                                f"lora_adapter, for PeftModel.from_pretrained and merge_and_unload): drop hf_model")
-                keys.append(f"{prefix}.save_contents")
     if problems:
         raise ConfigError("checkpoint contents refused:\n  - " + "\n  - ".join(problems), keys)
     return roles

@@ -97,8 +97,8 @@ def test_an_adapter_folder_gives_the_lora_as_in_verl(tmp_path) -> None:
         plan_of(f"{M}lora_adapter_path={tmp_path / 'nowhere'}")
 
 
-def test_hf_export_with_lora_is_refused() -> None:
+def test_hf_export_with_lora_is_accepted() -> None:
+    """The export is the merged model (``tests/parallel/test_lora_export.py``)."""
     cfg = load_config([f"{M}lora_rank=8", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,"
                                           "hf_model]"], recipe="cpu_tiny_grpo")
-    with pytest.raises(ConfigError, match="lora_adapter"):
-        hf_export_roles(cfg, with_critic=False)
+    assert hf_export_roles(cfg, with_critic=False) == ["actor"]
