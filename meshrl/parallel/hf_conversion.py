@@ -403,7 +403,8 @@ def _iter_pieces(chunks: list[torch.nn.Module], hf_config,
 
 def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | os.PathLike,
                        tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
-                       max_shard_bytes: int = 2 * 1024**3) -> Path | None:
+                       max_shard_bytes: int = 2 * 1024**3,
+                       weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> Path | None:
     """Write an HF folder (config, safetensors shards + index, tokenizer files) from ``chunks``.
 
     Collective over the model-parallel group (see ``iter_hf_weights``); its first rank writes. With
@@ -411,9 +412,10 @@ def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | 
     of one expert-parallel group (the one whose expert-parallel rank 0 has model-parallel rank 0 writes). Shards are flushed as soon
     as they reach ``max_shard_bytes``, so the writer holds at most one shard. The folder appears
     atomically (written beside it, then ``meshrl.atomic_io.publish_dir``); an existing one is replaced.
-    A policy with LoRA adapters (``lora.apply_lora``) is written merged, ``W + (alpha/r)·B·A`` for each adapted
-    weight (``peft_io.iter_merged_weights``): a plain HF checkpoint of the model it computes, loadable without
-    PEFT (the adapter itself is ``peft_io.save_adapter``'s).
+    ``weights``: the HF-named stream to write (every rank iterates it, as ``iter_hf_weights(chunks, hf_config)``,
+    the default); a LoRA policy passes ``peft_io.iter_merged_weights``'s, ``W + (alpha/r)·B·A`` for each adapted
+    weight: a plain HF checkpoint of the model it computes, loadable without PEFT (the adapter itself is
+    ``peft_io.save_adapter``'s).
     Returns the folder on the writing rank, None elsewhere.
     """
     from safetensors.torch import save_file
@@ -435,13 +437,7 @@ def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | 
         weight_map.update({key: name for key in shard})
         shard, shard_bytes = {}, 0
 
-    weights = iter_hf_weights(chunks, hf_config)
-    if getattr(unwrap(chunks[0]), "meshrl_lora", None) is not None:
-        # peft_io streams iter_hf_weights itself, so it is imported here, not at the top (a circle otherwise)
-        from meshrl.parallel.peft_io import iter_merged_weights
-
-        weights = iter_merged_weights(chunks, hf_config)
-    for name, tensor in weights:
+    for name, tensor in weights if weights is not None else iter_hf_weights(chunks, hf_config):
         if not writer:
             continue
         tensor = tensor.to(device="cpu", dtype=dtype or tensor.dtype)

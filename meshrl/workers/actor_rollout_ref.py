@@ -337,7 +337,6 @@ class ActorRolloutRefWorker(RankWorker):
         from meshrl.parallel import peft_io
         from meshrl.parallel.hf_conversion import iter_hf_weights
 
-        lora = self.plan.lora
         if self.adapter_sync:
             seconds = gigabytes = buckets = 0.0
             if not self.engine.weights_complete:
@@ -348,8 +347,7 @@ class ActorRolloutRefWorker(RankWorker):
                                              peft_io.adapter_config(peft_io.settings_of(self.policy), self.model_dir))
             return {"sync/seconds": seconds + stats.seconds, "sync/gigabytes": gigabytes + stats.bytes / 1e9,
                     "sync/buckets": buckets + stats.buckets}
-        weights = (iter_hf_weights if lora is None else peft_io.iter_merged_weights)(self.policy, self.hf_config)
-        stats = self.engine.load_weights(weights, bucket_bytes=self.bucket_bytes)
+        stats = self.engine.load_weights(self.hf_weights(), bucket_bytes=self.bucket_bytes)
         return {"sync/seconds": stats.seconds, "sync/gigabytes": stats.bytes / 1e9, "sync/buckets": float(stats.buckets)}
 
     def save_checkpoint(self, folder: str, step: int) -> None:
@@ -370,11 +368,20 @@ class ActorRolloutRefWorker(RankWorker):
         self.engine.load_state_dict(loaded["extra"]["engine"])
         self.sync_weights()  # the engine must serve the resumed policy, not the initial one
 
+    def hf_weights(self):
+        """The policy as the HF model it computes: its HF-named tensors, with LoRA each adapted weight merged
+        (``W + scaling·B·A``); what the merged sync sends and the HF export writes."""
+        from meshrl.parallel import peft_io
+        from meshrl.parallel.hf_conversion import iter_hf_weights
+
+        return (iter_hf_weights if self.plan.lora is None else peft_io.iter_merged_weights)(self.policy, self.hf_config)
+
     def export_hf(self, out_dir: str) -> None:
         from meshrl.parallel.hf_conversion import save_hf_checkpoint
 
         if self.layout.dp_rank == 0:  # the replicas hold the same weights; two writers would race on the folder
-            save_hf_checkpoint(self.policy, self.hf_config, out_dir, tokenizer_dir=self.model_dir)
+            save_hf_checkpoint(self.policy, self.hf_config, out_dir, tokenizer_dir=self.model_dir,
+                               weights=self.hf_weights())
 
     def shutdown_engine(self) -> None:
         self.engine.shutdown()

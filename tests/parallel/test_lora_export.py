@@ -1,6 +1,6 @@
 """The merged HF export of a LoRA policy (``hf_model`` in the actor's ``checkpoint.save_contents``): the folder
-``save_hf_checkpoint`` writes is a plain HF checkpoint that transformers loads without PEFT, and it computes what
-PEFT's ``merge_and_unload()`` of the adapter saved beside it computes (the independent reference)."""
+``save_hf_checkpoint`` writes from the merged stream is a plain HF checkpoint that transformers loads without PEFT,
+and it computes what PEFT's ``merge_and_unload()`` of the adapter saved beside it computes (the independent reference)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ def test_merged_export_equals_peft_merge_and_unload(tp1, request, tmp_path, fixt
             for b in adapter.lora_B.values():
                 b.normal_(std=0.1)
     base = hf_model(path, critic=False)
-    exported = save_hf_checkpoint(chunks, base.config, tmp_path / "huggingface", tokenizer_dir=path)
+    # the worker's export stream with LoRA (ActorRolloutRefWorker.hf_weights): the merged weights
+    exported = save_hf_checkpoint(chunks, base.config, tmp_path / "huggingface", tokenizer_dir=path,
+                                  weights=peft_io.iter_merged_weights(chunks, base.config))
     adapter = peft_io.save_adapter(chunks, tmp_path / "lora_adapter", base_model=str(path))
 
     # plain HF: no PEFT names, no adapter files
