@@ -10,14 +10,20 @@
 The checkpoint's kind is read from its ``config.json`` (``architectures``); meshrl's named models are known by
 name (``tiny-rm:<family>`` are sequence classifiers, ``tiny:`` / ``embedded:`` models causal LMs). A path that
 is not there counts as discriminative here; the reward model's preflight says it is missing.
+
+The judge's server settings, verl's ``reward_model.rollout.*``, have two homes (``reward.reward_model.rollout.*``,
+verl's newer one): ``judge_rollout`` resolves them, and ``unused_judge_keys`` names those set in a run without a judge.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from meshrl.config.schema import RewardModelRolloutConfig
 
 DISCRIMINATIVE, GENERATIVE = "discriminative", "generative"
 JUDGE_SECTIONS = ("reward_model.rollout", "reward.reward_model.rollout")
@@ -49,20 +55,33 @@ def reward_model_kind(cfg: DictConfig) -> str | None:
     return DISCRIMINATIVE
 
 
+def _changed(section: DictConfig) -> dict[str, Any]:
+    """The fields of a ``reward_model.rollout``-shaped section set away from the schema's defaults, as plain values."""
+    defaults = OmegaConf.structured(RewardModelRolloutConfig)
+    changed = {}
+    for name in section.keys():
+        value, default = section[name], defaults[name]
+        if OmegaConf.is_config(value):
+            value, default = OmegaConf.to_container(value), OmegaConf.to_container(default)
+        if value != default:
+            changed[name] = value
+    return changed
+
+
+def judge_rollout(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
+    """``reward_model.rollout``'s values, each following ``reward.reward_model.rollout``'s unless set itself
+    (verl's two homes of the section); and the keys set in both to different values."""
+    own, newer = _changed(cfg.reward_model.rollout), _changed(cfg.reward.reward_model.rollout)
+    problems = [f"reward_model.rollout.{name}={value}, reward.reward_model.rollout.{name}={newer[name]}: verl's two "
+                "names of one setting disagree; set one of them"
+                for name, value in own.items() if name in newer and newer[name] != value]
+    return {**OmegaConf.to_container(cfg.reward_model.rollout), **newer, **own}, problems
+
+
 def unused_judge_keys(cfg: DictConfig, kind: str | None) -> list[str]:
     """``reward_model.rollout.*`` keys (either home) set away from their defaults in a run without a judge, where
     nothing reads them: a start-up note names them."""
     if kind == GENERATIVE:
         return []
-    from meshrl.config.key_policy import leaf_keys
-    from meshrl.config.loader import default_config
-
-    defaults, found = default_config(), []
-    for section in JUDGE_SECTIONS:
-        for key in leaf_keys(OmegaConf.select(cfg, section), f"{section}."):
-            value = OmegaConf.select(cfg, key)
-            plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-            default = OmegaConf.select(defaults, key)
-            if plain != (OmegaConf.to_container(default) if OmegaConf.is_config(default) else default):
-                found.append(f"{key}={plain}")
-    return found
+    return [f"{section}.{name}={value}" for section in JUDGE_SECTIONS
+            for name, value in _changed(OmegaConf.select(cfg, section)).items()]

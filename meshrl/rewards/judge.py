@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshrl.config.reward_model_kind import judge_rollout
+
 # The arguments verl's reward loop adds to a custom function's call when the reward model is served.
 JUDGE_ARGUMENTS = ("reward_router_address", "reward_model_tokenizer")
 CPU_DEFAULT_KV_BYTES = 1 << 30  # as the rollout engine's default on CPU
@@ -105,27 +107,6 @@ class JudgeServer:
             elif value is not False and value is not None:
                 cmd += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
         return cmd
-
-
-def judge_rollout(cfg) -> tuple[dict[str, Any], list[str]]:
-    """``reward_model.rollout``'s values, each following ``reward.reward_model.rollout``'s unless set itself
-    (verl's two homes of the section); and the keys set in both to different values."""
-    from omegaconf import OmegaConf
-
-    from meshrl.config.loader import default_config
-
-    defaults = default_config().reward_model.rollout
-    own, newer = cfg.reward_model.rollout, cfg.reward.reward_model.rollout
-    values, problems = {}, []
-    for name in own.keys():
-        mine, theirs, default = own[name], newer[name], defaults[name]
-        if OmegaConf.is_config(mine):
-            mine, theirs, default = (OmegaConf.to_container(v) for v in (mine, theirs, default))
-        if mine != default and theirs != default and mine != theirs:
-            problems.append(f"reward_model.rollout.{name}={mine}, reward.reward_model.rollout.{name}={theirs}: "
-                            "verl's two names of one setting disagree; set one of them")
-        values[name] = mine if mine != default else theirs
-    return values, problems
 
 
 def judge_problems(cfg) -> list[str]:

@@ -626,7 +626,7 @@ def _reward_judge_bytes(cfg, precision, device: str, limit: float) -> float:
     from types import SimpleNamespace
 
     from meshrl.parallel.model_builder import model_spec
-    from meshrl.rewards.judge import judge_rollout
+    from meshrl.config.reward_model_kind import judge_rollout
 
     values, _ = judge_rollout(cfg)
     spec = model_spec(load_hf_config(cfg.reward_model.model.path))

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from meshrl.config import ConfigError, load_config
-from meshrl.config.reward_model_kind import DISCRIMINATIVE, GENERATIVE, reward_model_kind
+from meshrl.config.reward_model_kind import DISCRIMINATIVE, GENERATIVE, judge_rollout, reward_model_kind
 from meshrl.config.validate import validate_config
 from meshrl.rewards.dispatch import JudgeSettings, RewardSpec
-from meshrl.rewards.judge import accepts_judge_arguments, judge_problems, judge_rollout, judge_server
+from meshrl.rewards.judge import accepts_judge_arguments, judge_problems, judge_server
 from meshrl.rewards.pool import RewardPool
 from meshrl.trainer.main import check_reward_function
 
