@@ -149,10 +149,9 @@ REFUSED = {
     "actor_rollout_ref.rollout.multi_turn.function_tool_path": "verl's function tools (Python functions made tools) "
                                                                "are not built yet; describe the tools in "
                                                                "rollout.multi_turn.tool_config_path",
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "interactions (a scripted user answering each "
-                                                                    "turn) are not built yet; leave it unset",
-    "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts": "it repeats verl's SGLang interaction rollouts, which "
-                                                                "are not built; leave it unset",
+    "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts": "it repeats a conversation in verl's SGLang rollout, "
+                                                                "which meshrl does not run (samples per prompt are "
+                                                                "rollout.n); leave it unset",
     "actor_rollout_ref.rollout.agent.*": "verl's agent-loop workers, custom agent loops and custom async servers "
                                          "are not built: meshrl runs its agent loop inside each engine replica "
                                          "(rollout.mode=async: one coroutine per sample); leave rollout.agent at "

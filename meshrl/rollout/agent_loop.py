@@ -8,26 +8,45 @@ Per sample, with R = the response length (``rollout.response_length`` / ``data.m
         response += turn;  assistant_turns += 1
         stop ("length") when the turn ran out of tokens or |response| ≥ R
         calls ← parse(decode(turn))          rollout.multi_turn.format (meshrl.rollout.tool_parsers)
-        stop ("stop") when the turn has no call
+        stop ("stop") when the turn has no call and the sample has no interaction
         stop ("max_turns") when assistant_turns ≥ max_assistant_turns or user_turns ≥ max_user_turns
-        outputs ← run calls[:max_parallel_calls], all samples' calls at once (meshrl.rollout.tools)
-        delta ← the chat template's tokens for the tool messages after the turn's end      (loss mask 0)
+        if calls:
+            outputs ← run calls[:max_parallel_calls], all samples' calls at once (meshrl.rollout.tools)
+            delta ← the chat template's tokens for the tool messages after the turn's end  (loss mask 0)
+        else:                                                             the interaction answers (below)
+            terminate, text, score ← interaction.generate_response(messages)
+            stop ("interaction_error") when it raised or did not answer in time, without a user turn
+            turn_scores += score;  delta ← the template's tokens for the user message text  (loss mask 0)
         stop ("length") when |response| + |delta| ≥ R, without appending it (verl)
         response += delta;  user_turns += 1
+        stop ("stop") when the interaction said terminate
 
 **Token in, token out.** The engine is given, and the trainer receives, ``prompt + response`` built only by
 appending: the engine's sampled ids as they came and each tool delta. Nothing is re-tokenised, so the
 trainer's tokens are the engine's byte for byte (a transcript re-tokenised from text could merge tokens
 across turn boundaries, and the trained log-probs would not be those of what was sampled).
 
-**The tool delta** (``ToolMessageTokens``): the template renders a fixed conversation ``[user, assistant]``,
-and the same followed by the tool messages with the generation prompt; the delta is the second's tokens
-after the first one's end-of-turn token (the last of the engine's stop ids in it), e.g. for ChatML
+**The tool and user deltas** (``MessageTokens``): the template renders a fixed conversation ``[user,
+assistant]``, and the same followed by the new messages (the tool messages, or the interaction's user
+message) with the generation prompt; the delta is the second's tokens after the first one's end-of-turn
+token (the last of the engine's stop ids in it), e.g. for ChatML
 ``\\n<|im_start|>tool\\n{output}<|im_end|>\\n<|im_start|>assistant\\n``. It is what the template puts
 between an assistant turn that ended at its stop token and the next assistant turn. A template for which
 the first rendering is not a prefix of the second (or that ends no assistant turn with a stop id) is
 refused when the loop is built. The tool schemas are not rendered into the delta (they belong to the
 prompt: the dataset renders them, ``meshrl.data.dataset.load_datasets``).
+
+**Interactions** (``rollout.multi_turn.interaction_config_path``, ``meshrl.rollout.interactions``): each
+sample's ``extra_info.interaction_kwargs.name`` picks the interaction that plays its user. As in verl's
+``tool_agent`` loop, a turn with tool calls runs the tools and a turn without one goes to the interaction,
+which sees the conversation as chat messages (the prompt's ``raw_prompt``, each assistant turn decoded
+without special tokens, tool and user messages) and answers with a user message (appended as tokens,
+loss mask 0, counted as a user turn for ``max_user_turns``), a turn score and whether to stop there; the
+stopping user message is appended too, as verl appends it. The turn scores reach the reward function as
+verl's agent loop passes them: ``extra_info["turn_scores"]`` (with ``num_turns``; ``meshrl.trainer.rl_trainer``).
+An interaction that raises or outlives its ``timeout_s`` ends that sample's conversation (finish reason
+``interaction_error``, a logged warning); the step goes on. A started interaction is finalized
+(``finalize_interaction``) when its conversation ends (``meshrl.rollout.interactions.runner``).
 
 **Batching** (``rollout.mode=sync``). Each turn is one ``generate`` call for every sample still running
 (the engine batches them), so a batch takes as many engine calls as its longest conversation has
@@ -41,20 +60,24 @@ the runner) while the other samples keep generating, and its next turn joins the
 as soon as they answer. Turn k of sample j of prompt i is seeded ``turn_seed(seed_i + j, k)``, so the
 first turn draws what a single-turn rollout's sample j would.
 
-Output: one ``Completion`` per sample (prompt-major) whose ``loss_mask`` is 0 on tool tokens (log-prob 0
-there), and per sample the statistics ``AgentStats`` that ``agent_metrics`` turns into the rollout's
-``agent/*`` (per turn) and ``tool/<name>/*`` (per tool) metrics.
+Output: one ``Completion`` per sample (prompt-major) whose ``loss_mask`` is 0 on tool and user tokens
+(log-prob 0 there), and per sample the statistics ``AgentStats`` that ``agent_metrics`` turns into the
+rollout's ``agent/*`` (per turn), ``tool/<name>/*`` (per tool) and ``interaction/<name>/*`` metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from meshrl.rollout.base import Completion, RolloutEngine, SamplingConfig, section_getter
+from meshrl.rollout.interactions.base import Interaction
+from meshrl.rollout.interactions.config import interaction_for, interaction_kwargs_of, load_interactions
+from meshrl.rollout.interactions.runner import Conversation, InteractionReply, InteractionRunner
 from meshrl.rollout.tool_parsers import tool_parser
 from meshrl.rollout.tools.base import CallResult, Invocation, ToolRunner
 from meshrl.rollout.tools.config import load_tools, tool_schemas
@@ -62,7 +85,7 @@ from meshrl.rollout.tools.config import load_tools, tool_schemas
 if TYPE_CHECKING:  # the async engine imports vLLM's engine module; a multi-turn loop without it need not
     from meshrl.rollout.async_engine import AsyncEngine
 
-FINISH_REASONS = ("stop", "length", "max_turns")
+FINISH_REASONS = ("stop", "length", "max_turns", "interaction_error")
 
 
 @dataclass(frozen=True)
@@ -91,8 +114,9 @@ class MultiTurnSettings:
                    max_parallel_calls=int(get("max_parallel_calls", 1)), format=str(get("format", "hermes")))
 
 
-class ToolMessageTokens:
-    """Token ids of tool messages as the chat template appends them after an assistant turn (module doc)."""
+class MessageTokens:
+    """Token ids of messages (tool or user) as the chat template appends them after an assistant turn (module
+    doc)."""
 
     _BASE = ({"role": "user", "content": "U"}, {"role": "assistant", "content": "A"})
 
@@ -109,24 +133,31 @@ class ToolMessageTokens:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def __call__(self, outputs: Sequence[str]) -> list[int]:
-        messages = list(self._BASE) + [{"role": "tool", "content": text} for text in outputs]
-        ids = self._render(messages, generation_prompt=True)
+    def __call__(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        ids = self._render(list(self._BASE) + list(messages), generation_prompt=True)
         if ids[:len(self.prefix)] != self.prefix:
-            raise ValueError("the chat template renders an assistant turn differently when tool messages follow it; "
-                             "its tool-message tokens cannot be appended to the sampled ones")
+            raise ValueError(f"the chat template renders an assistant turn differently when {messages[0]['role']} "
+                             "messages follow it; their tokens cannot be appended to the sampled ones")
         return ids[len(self.prefix):]
 
 
 @dataclass
 class AgentStats:
-    """One sample's conversation: turns, calls, and per tool ``[calls, errors, timeouts, truncated, seconds]``."""
+    """One sample's conversation: turns (``user_turns``: tool and interaction turns, as verl counts them),
+    calls, per tool ``[calls, errors, timeouts, truncated, seconds]``, and its interaction's name, turns,
+    failure (``interaction_error``: "timeout" or "error"), seconds waited and ``turn_scores``."""
 
     assistant_turns: int = 0
     user_turns: int = 0
     malformed_calls: int = 0
     tool_tokens: int = 0
     tools: dict[str, list[float]] = field(default_factory=dict)
+    interaction: str | None = None
+    interaction_turns: int = 0
+    interaction_tokens: int = 0
+    interaction_error: str | None = None
+    interaction_seconds: float = 0.0
+    turn_scores: list[float] = field(default_factory=list)
 
     def add_call(self, name: str, result: CallResult) -> None:
         row = self.tools.setdefault(name, [0.0] * 5)
@@ -140,6 +171,7 @@ class _Sample:
     sample_index: int
     prompt: list[int]
     tools_kwargs: Mapping[str, Any]
+    conversation: Conversation | None = None  # the interaction's side, with an interaction config
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -153,10 +185,12 @@ class _Sample:
 
 
 class AgentLoop:
-    """The multi-turn loop of the module docstring over one engine, with ``runner``'s tools."""
+    """The multi-turn loop of the module docstring over one engine, with ``runner``'s tools and, when given,
+    ``interactions`` by name (``meshrl.rollout.interactions``)."""
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, runner: ToolRunner, settings: MultiTurnSettings,
-                 response_length: int, async_engine: AsyncEngine | None = None) -> None:
+                 response_length: int, async_engine: AsyncEngine | None = None,
+                 interactions: Mapping[str, Interaction] | None = None) -> None:
         self.engine = engine
         self.async_engine = async_engine  # rollout.mode=async: one coroutine per conversation
         self.tokenizer = tokenizer
@@ -164,23 +198,49 @@ class AgentLoop:
         self.settings = settings
         self.response_length = response_length
         self.parser = tool_parser(settings.format)
-        self.tool_tokens = ToolMessageTokens(tokenizer, engine.eos_token_ids)
+        self.message_tokens = MessageTokens(tokenizer, engine.eos_token_ids)
+        self.interactions = dict(interactions or {})
+        self.interaction_runner = InteractionRunner() if self.interactions else None
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 tools_kwargs: Sequence[Mapping[str, Any]] | None = None) -> tuple[list[Completion], list[AgentStats]]:
-        """``sampling.n`` conversations per prompt, prompt-major; ``tools_kwargs[i]`` is prompt i's
-        ``extra_info.tools_kwargs``. Returns their completions and statistics."""
-        kwargs = list(tools_kwargs) if tools_kwargs is not None else [{}] * len(prompts)
-        samples = [_Sample(i, j, list(map(int, prompt)), kwargs[i] or {})
+                 extra_infos: Sequence[Mapping[str, Any] | None] | None = None,
+                 messages: Sequence[Sequence[Mapping[str, Any]]] | None = None
+                 ) -> tuple[list[Completion], list[AgentStats]]:
+        """``sampling.n`` conversations per prompt, prompt-major. ``extra_infos[i]`` is prompt i's ``extra_info``
+        (its ``tools_kwargs`` and ``interaction_kwargs``), ``messages[i]`` its chat messages (verl's
+        ``raw_prompt``, which interactions read). Returns their completions and statistics.
+
+        Raises:
+            ValueError: with interactions, ``messages`` is missing or a row's ``interaction_kwargs`` name none.
+        """
+        infos = list(extra_infos) if extra_infos is not None else [{}] * len(prompts)
+        if self.interactions and messages is None:
+            raise ValueError("interactions read the conversation as chat messages: pass the prompts' raw_prompt "
+                             "(data.return_raw_chat=True)")
+        samples = [_Sample(i, j, list(map(int, prompt)), (infos[i] or {}).get("tools_kwargs") or {},
+                           self._conversation(infos[i], messages[i]) if self.interactions else None)
                    for i, prompt in enumerate(prompts) for j in range(sampling.n)]
+        for sample in samples:
+            if sample.conversation is not None:
+                sample.stats.interaction = sample.conversation.interaction.name
         turn = replace(sampling, n=1, max_response_length=min(sampling.max_response_length, self.response_length))
-        if self.async_engine is None:
-            self._converse_in_batches(samples, turn)
-        else:
-            self._converse_async(samples, turn, prompts)
+        try:
+            if self.async_engine is None:
+                self._converse_in_batches(samples, turn)
+            else:
+                self._converse_async(samples, turn, prompts)
+        finally:
+            if self.interaction_runner is not None:
+                self.interaction_runner.finalize([s.conversation for s in samples if s.conversation is not None])
         completions = [Completion(s.prompt_index, s.sample_index, s.tokens, s.logprobs, s.finish, loss_mask=s.mask)
                        for s in samples]
         return completions, [s.stats for s in samples]
+
+    def _conversation(self, extra_info: Mapping[str, Any] | None, messages: Sequence[Mapping[str, Any]]
+                      ) -> Conversation:
+        kwargs = interaction_kwargs_of(extra_info)
+        return Conversation(interaction_for(self.interactions, kwargs), dict(kwargs),
+                            [dict(message) for message in messages])
 
     def _cap(self, sample: _Sample, turn: SamplingConfig) -> int:
         return min(self.response_length - len(sample.tokens), turn.max_response_length)
@@ -190,16 +250,26 @@ class AgentLoop:
         while active:
             outputs = self.engine.generate([s.prompt + s.tokens for s in active], turn,
                                            max_tokens=[self._cap(s, turn) for s in active])
-            calling = [(s, calls) for s, out in zip(active, outputs) if (calls := self._after_turn(s, out))]
+            calling, asking = [], []
+            for sample, out in zip(active, outputs):
+                if calls := self._after_turn(sample, out):
+                    calling.append((sample, calls))
+                elif sample.finish is None:
+                    asking.append(sample)
+            # The interactions answer on their own thread while the tools run.
+            started = time.monotonic()
+            replies = [self.interaction_runner.reply(s.conversation) for s in asking] if asking else []
             results = iter(self.runner.run(self._invocations(calling)))
             for sample, calls in calling:
                 self._append_tool_outputs(sample, calls, [next(results) for _ in calls])
+            for sample, reply in zip(asking, replies):
+                self._append_user_turn(sample, self.interaction_runner.wait(sample.conversation, reply, started))
             active = [s for s in samples if s.finish is None]
 
     def _converse_async(self, samples: list[_Sample], turn: SamplingConfig, prompts: Sequence[Sequence[int]]) -> None:
-        """One coroutine per conversation on the async engine; its tools run on the runner's threads while
-        the other conversations generate. Turn k of sample j of prompt i is seeded with
-        ``turn_seed(seeds[i] + j, k)`` (``meshrl.rollout.async_engine``)."""
+        """One coroutine per conversation on the async engine; its tools run on the runner's threads (its
+        interaction on the interactions' loop) while the other conversations generate. Turn k of sample j of
+        prompt i is seeded with ``turn_seed(seeds[i] + j, k)`` (``meshrl.rollout.async_engine``)."""
         from meshrl.rollout.async_engine import turn_seed
 
         engine = self.async_engine
@@ -214,6 +284,8 @@ class AgentLoop:
                 if calls := self._after_turn(sample, out):
                     results = await asyncio.to_thread(self.runner.run, self._invocations([(sample, calls)]))
                     self._append_tool_outputs(sample, calls, results)
+                elif sample.finish is None:
+                    self._append_user_turn(sample, await self.interaction_runner.await_reply(sample.conversation))
 
         async def conversations() -> None:
             await asyncio.gather(*(converse(s) for s in samples))
@@ -221,7 +293,8 @@ class AgentLoop:
         engine.run(conversations)
 
     def _after_turn(self, sample: _Sample, out: Completion) -> list:
-        """Append a generated turn; the calls to run now, or [] with ``sample.finish`` set."""
+        """Append a generated turn; the calls to run now, or [] with ``sample.finish`` set, or [] for the
+        interaction to answer."""
         sample.append(out.token_ids, out.logprobs, sampled=True)
         stats = sample.stats
         stats.assistant_turns += 1
@@ -231,8 +304,11 @@ class AgentLoop:
         # verl's hermes parser decodes with special tokens kept (<tool_call> may be one).
         parsed = self.parser.parse(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
         stats.malformed_calls += parsed.malformed
+        if sample.conversation is not None:  # what the interaction reads: verl decodes without special tokens
+            sample.conversation.messages.append(
+                {"role": "assistant", "content": self.tokenizer.decode(out.token_ids, skip_special_tokens=True)})
         settings = self.settings
-        if not parsed.calls:
+        if not parsed.calls and sample.conversation is None:
             sample.finish = "stop"
         elif (settings.max_assistant_turns and stats.assistant_turns >= settings.max_assistant_turns) or \
                 (settings.max_user_turns and stats.user_turns >= settings.max_user_turns):
@@ -247,13 +323,39 @@ class AgentLoop:
         """Count the calls and append their tool messages' tokens (loss mask 0), or end the sample at "length"."""
         for call, result in zip(calls, results):
             sample.stats.add_call(call.name if call.name in self.runner.tools else "unknown", result)
-        delta = self.tool_tokens([result.text for result in results])
+        messages = [{"role": "tool", "content": result.text} for result in results]
+        if sample.conversation is not None:
+            sample.conversation.messages += messages
+        sample.stats.tool_tokens += self._append_delta(sample, messages)
+
+    def _append_user_turn(self, sample: _Sample, reply: InteractionReply) -> None:
+        """Record the interaction's answer and append its user message's tokens (loss mask 0); end the sample
+        on the interaction's failure ("interaction_error"), at its request ("stop") or at "length"."""
+        stats = sample.stats
+        stats.interaction_seconds += reply.seconds
+        if reply.error is not None:
+            stats.interaction_error = "timeout" if reply.timeout else "error"
+            sample.finish = "interaction_error"
+            return
+        stats.interaction_turns += 1
+        if reply.score is not None:
+            stats.turn_scores.append(reply.score)
+        message = {"role": "user", "content": reply.text}
+        sample.conversation.messages.append(message)
+        stats.interaction_tokens += self._append_delta(sample, [message])
+        if reply.terminate and sample.finish is None:
+            sample.finish = "stop"
+
+    def _append_delta(self, sample: _Sample, messages: list[dict[str, str]]) -> int:
+        """Append ``messages``' tokens (loss mask 0) as one user turn and return their count, or end the sample
+        at "length" when they do not fit in the response (0)."""
+        delta = self.message_tokens(messages)
         if len(sample.tokens) + len(delta) >= self.response_length:
             sample.finish = "length"
-            return
+            return 0
         sample.append(delta, [0.0] * len(delta), sampled=False)
-        sample.stats.tool_tokens += len(delta)
         sample.stats.user_turns += 1
+        return len(delta)
 
 
 AGENT_STATS = "agent_stats"  # the RL batch's per-row AgentStats field (a multi-turn rollout's)
@@ -262,12 +364,22 @@ AGENT_STATS = "agent_stats"  # the RL batch's per-row AgentStats field (a multi-
 def agent_loop_for(rollout: Any, engine: RolloutEngine, tokenizer: Any, response_length: int,
                    async_engine: AsyncEngine | None = None) -> AgentLoop | None:
     """The loop a verl ``rollout`` section asks for on ``engine`` (conversations as coroutines on
-    ``async_engine`` when given: ``rollout.mode=async``): None unless ``multi_turn.enable``."""
+    ``async_engine`` when given: ``rollout.mode=async``; the interactions of ``interaction_config_path``):
+    None unless ``multi_turn.enable``."""
     multi_turn = section_getter(rollout)("multi_turn") or {}
-    if not section_getter(multi_turn)("enable", False):
+    get = section_getter(multi_turn)
+    if not get("enable", False):
         return None
+    interactions = load_interactions(get("interaction_config_path")) if get("interaction_config_path") else None
     return AgentLoop(engine, tokenizer, tool_runner(multi_turn), MultiTurnSettings.from_rollout(multi_turn),
-                     response_length, async_engine)
+                     response_length, async_engine, interactions)
+
+
+def agent_reward_info(stats: AgentStats) -> dict[str, Any]:
+    """What verl's agent loop adds to a multi-turn sample's ``extra_info`` for the reward function: its
+    interaction's ``turn_scores`` (a list of floats, empty without one) and ``num_turns`` (assistant + user turns
+    + 1, verl's count)."""
+    return {"turn_scores": list(stats.turn_scores), "num_turns": stats.assistant_turns + stats.user_turns + 1}
 
 
 def prompt_tool_schemas(multi_turn: Any) -> list[dict[str, Any]] | None:
@@ -277,11 +389,6 @@ def prompt_tool_schemas(multi_turn: Any) -> list[dict[str, Any]] | None:
     if not get("enable", False) or not get("tool_config_path"):
         return None
     return tool_schemas(load_tools(get("tool_config_path")))
-
-
-def tools_kwargs_of(extra_infos: Sequence[Mapping[str, Any] | None]) -> list[Mapping[str, Any]]:
-    """Each row's ``extra_info.tools_kwargs`` (verl's per-sample tool arguments), {} where it has none."""
-    return [(info or {}).get("tools_kwargs") or {} for info in extra_infos]
 
 
 def tool_runner(multi_turn: Any) -> ToolRunner:
@@ -300,7 +407,7 @@ def agent_metrics(stats: Sequence[AgentStats], finish_reasons: Sequence[str]) ->
     """A rollout's ``agent/*`` metrics (turns per sample, as verl's ``num_turns`` counts them: assistant +
     tool turns + 1 for the prompt; finish reasons; how many samples reached each assistant turn) and its
     ``tool/<name>/*`` metrics (calls, errors, timeouts, truncated outputs, mean seconds per call; calls of
-    names the tool config lacks count under ``unknown``)."""
+    names the tool config lacks count under ``unknown``), and with interactions ``interaction_metrics``."""
     if not stats:
         return {}
     turns = np.array([s.assistant_turns + s.user_turns + 1 for s in stats], dtype=np.float64)
@@ -320,4 +427,33 @@ def agent_metrics(stats: Sequence[AgentStats], finish_reasons: Sequence[str]) ->
     for name, total in sorted(totals.items()):
         out.update({f"tool/{name}/{key}": float(value) for key, value in zip(_TOOL_FIELDS, total)})
         out[f"tool/{name}/mean_seconds"] = float(total[4] / max(total[0], 1.0))
+    return out | interaction_metrics(stats)
+
+
+def interaction_metrics(stats: Sequence[AgentStats]) -> dict[str, float]:
+    """Per interaction (``interaction/<name>/*``), over the samples it plays the user of: ``samples``, user
+    turns per sample (``turns/mean``), samples ended by its failure (``errors``, of which ``timeouts``),
+    seconds per answer (``mean_seconds``), the mean of all its turn scores (``score/mean``) and of its k-th
+    turn's scores (``turn_<k>/score``, over the samples that reached it); and ``agent/interaction_tokens/mean``."""
+    by_name: dict[str, list[AgentStats]] = {}
+    for s in stats:
+        if s.interaction is not None:
+            by_name.setdefault(s.interaction, []).append(s)
+    if not by_name:
+        return {}
+    out = {"agent/interaction_tokens/mean": float(np.mean([s.interaction_tokens for s in stats]))}
+    for name, group in sorted(by_name.items()):
+        key = f"interaction/{name}"
+        answers = sum(s.interaction_turns + (s.interaction_error is not None) for s in group)
+        scores = [score for s in group for score in s.turn_scores]
+        out.update({f"{key}/samples": float(len(group)),
+                    f"{key}/turns/mean": float(np.mean([s.interaction_turns for s in group])),
+                    f"{key}/errors": float(sum(s.interaction_error is not None for s in group)),
+                    f"{key}/timeouts": float(sum(s.interaction_error == "timeout" for s in group)),
+                    f"{key}/mean_seconds": float(sum(s.interaction_seconds for s in group) / max(answers, 1))})
+        if scores:
+            out[f"{key}/score/mean"] = float(np.mean(scores))
+        for k in range(1, max(len(s.turn_scores) for s in group) + 1):
+            reached = [s.turn_scores[k - 1] for s in group if len(s.turn_scores) >= k]
+            out[f"{key}/turn_{k}/score"] = float(np.mean(reached))
     return out

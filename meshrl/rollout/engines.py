@@ -84,12 +84,19 @@ def engine_window_problems(engine: str, hf_config, sequence_length: int) -> list
 
 def multi_turn_problems(multi_turn: Any) -> list[str]:
     """``multi_turn: why`` when the multi-turn rollout cannot run with these settings (nothing when it is off):
-    turn limits, parser ``format``, truncation, and the tools of ``tool_config_path``, built here so that a bad
-    file stops the run before any worker starts."""
-    if not section_getter(multi_turn)("enable", False):
+    turn limits, parser ``format``, truncation, the tools of ``tool_config_path`` and the interactions of
+    ``interaction_config_path``, built here so that a bad file stops the run before any worker starts."""
+    get = section_getter(multi_turn)
+    if not get("enable", False):
         return []
     from meshrl.rollout.agent_loop import MultiTurnSettings, tool_runner
+    from meshrl.rollout.interactions.config import load_interactions
 
+    if get("interaction_config_path"):
+        try:
+            load_interactions(get("interaction_config_path"))
+        except ValueError as error:  # names the file and the entry
+            return [f"multi_turn.interaction_config_path: {error}"]
     try:
         MultiTurnSettings.from_rollout(multi_turn)
         tool_runner(multi_turn).shutdown()

@@ -80,6 +80,15 @@ def load_inputs(cfg) -> RunInputs:
                                              tools=prompt_tool_schemas(cfg.actor_rollout_ref.rollout.multi_turn))
     except (OSError, ValueError) as exc:  # meshrl.data.dataset's errors name the file and the rows
         raise ConfigError(f"cannot load the prompts: {exc}", ["data.train_files", "data.val_files"]) from None
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if multi_turn.enable and multi_turn.interaction_config_path:  # every row must name its interaction
+        from meshrl.rollout.interactions.config import load_interactions, row_problems
+
+        samples = [data[i] for data in (train_data, val_data) if data is not None for i in range(len(data))]
+        rows = [(f"{s.source_file} row {s.row}", s.extra_info) for s in samples]
+        if problems := row_problems(load_interactions(multi_turn.interaction_config_path), rows):
+            raise ConfigError("rows without their interaction:\n  - " + "\n  - ".join(problems),
+                              ["data.train_files", "data.val_files"])
     batch, available = cfg.data.train_batch_size, len(train_data)
     if available < batch:
         why = [f"{train_data.num_filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} dropped"

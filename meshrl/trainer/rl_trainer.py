@@ -39,7 +39,7 @@ from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
 from meshrl.protocol import Batch
 from meshrl.rewards.pool import RewardPool
-from meshrl.rollout.agent_loop import AGENT_STATS, agent_metrics
+from meshrl.rollout.agent_loop import AGENT_STATS, agent_metrics, agent_reward_info
 from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
 from meshrl.trainer.alarms import MismatchAlarm
 from meshrl.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager, hf_export_roles
@@ -75,6 +75,9 @@ class RLTrainer:
         # The prompts' chat messages travel with the batch for data.return_raw_chat and for the reward model,
         # which renders them with its own chat template.
         self.raw_chat = bool(cfg.data.return_raw_chat) or plan.use_reward_model
+        # Interactions read the conversation as chat messages: the workers get them too (validate requires raw chat).
+        multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+        self.workers_read_chat = bool(multi_turn.enable and multi_turn.interaction_config_path)
         self.tokenizer = tokenizer
         self.train_data = train_data
         self.val_data = val_data
@@ -179,9 +182,10 @@ class RLTrainer:
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         """``policy.generate``. The prompts' chat messages (``raw_prompt``), which the engines never read, stay
-        on the driver and join the responses by ``uid``."""
+        on the driver unless interactions read them, and join the responses by ``uid``."""
         raw = prompts["raw_prompt"] if "raw_prompt" in prompts else None
-        batch = self.policy.generate(prompts.select([k for k in prompts.keys() if k != "raw_prompt"]), mode=mode)
+        sent = prompts if self.workers_read_chat else prompts.select([k for k in prompts.keys() if k != "raw_prompt"])
+        batch = self.policy.generate(sent, mode=mode)
         if raw is not None:
             batch.set("raw_prompt", raw[batch["uid"].numpy()])
         return batch
@@ -212,8 +216,11 @@ class RLTrainer:
         return done
 
     def function_scores(self, batch: Batch, rm_scores: torch.Tensor | None) -> Scores:
-        """The reward function's scores of the decoded responses (with the reward model's in ``extra_info``)."""
+        """The reward function's scores of the decoded responses (with the reward model's in ``extra_info``, and a
+        multi-turn rollout's ``agent_reward_info``, as verl's agent loop passes them)."""
         extra_info = list(batch["extra_info"])
+        if AGENT_STATS in batch:
+            extra_info = [{**(info or {}), **agent_reward_info(s)} for info, s in zip(extra_info, batch[AGENT_STATS])]
         if rm_scores is not None:
             extra_info = [{**(info or {}), "rm_score": float(s)} for info, s in zip(extra_info, rm_scores)]
         result = self.reward.score(list(batch["reward_source"]), decode_responses(batch, self.tokenizer),

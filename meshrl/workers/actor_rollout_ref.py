@@ -181,8 +181,9 @@ class ActorRolloutRefWorker(RankWorker):
     # ---------------------------------------------------------------------------------- rollout
     def generate(self, prompts: Batch, mode: str) -> Batch | None:
         """``rollout.n`` responses per prompt (``mode``: train | greedy | val); rows prompt-major. With
-        ``rollout.multi_turn.enable`` each is a conversation with tools and the rows carry its ``agent_stats``."""
-        from meshrl.rollout.agent_loop import AGENT_STATS, tools_kwargs_of
+        ``rollout.multi_turn.enable`` each is a conversation with tools (and interactions, which read the prompts'
+        ``raw_prompt``) and the rows carry its ``agent_stats``."""
+        from meshrl.rollout.agent_loop import AGENT_STATS
         from meshrl.rollout.weight_sync import colocated_rollout
 
         sampling = self.sampling[mode]
@@ -192,8 +193,9 @@ class ActorRolloutRefWorker(RankWorker):
                 completions = (self.async_engine or self.engine).generate([list(p) for p in prompts["prompt_ids"]],
                                                                           sampling)
             else:
-                completions, stats = self.agent_loop.generate([list(p) for p in prompts["prompt_ids"]], sampling,
-                                                              tools_kwargs_of(prompts["extra_info"]))
+                completions, stats = self.agent_loop.generate(
+                    [list(p) for p in prompts["prompt_ids"]], sampling, list(prompts["extra_info"]),
+                    list(prompts["raw_prompt"]) if "raw_prompt" in prompts else None)
         out = responses_batch(prompts, completions, sampling.n, self.response_length, self.pad_id)
         if self.agent_loop is not None:
             out.set(AGENT_STATS, stats)

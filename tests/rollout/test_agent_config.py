@@ -69,8 +69,6 @@ def test_a_search_path_outside_verls_config_folder_is_refused(tmp_path):
 @pytest.mark.parametrize("override,key", [
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.tensor_model_parallel_size"),
     ("+data.apply_chat_template_kwargs.enable_thinking=false", "data.apply_chat_template_kwargs"),
-    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path=/i.yaml",
-     "actor_rollout_ref.rollout.multi_turn.interaction_config_path"),
 ])
 def test_what_multi_turn_cannot_run_with_is_refused_at_load_time(override, key):
     cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=True", "trainer.n_gpus_per_node=2", override],

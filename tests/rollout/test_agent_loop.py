@@ -6,7 +6,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from meshrl.rollout.agent_loop import AgentLoop, MultiTurnSettings, ToolMessageTokens, agent_metrics
+from meshrl.rollout.agent_loop import AgentLoop, MessageTokens, MultiTurnSettings, agent_metrics
 from meshrl.rollout.base import Completion, EngineConfig, RolloutEngine, SamplingConfig
 from meshrl.rollout.tools import ToolRunner
 from meshrl.rollout.tools.calculator import CalculatorTool
@@ -116,13 +116,13 @@ def test_training_tokens_are_the_engines_tokens_across_turns(tiny_llama_dir, tok
 
 
 def test_the_delta_is_what_the_template_puts_between_two_assistant_turns(tokenizer):
-    delta = ToolMessageTokens(tokenizer, [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    delta = MessageTokens(tokenizer, [tokenizer.convert_tokens_to_ids("<|im_end|>")])
     before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "call"}]
     full = tokenizer.apply_chat_template(before + [{"role": "tool", "content": "7"}], add_generation_prompt=True,
                                          tokenize=False)
     head = tokenizer.apply_chat_template(before, tokenize=False)
     head = head[:head.rindex("<|im_end|>") + len("<|im_end|>")]
-    assert tokenizer.decode(delta(["7"])) == full[len(head):]
+    assert tokenizer.decode(delta([{"role": "tool", "content": "7"}])) == full[len(head):]
 
 
 @pytest.mark.parametrize("settings,turns,reason", [
