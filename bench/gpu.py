@@ -15,7 +15,13 @@ into one JSON:
   update's MFU. Micro-batches are packed THD rows (``use_remove_padding``, the default);
   ``rl_step_padded`` runs the same with padded rows (``use_remove_padding=False``).
 - ``update_mfu``: the worker's actor update alone on synthetic batches of longer sequences (token-budget
-  micro-batches), MFU = model FLOPs / time / FLOP/s.
+  micro-batches), MFU = model FLOPs / time / FLOP/s, peak device memory; with the defaults (the fused output
+  layer, ``model.use_fused_kernels=True``, eager layers). ``update_unfused`` runs the same with
+  ``use_fused_kernels=False`` (the ``[response tokens, V]`` fp32 logits of each micro-batch exist, and are kept
+  for backward), ``update_chunk4096`` with the fused layer's chunks of 4096 tokens instead of 512, and ``update_compiled`` with ``actor.use_torch_compile=True`` (norms, SwiGLU and rotary through
+  inductor's Triton kernels): issue 24's before/after, each in its own process. Each records its first update's
+  wall time (allocator warm-up, and the compilation where there is one) and that update's loss and grad norm
+  (the same weights and batch in every variant, so they must agree to bf16 rounding).
 - ``offload``: the policy's parameters, gradients and optimizer state to host memory and back: device
   memory freed, values bit-identical after the restore.
 - ``profile``: one forward and one forward+backward of a micro-batch through the Megatron policy under
@@ -49,7 +55,12 @@ from pathlib import Path
 
 import torch
 
-SECTIONS = ("machine", "parity", "rl_step", "rl_step_padded", "update_mfu", "offload", "checkpoint", "profile")
+SECTIONS = ("machine", "parity", "rl_step", "rl_step_padded", "update_mfu", "update_unfused", "update_chunk4096",
+            "update_compiled", "offload", "checkpoint", "profile")
+# The update sections: config overrides of each variant (module docstring).
+UPDATE_VARIANTS = {"update_mfu": (), "update_unfused": ("actor_rollout_ref.model.use_fused_kernels=False",),
+                   "update_chunk4096": ("actor_rollout_ref.model.fused_kernel_options.chunk_size=4096",),
+                   "update_compiled": ("actor_rollout_ref.actor.use_torch_compile=True",)}
 DATASHEET_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
 # Qwen2.5-1.5B's published config (shapes only; weights are random here).
 QWEN25_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -285,14 +296,14 @@ def section_rl_step(args, overrides: list[str] = ()) -> dict:
     }
 
 
-def section_update_mfu(args) -> dict:
-    """The worker's actor update alone, on synthetic batches of ``seq``-token sequences."""
+def section_update_mfu(args, overrides: tuple[str, ...] = ()) -> dict:
+    """The worker's actor update alone, on synthetic batches of ``seq``-token sequences, with ``overrides``."""
     from bench.machine import model_shape, transformer_flops
     from meshrl.algorithms import GlobalNorm
     from meshrl.config.run_plan import build_run_plan
     from meshrl.protocol import Batch
 
-    worker, model_dir, cfg = make_worker(args, [])
+    worker, model_dir, cfg = make_worker(args, list(overrides))
     shape = model_shape(model_dir)
     results = []
     for rows, seq, budget in args.mfu_shapes:
@@ -310,19 +321,23 @@ def section_update_mfu(args) -> dict:
         worker.plan = build_run_plan(cfg)  # the worker's micro-batching comes from the run plan
         norm = GlobalNorm.from_mask(mask, max_len=response)
         torch.cuda.reset_peak_memory_stats()
+        first: list[dict] = []
         try:
-            seconds = cuda_timed(lambda: worker.update([(batch, norm)], on_policy=True), args.mfu_repeats + 1)[1:]
+            seconds = cuda_timed(lambda: first.append(worker.update([(batch, norm)], on_policy=True)[0]),
+                                 args.mfu_repeats + 1)
         except torch.OutOfMemoryError as error:
             results.append({"rows": rows, "seq": seq, "token_budget": budget, "error": repr(error)[:300]})
             torch.cuda.empty_cache()
             continue
         flops = transformer_flops([seq] * rows, shape, backward=True, output_tokens=rows * response)
+        warmup_s, seconds = seconds[0], seconds[1:]
         best, median = min(seconds), statistics.median(seconds)
-        results.append({"rows": rows, "seq": seq, "token_budget": budget, "seconds": seconds,
+        results.append({"rows": rows, "seq": seq, "token_budget": budget, "seconds": seconds, "first_s": warmup_s,
+                        "first_loss": first[0]["actor/loss"], "first_grad_norm": first[0]["actor/grad_norm"],
                         "tokens_per_s": rows * seq / median, "achieved_flops_median": flops / median,
                         "achieved_flops_best": flops / best,
                         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30})
-    return {"params": shape.params, "packed": worker.remove_padding, "shapes": results}
+    return {"params": shape.params, "packed": worker.remove_padding, "overrides": list(overrides), "shapes": results}
 
 
 def section_offload(args) -> dict:
@@ -488,7 +503,10 @@ def run_section(name: str, args) -> None:
 
     configure_environment()
     try:
-        result = {"ok": True, **globals()[f"section_{name}"](args)}
+        if name in UPDATE_VARIANTS:
+            result = {"ok": True, **section_update_mfu(args, UPDATE_VARIANTS[name])}
+        else:
+            result = {"ok": True, **globals()[f"section_{name}"](args)}
     except Exception as error:  # recorded, so that one failing check does not hide the others
         result = {"ok": False, "error": repr(error), "traceback": traceback.format_exc()}
     Path(args.section_out).write_text(json.dumps(result, indent=1, default=str))
@@ -517,15 +535,16 @@ def summary(result: dict) -> list[str]:
             lines.append(f"{name} {section['median_step_s']:.2f} s: " + "  ".join(f"{k} {v:.2f}" for k, v in ph.items())
                          + f"  | gen {section['generation_tokens_per_s']:.0f} tok/s, update MFU "
                          f"{mfu / peak:.3f} of measured / {mfu / sheet:.3f} of datasheet")
-        elif name == "update_mfu":
+        elif name in UPDATE_VARIANTS:
             for s in section["shapes"]:
                 if "error" in s:
-                    lines.append(f"update {s['rows']}x{s['seq']} budget {s['token_budget']}: {s['error'][:80]}")
+                    lines.append(f"{name} {s['rows']}x{s['seq']} budget {s['token_budget']}: {s['error'][:80]}")
                     continue
-                lines.append(f"update {s['rows']}x{s['seq']} budget {s['token_budget']}: {s['tokens_per_s']:.0f} tok/s, "
+                lines.append(f"{name} {s['rows']}x{s['seq']} budget {s['token_budget']}: {s['tokens_per_s']:.0f} tok/s, "
                              f"MFU {s['achieved_flops_median'] / peak:.3f} measured / "
                              f"{s['achieved_flops_median'] / sheet:.3f} datasheet, "
-                             f"peak mem {s['peak_memory_gib']:.1f} GiB")
+                             f"peak mem {s['peak_memory_gib']:.1f} GiB; first update {s['first_s']:.1f} s, loss "
+                             f"{s['first_loss']:.6g}, grad norm {s['first_grad_norm']:.6g}")
         elif name == "offload":
             lines.append("offload " + "; ".join(f"{r['offloaded_gib']:.1f} GiB out {r['offload_s']:.2f} s, back "
                                                  f"{r['restore_s']:.2f} s" for r in section["rounds"])
@@ -542,14 +561,15 @@ def summary(result: dict) -> list[str]:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Per-phase time of the RL step (packed and padded rows) and the actor update's MFU, side by side."""
+    """Per-phase time of the RL step (packed and padded rows), and the actor update's MFU and peak memory in
+    each update variant (fused / unfused output layer, compiled layers), side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     peak = result.get("machine", {}).get("matmul_bf16_flops")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 4.5))
     runs = [name for name in ("rl_step", "rl_step_padded") if result.get(name, {}).get("ok")]
     phases = ("generate", "old_log_prob", "update", "sync")
     colors = ("#3b7dd8", "#9a9a9a", "#d8843b", "#4caf50")
@@ -564,22 +584,30 @@ def plot(result: dict, path: Path) -> None:
     left.set_ylabel("seconds per step (median)")
     left.set_title("RL step phases, HF engine + Megatron TP1, bf16", fontsize=10)
     left.legend(fontsize=8)
-    bars, labels = [], []
-    for name in runs:
-        bars.append(result[name]["update_achieved_flops"])
-        labels.append("RL update\n" + ("packed" if result[name]["config"].get("packed") else "padded"))
-    mfu = result.get("update_mfu", {})
-    for shape in mfu.get("shapes", []):
-        if "error" not in shape:
-            bars.append(shape["achieved_flops_median"])
-            labels.append(f"{shape['rows']}x{shape['seq']} {'packed' if mfu.get('packed') else 'padded'}\n"
-                          f"budget {shape['token_budget']}")
-    if peak and bars:
-        drawn = right.bar(labels, [b / peak for b in bars], color="#3b7dd8")
-        right.bar_label(drawn, fmt="%.2f")
-        right.set_ylabel("fraction of measured bf16 matmul FLOP/s")
-    right.set_title("actor update MFU", fontsize=10)
-    right.tick_params(axis="x", labelsize=8)
+    variants = [name for name in UPDATE_VARIANTS if result.get(name, {}).get("ok")]
+    shapes = sorted({(s["rows"], s["seq"], s["token_budget"]) for name in variants for s in result[name]["shapes"]
+                     if "error" not in s})
+    width = 0.8 / max(1, len(variants))
+    for offset, name in enumerate(variants):
+        by_shape = {(s["rows"], s["seq"], s["token_budget"]): s for s in result[name]["shapes"] if "error" not in s}
+        xs = [i + offset * width for i, key in enumerate(shapes) if key in by_shape]
+        label = {"update_mfu": "fused output (default)", "update_unfused": "unfused output",
+                 "update_chunk4096": "fused, 4096-token chunks", "update_compiled": "fused + compiled"}[name]
+        if peak:
+            bars = middle.bar(xs, [by_shape[k]["achieved_flops_median"] / peak for k in shapes if k in by_shape],
+                              width, label=label)
+            middle.bar_label(bars, fmt="%.2f", fontsize=7)
+        bars = right.bar(xs, [by_shape[k]["peak_memory_gib"] for k in shapes if k in by_shape], width, label=label)
+        right.bar_label(bars, fmt="%.1f", fontsize=7)
+    ticks = [i + width * (len(variants) - 1) / 2 for i in range(len(shapes))]
+    names = [f"{r}x{q}\nbudget {b}" for r, q, b in shapes]
+    middle.set_xticks(ticks, names, fontsize=8)
+    right.set_xticks(ticks, names, fontsize=8)
+    middle.set_ylabel("fraction of measured bf16 matmul FLOP/s")
+    middle.set_title("actor update MFU (median)", fontsize=10)
+    right.set_ylabel("GiB")
+    right.set_title("actor update peak device memory", fontsize=10)
+    middle.legend(fontsize=8, loc="lower center")
     m = result.get("machine", {})
     fig.suptitle(f"{m.get('device', 'GPU')}: random Qwen2.5-1.5B shape, meshrl worker in-process "
                  f"(TE {'on' if m.get('transformer_engine') else 'off'})", fontsize=11)

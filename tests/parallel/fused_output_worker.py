@@ -64,7 +64,8 @@ def compare(path: Path) -> dict:
     must not be 0)."""
     from transformers import AutoConfig
 
-    chunks = model_builder.build_model(AutoConfig.from_pretrained(path))
+    # fp32 wherever it runs (a GPU's default is bf16): the bounds are fp32 rounding's.
+    chunks = model_builder.build_model(AutoConfig.from_pretrained(path), dtype=torch.float32)
     hf_conversion.load_hf_weights(chunks, path)
     batches = micro_batches()
     result = {"outputs": 0.0, "loss": 0.0, "grads": 0.0, "grad_scale": 0.0, "head_grad": 1.0}

@@ -36,7 +36,7 @@ def _model(name: str):
     from transformers import AutoConfig
 
     path = Path(tiny_model_dir(MODELS[name]))
-    chunks = model_builder.build_model(AutoConfig.from_pretrained(path))
+    chunks = model_builder.build_model(AutoConfig.from_pretrained(path), dtype=torch.float32)  # a GPU's default: bf16
     hf_conversion.load_hf_weights(chunks, path)
     return chunks
 

@@ -45,7 +45,7 @@ def _trained(path: str, fused: bool) -> tuple[dict[str, torch.Tensor], dict[str,
 
     from meshrl.parallel import hf_conversion
 
-    chunks = model_builder.build_model(AutoConfig.from_pretrained(path))
+    chunks = model_builder.build_model(AutoConfig.from_pretrained(path), dtype=torch.float32)  # a GPU's default: bf16
     hf_conversion.load_hf_weights(chunks, path)
     start = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
     opt, sched = optimizer.build_optimizer(chunks, optimizer.OptimizerConfig(**CONFIG, fused_adam=fused))

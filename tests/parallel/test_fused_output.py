@@ -25,6 +25,8 @@ from meshrl.parallel.fused_output import fused_log_probs_entropy
 
 TOLERANCE = 1e-6
 GRAD_TOLERANCE = 1e-5  # absolute, on a model's parameter gradients (the module docstring)
+# The process group's device (NCCL on a GPU machine takes CUDA tensors only): the same checks run there.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -54,10 +56,10 @@ def _unfused(hidden, weight, target, temperature, softcap):
 def test_log_probs_entropy_and_gradients_match_the_unfused_path(tp1, temperature, softcap, chunk) -> None:
     g = torch.Generator().manual_seed(0)
     tokens, hidden_size, vocab = 23, 16, 97  # 23 tokens: the last chunk is a partial one
-    hidden = torch.randn(tokens, hidden_size, generator=g)
-    weight = torch.randn(vocab, hidden_size, generator=g) * 0.5
-    target = torch.randint(0, vocab, (tokens,), generator=g)
-    g_lp, g_h = torch.randn(tokens, generator=g), torch.randn(tokens, generator=g)
+    hidden = torch.randn(tokens, hidden_size, generator=g).to(DEVICE)
+    weight = (torch.randn(vocab, hidden_size, generator=g) * 0.5).to(DEVICE)
+    target = torch.randint(0, vocab, (tokens,), generator=g).to(DEVICE)
+    g_lp, g_h = torch.randn(tokens, generator=g).to(DEVICE), torch.randn(tokens, generator=g).to(DEVICE)
     results = []
     for fused in (False, True):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -77,8 +79,8 @@ def test_one_output_alone_and_its_gradient(tp1) -> None:
     """Only entropy (no targets), or only log-probs: the other comes back None, the gradient is the one
     output's."""
     g = torch.Generator().manual_seed(1)
-    hidden, weight = torch.randn(9, 8, generator=g), torch.randn(31, 8, generator=g)
-    target = torch.randint(0, 31, (9,), generator=g)
+    hidden, weight = torch.randn(9, 8, generator=g).to(DEVICE), torch.randn(31, 8, generator=g).to(DEVICE)
+    target = torch.randint(0, 31, (9,), generator=g).to(DEVICE)
     for wants_log_probs in (True, False):
         h = hidden.clone().requires_grad_()
         lp, ent = fused_log_probs_entropy(h, weight, target if wants_log_probs else None, temperature=1.0,
@@ -93,8 +95,9 @@ def test_one_output_alone_and_its_gradient(tp1) -> None:
 
 def test_no_selected_token_gives_empty_outputs_and_zero_gradients(tp1) -> None:
     """A placeholder micro-batch (all-zero output mask) selects no position: nothing to project, no error."""
-    hidden, weight = torch.zeros(1, 0, 8, requires_grad=True), torch.randn(31, 8, requires_grad=True)
-    lp, ent = fused_log_probs_entropy(hidden, weight, torch.zeros(1, 0, dtype=torch.long), temperature=0.7,
+    hidden = torch.zeros(1, 0, 8, device=DEVICE, requires_grad=True)
+    weight = torch.randn(31, 8, device=DEVICE, requires_grad=True)
+    lp, ent = fused_log_probs_entropy(hidden, weight, torch.zeros(1, 0, dtype=torch.long, device=DEVICE), temperature=0.7,
                                       softcap=None, chunk_size=4, entropy=True)
     (lp.sum() + ent.sum()).backward()
     assert lp.shape == ent.shape == (1, 0) and hidden.grad.shape == (1, 0, 8)
