@@ -204,8 +204,23 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.require(ws % rollout.tensor_model_parallel_size == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",
               f"{rollout.tensor_model_parallel_size} must divide the {ws} training processes "
               "(trainer.nnodes × trainer.n_gpus_per_node)")
+    notes += _sequence_parallel_notes(cfg, use_critic)
     p.raise_if_any("configuration")
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
+
+
+def _sequence_parallel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
+    """megatron.sequence_parallel=True where a role runs at TP 1: turned off there, with this note, as verl's
+    Megatron engine does (it splits activations over the TP ranks; there are none to split over). The reference
+    takes the actor's (_check_reference_layout refuses any other)."""
+    sections = {"actor_rollout_ref.actor.megatron": cfg.actor_rollout_ref.actor.megatron}
+    if use_critic:
+        sections["critic.megatron"] = cfg.critic.megatron
+    if cfg.reward_model.enable:
+        sections["reward_model.megatron"] = cfg.reward_model.megatron
+    return [f"{key}.sequence_parallel=True at tensor_model_parallel_size=1: off, as in verl (sequence parallelism "
+            "splits activations over the TP ranks)" for key, mg in sections.items()
+            if mg["sequence_parallel"] and mg["tensor_model_parallel_size"] == 1]
 
 
 def _group_size_problem(estimator: str, n: int) -> str:
@@ -320,9 +335,9 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
     if mg.virtual_pipeline_model_parallel_size is not None:
         p.require(mg.pipeline_model_parallel_size > 1, f"{key}.virtual_pipeline_model_parallel_size",
                   "needs pipeline_model_parallel_size > 1")
-    p.require(not mg.sequence_parallel, f"{key}.sequence_parallel",
-              "Megatron sequence parallelism is not wired yet; set False (the numbers are the same: it only splits "
-              "activations along the sequence over the TP ranks to save memory)")
+    p.require("sequence_parallel" not in mg.override_transformer_config,
+              f"{key}.override_transformer_config.sequence_parallel",
+              f"is verl's {key}.sequence_parallel; set it there (it is turned off at TP 1)")
     if mg.use_dist_checkpointing:
         p.require(bool(mg.dist_checkpointing_path), f"{key}.dist_checkpointing_path",
                   "must name a megatron checkpoint (from `meshrl convert hf-to-mcore --hf MODEL --out DIR`) when "

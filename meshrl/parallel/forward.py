@@ -20,8 +20,8 @@ response). The model sees them in one of two layouts (:func:`model_inputs`), bot
 ``position_ids = cumsum(mask) - 1`` and padding masked out:
 
 - rows (:func:`trim_rows`): each row's valid tokens moved to the front (positions 0..n-1), the batch
-  trimmed to its longest row, a plain causal mask (valid tokens never see padding, which sits after
-  them). Computes ``rows x longest row`` positions.
+  trimmed to its longest row (rounded up to a multiple of TP under sequence parallelism), a plain causal
+  mask (valid tokens never see padding, which sits after them). Computes ``rows x longest row`` positions.
 - packed THD (:func:`pack_thd`, ``use_remove_padding``): every sequence laid end to end in one row
   (``meshrl.parallel.packing``: slots padded to a multiple of TP), run with megatron's
   ``PackedSeqParams(qkv_format="thd")``, so RoPE positions restart in every slot and attention stays
@@ -122,13 +122,18 @@ class ModelInputs:
     selected: torch.Tensor | None = None
 
 
-def trim_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ModelInputs:
-    """Row layout: valid tokens moved to the front of each row (stable), trimmed to the longest row."""
+def trim_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, width_multiple: int = 1) -> ModelInputs:
+    """Row layout: valid tokens moved to the front of each row (stable), trimmed to the longest row, whose
+    length is rounded up to a multiple of ``width_multiple`` with padding after every row's tokens (sequence
+    parallelism splits the sequence into that many equal shards)."""
     mask = attention_mask.bool()
     batch, seq_len = input_ids.shape
     order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
     counts = mask.sum(dim=1)
-    width = max(int(counts.max()), 1)
+    longest = max(int(counts.max()), 1)
+    width = -(-longest // width_multiple) * width_multiple
+    if width > seq_len:  # room for the extra padding positions: they hold a padding token of the row
+        order = torch.cat([order, order[:, -1:].expand(batch, width - seq_len)], dim=1)
     order = order[:, :width]
     positions = torch.arange(width, device=input_ids.device).expand(batch, width)
     packed_index = (positions < counts.unsqueeze(1)).flatten().nonzero().squeeze(1)
@@ -164,15 +169,16 @@ def output_positions(inputs: ModelInputs, output_mask: torch.Tensor) -> torch.Te
 
 
 def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, remove_padding: bool,
-                 output_mask: torch.Tensor | None = None) -> ModelInputs:
-    """:func:`pack_thd` (slots padded to a multiple of this rank's TP size) or :func:`trim_rows`, with
-    the :func:`output_positions` of ``output_mask`` when one is given."""
-    if not remove_padding:
-        inputs = trim_rows(input_ids, attention_mask)
-    else:
-        from megatron.core import parallel_state
+                 output_mask: torch.Tensor | None = None, sequence_parallel: bool = False) -> ModelInputs:
+    """:func:`pack_thd` (slots padded to a multiple of this rank's TP size, so the packed row always splits
+    into TP equal sequence shards) or :func:`trim_rows` (its width a multiple of the TP size under
+    ``sequence_parallel``), with the :func:`output_positions` of ``output_mask`` when one is given."""
+    from megatron.core import parallel_state
 
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if not remove_padding:
+        inputs = trim_rows(input_ids, attention_mask, tp if sequence_parallel else 1)
+    else:
         inputs = pack_thd(input_ids, attention_mask,
                           pad_multiple_for(tp, parallel_state.get_context_parallel_world_size()))
     if output_mask is not None:

@@ -196,15 +196,14 @@ def projection_skipped(model: torch.nn.Module) -> Iterator[OutputHead | None]:
     ``OutputHead`` that projects them; other stages run as they are and get None.
 
     The output layer is replaced by a stand-in for the block, so its own hooks do not run (the soft-cap:
-    :func:`fused_log_probs_entropy` applies it); hooks meant for the stand-in (position selection) are
-    registered inside the block.
+    :func:`fused_log_probs_entropy` applies it); hooks meant for the stand-in (position selection, and under
+    sequence parallelism the gather of the sequence shards, ``schedule._output_layer_on``) are registered
+    inside the block.
     """
     if not getattr(model, "post_process", False):
         yield None
         return
     layer = model.output_layer
-    if layer.sequence_parallel:  # the stand-in would return this rank's sequence shard only
-        raise ValueError("the fused output layer (model.use_fused_kernels) needs sequence_parallel=False")
     # The weight GPTModel's _postprocess passes the output layer: the shared embedding when tied.
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else layer.weight
     model.output_layer = _HiddenStates(layer)

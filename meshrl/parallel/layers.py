@@ -3,8 +3,9 @@ need that megatron-core 0.16.1 has no option for (``meshrl.parallel.model_builde
 
 - ``sdpa_core_attention_class``: megatron's local ``DotProductAttention`` run by torch's fused SDPA, with
   sliding windows (megatron's ``window_size``) and attention logit soft-capping (explicit softmax).
-- ``RMSNorm``: torch's RMSNorm honouring ``layernorm_zero_centered_gamma`` (scale ``1 + w``), which
-  megatron's local torch norm refuses (``WrappedTorchNorm`` asserts it off); TE's norms honour it natively.
+- ``RMSNorm``: torch's RMSNorm honouring ``layernorm_zero_centered_gamma`` (scale ``1 + w``) and
+  ``sequence_parallel``, which megatron's local torch norm refuses (``WrappedTorchNorm`` asserts both off); TE's
+  norms honour them natively.
 - ``post_normed(linear)``: an output projection followed by a norm of its full (TP-reduced) output: Gemma
   2/3's post-attention and post-feed-forward norms, named ``<linear>.post_norm.weight``.
 - ``LocalRopeSelfAttention``: megatron's ``SelfAttention`` whose windowed layers rotate with their own RoPE
@@ -115,10 +116,13 @@ def sdpa_core_attention_class():
 class RMSNorm(torch.nn.RMSNorm):
     """megatron's local RMSNorm (``WrappedTorchNorm``'s torch norm, same signature) with
     ``layernorm_zero_centered_gamma``: ``y = x / rms(x) * (1 + w)``, computed in fp32 and cast back as HF's
-    ``GemmaRMSNorm``; ``w`` starts at 0. Without the option it is torch's RMSNorm."""
+    ``GemmaRMSNorm``; ``w`` starts at 0. Without the option it is torch's RMSNorm. Unlike megatron's torch
+    norm it runs under ``sequence_parallel``: each TP rank normalises its sequence shard, and the weight is
+    marked as TE's norms mark theirs, so that megatron's ``finalize_model_grads`` sums its gradient over TP."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
         self.zero_centered = config.layernorm_zero_centered_gamma
         if self.zero_centered:
             torch.nn.init.zeros_(self.weight)

@@ -19,6 +19,12 @@ Precision: fp32 on CPU, bf16 on GPU, unless ``dtype`` says otherwise (``param_dt
 fp32 softmax, fp32 gradient buffers and reduction (``grad_reduce_in_fp32``), fp32 main params and Adam
 state in the optimizer, and per-token outputs computed from fp32 logits (``meshrl.parallel.forward``).
 
+Sequence parallelism (``sequence_parallel``, verl's ``megatron.sequence_parallel``; off at TP 1, as verl does):
+megatron's own, splitting the activations outside attention and MLP along the sequence over the TP ranks.
+On the local spec every norm is then ``layers.RMSNorm``, which marks its weight for megatron's sum of its
+gradient over TP; the schedule pads row micro-batches to a multiple of TP (packed ones always are) and
+gathers the sequence before the output layer (``meshrl.parallel.schedule``).
+
 A critic is the same transformer with its vocabulary head replaced by ``ValueHead`` (hidden -> 1, with
 bias, the layout of HF's ``*ForTokenClassification`` with ``num_labels=1``), never tied.
 
@@ -150,7 +156,7 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         context_parallel_size=parallel.context_parallel,
-        sequence_parallel=False,
+        sequence_parallel=False,  # an override (megatron.sequence_parallel) turns it on; see below for TP 1
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -185,6 +191,12 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         # moe_router_load_balancing_type / moe_aux_loss_coeff / moe_z_loss_coeff turn it on.
         kwargs.update(moe_router_load_balancing_type="none")
     kwargs.update(overrides)
+    if kwargs["sequence_parallel"] and parallel.tensor_parallel == 1:
+        # verl's Megatron engine turns it off at TP 1 with a warning (megatron would refuse it): there is no
+        # TP group to split the sequence over, and the numbers are the same either way.
+        warnings.warn("sequence_parallel=True at tensor_model_parallel_size=1: off, as in verl (it splits "
+                      "activations over TP ranks)", stacklevel=2)
+        kwargs["sequence_parallel"] = False
     if isinstance(kwargs.get("attention_backend"), str):  # verl's configs name the enum member
         from megatron.core.transformer.enums import AttnBackend
 
@@ -196,7 +208,9 @@ class ValueHead(torch.nn.Module):
     """Critic head: hidden -> 1 scalar per token, replicated on every TP rank.
 
     Called by ``GPTModel._postprocess`` in place of the vocabulary projection, hence the
-    ``(hidden, weight=None, runtime_gather_output=None) -> (out, bias)`` signature.
+    ``(hidden, weight=None, runtime_gather_output=None) -> (out, bias)`` signature. It takes the full
+    sequence: under sequence parallelism the schedule gathers the TP ranks' shards before it
+    (``schedule._output_layer_on``), so its weight gradient is whole on every rank (never summed over TP).
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -213,12 +227,12 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight, self.bias), None
 
 
-def _layer_spec(use_te: bool, model: ModelSpec):
+def _layer_spec(use_te: bool, model: ModelSpec, sequence_parallel: bool = False):
     """Transformer Engine's spec, or megatron's local spec (RMSNorm) with SDPA core attention; both with the
     family's layer options (q/k layernorm) and ``meshrl.parallel.layers``' additions for what megatron-core
-    lacks: zero-centred local norms, post-attention / post-MLP norms, attention logit soft-capping (TE's
-    attention has none: such layers run meshrl's SDPA attention on any device), the windowed layers' RoPE
-    base."""
+    lacks: local norms that are zero-centred or sequence-parallel (``layers.RMSNorm``), post-attention /
+    post-MLP norms, attention logit soft-capping (TE's attention has none: such layers run meshrl's SDPA
+    attention on any device), the windowed layers' RoPE base."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -230,12 +244,13 @@ def _layer_spec(use_te: bool, model: ModelSpec):
     else:
         spec, norm = get_gpt_layer_local_spec(normalization="RMSNorm", **layer_spec_options(model)), layers.RMSNorm
         spec.submodules.self_attention.submodules.core_attention = layers.sdpa_core_attention_class()
-        if model.zero_centered_norms:  # megatron's local torch norm refuses layernorm_zero_centered_gamma
+        # megatron's local torch norm refuses layernorm_zero_centered_gamma and sequence_parallel
+        if _local_norms_replaced(model, sequence_parallel):
             spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
             if model.qk_norm:
                 spec.submodules.self_attention.submodules.q_layernorm = norm
                 spec.submodules.self_attention.submodules.k_layernorm = norm
-    if model.moe:  # routed per TP rank's share of the tokens when TP > 1 without sequence parallelism
+    if model.moe:  # routed per TP rank's share of the tokens: its sequence shard, or with TP > 1 alone its share
         spec.submodules.mlp.module = layers.tp_split_moe_layer_class()
         spec.submodules.mlp.submodules.router = layers.mean_aux_loss_router_class()
     attention = spec.submodules.self_attention
@@ -252,11 +267,17 @@ def _layer_spec(use_te: bool, model: ModelSpec):
     return spec
 
 
+def _local_norms_replaced(model: ModelSpec, sequence_parallel: bool) -> bool:
+    """Whether the local spec's norms are ``layers.RMSNorm`` instead of megatron's torch norm, which asserts
+    both zero-centred gammas and sequence parallelism off."""
+    return model.zero_centered_norms or sequence_parallel
+
+
 def _decoder_spec(layer_spec, use_te: bool, model: ModelSpec, config, vp_stage: int | None):
-    """What GPTModel builds its decoder from: the layer spec (megatron adds its final norm), or, for
-    zero-centred norms on the local spec, the block of this stage's layers with ``layers.RMSNorm`` as the
-    final norm (megatron's would refuse the option)."""
-    if use_te or not model.zero_centered_norms:
+    """What GPTModel builds its decoder from: the layer spec (megatron adds its final norm), or, when the local
+    spec's norms are replaced (``_local_norms_replaced``), the block of this stage's layers with
+    ``layers.RMSNorm`` as the final norm (megatron's would refuse the option)."""
+    if use_te or not _local_norms_replaced(model, config.sequence_parallel):
         return layer_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -265,9 +286,11 @@ def _decoder_spec(layer_spec, use_te: bool, model: ModelSpec, config, vp_stage: 
 
 
 def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-    """megatron's grad finalisation (DP reduction, tied-embedding sync) without per-token rescaling, then the
-    sum over TP ranks of the gradients each TP rank computed from its share of the tokens only
-    (``layers.TP_PARTIAL_GRAD``: the MoE routers at TP > 1)."""
+    """megatron's grad finalisation (DP reduction, tied-embedding sync; under sequence parallelism the sum over
+    TP ranks of the replicated parameters marked ``sequence_parallel``: norms and MoE routers, which see one
+    sequence shard per rank) without per-token rescaling, then the sum over TP ranks of the gradients each TP
+    rank computed from its share of the tokens only (``layers.TP_PARTIAL_GRAD``: the MoE routers at TP > 1
+    without sequence parallelism)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
@@ -288,7 +311,7 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
     spec = model_spec(hf_config)
     config = transformer_config(spec, parallel, dtype, **config_overrides)
     use_te = transformer_engine_available()
-    layer_spec = _layer_spec(use_te, spec)
+    layer_spec = _layer_spec(use_te, spec, config.sequence_parallel)
     if "attention_backend" in config_overrides and not use_te:
         # Said, not silently dropped: only Transformer Engine's attention chooses among backends.
         warnings.warn(f"attention_backend={config_overrides['attention_backend']} selects a Transformer Engine "

@@ -60,14 +60,14 @@ def _scalar(value: Any) -> Any:
     return value.detach().float().item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
-def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | None):
+def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | None, sequence_parallel: bool):
     device = _device()
     zero_tokens = torch.zeros((), dtype=torch.int, device=device)
 
     def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         micro_batch = _to_device(next(data_iterator), device)
         inputs = model_inputs(micro_batch["input_ids"], micro_batch["attention_mask"], request.remove_padding,
-                              micro_batch.get("output_mask"))
+                              micro_batch.get("output_mask"), sequence_parallel)
         # A fused pass: the last stage returns hidden states, and head projects them in compute_outputs.
         fused = projection_skipped(unwrap(model)) if request.fused_chunk_size and not critic \
             else contextlib.nullcontext()
@@ -94,17 +94,38 @@ def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | N
 
 @contextlib.contextmanager
 def _output_layer_on(model: torch.nn.Module, positions: torch.Tensor | None) -> Iterator[None]:
-    """While the model runs, its output layer (last stage only) sees the hidden states at ``positions``."""
-    head = getattr(unwrap(model), "output_layer", None)
-    if positions is None or head is None:
+    """While the model runs, its output layer (last stage only) sees the hidden states of the whole sequence at
+    ``positions`` (all of them when None).
+
+    Under sequence parallelism the final hidden states are this TP rank's sequence shard: they are all-gathered
+    first, and the layer runs as it does without sequence parallelism (its ``sequence_parallel`` flag is off
+    meanwhile, as megatron's own inference path does it): the vocabulary projection copies its input to the TP
+    region, whose backward all-reduces the input gradient; the value head and the fused output layer get the
+    replicated input they take. The gather's backward then keeps this rank's shard of that full gradient
+    (``tensor_parallel_output_grad=False``). So positions select from the real sequence, every head computes
+    exactly what it computes without sequence parallelism, and its weight gradient is the same sum."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    gpt = unwrap(model)
+    head = getattr(gpt, "output_layer", None)
+    sharded = gpt.config.sequence_parallel
+    if head is None or (positions is None and not sharded):
         yield
         return
-    if head.sequence_parallel:  # its input is this rank's sequence shard, not the positions' layout
-        raise ValueError("output_mask needs sequence_parallel=False")
-    handle = head.register_forward_pre_hook(lambda module, args: (select_hidden(args[0], positions), *args[1:]))
+
+    def whole_sequence(module, args):
+        hidden = args[0]
+        if sharded:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return (hidden if positions is None else select_hidden(hidden, positions), *args[1:])
+
+    handle = head.register_forward_pre_hook(whole_sequence)
+    own_flag = head.sequence_parallel
+    head.sequence_parallel = False
     try:
         yield
     finally:
+        head.sequence_parallel = own_flag
         handle.remove()
 
 
@@ -138,7 +159,7 @@ def _run(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], request
             len(micro_batches), config.pipeline_model_parallel_size)
     forward_backward = get_forward_backward_func()
     store = forward_backward(
-        forward_step_func=_make_forward_step(request, critic, loss_fn),
+        forward_step_func=_make_forward_step(request, critic, loss_fn, config.sequence_parallel),
         data_iterator=iterators,
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches),

@@ -23,15 +23,17 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
   state = fp32 master copy + two fp32 moments (12 B), divided by DP with
   ``megatron.use_distributed_optimizer``. Per rank: the TP shard of ``num_layers / PP`` layers, plus
   the vocab-parallel embedding on the first stage and the output layer on the last one.
-- Activations, per token per layer, in bf16 with flash attention and no sequence parallelism:
-  ``4h`` replicated (inputs of the two RMSNorms and of the QKV / FC1 projections) plus
+- Activations, per token per layer, in bf16 with flash attention:
+  ``4h`` replicated over TP (inputs of the two RMSNorms and of the QKV / FC1 projections) plus
   ``(2·a·d + 2·g·d + 4f) / TP`` (query, key, value, attention output; FC1's gate and up halves,
   SiLU(gate) and FC2's input — SwiGLU is unfused in meshrl's layer config), plus ``(a·d + g·d) / TP``
-  for the inputs of a family's q/k layernorms (Qwen3). With
+  for the inputs of a family's q/k layernorms (Qwen3). With sequence parallelism
+  (``megatron.sequence_parallel``, at TP > 1) the ``4h`` are this rank's sequence shard too, so everything is
+  divided by TP (megatron keeps the shard of a projection's input and gathers it again in the backward). With
   full-layer recompute (``model.enable_gradient_checkpointing`` or ``override_transformer_config``) a layer keeps only
-  its ``h`` input, plus one layer's full set while it is recomputed. A micro-batch holds at most the
-  token budget (``ppo_max_token_len_per_gpu``); the first pipeline stage keeps PP micro-batches in
-  flight under 1F1B (``1 + (PP-1)/(PP·VPP)`` more with interleaving), the last stage one.
+  its ``h`` input (``h / TP`` under sequence parallelism), plus one layer's full set while it is recomputed.
+  A micro-batch holds at most the token budget (``ppo_max_token_len_per_gpu``); the first pipeline stage
+  keeps PP micro-batches in flight under 1F1B (``1 + (PP-1)/(PP·VPP)`` more with interleaving), the last stage one.
 - Logits of a micro-batch, last stage, vocabulary split over TP: bf16 logits, the fp32 copy the
   vocab-parallel cross entropy keeps, and its fp32 gradient (10 B per element; +8 B when the entropy
   bonus is on); forward-only passes keep 6 B. With the fused output layer (``model.use_fused_kernels``,
@@ -72,7 +74,7 @@ Phases: rollout, reward model (when there is one), log-prob (old / reference log
 only), actor update (forward + backward), actor optimizer step, and for PPO critic update and critic optimizer
 step.
 
-Not modelled: sequence/context parallelism, padding inside a micro-batch (meshrl pads each micro-batch
+Not modelled: context parallelism, padding inside a micro-batch (meshrl pads each micro-batch
 to its longest row, so a skewed batch can exceed the budget's estimate), checkpoint saving, and the
 attention FLOPs (quadratic in length; small next to 6·N per token at these lengths).
 
@@ -253,13 +255,16 @@ def lora_parameters(spec, lora, tp: int = 1, pp: int = 1) -> int:
     return per_layer * (spec.num_layers // pp)
 
 
-def activation_bytes_per_token(spec, tp: int, act_bytes: int) -> int:
-    """Bytes one layer keeps for its backward, per token (see the module docstring)."""
+def activation_bytes_per_token(spec, tp: int, act_bytes: int, sequence_parallel: bool = False) -> int:
+    """Bytes one layer keeps for its backward, per token (see the module docstring); ``sequence_parallel``
+    splits the ``4h`` replicated part over TP as well."""
     h, f = spec.hidden_size, mlp_width(spec)
     q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     split = 2 * q + 2 * kv + 4 * f
     if spec.qk_norm:  # the q/k layernorms' inputs
         split += q + kv
+    if sequence_parallel:
+        return act_bytes * ((4 * h + split) // tp)
     return act_bytes * (4 * h + split // tp)
 
 
@@ -329,6 +334,7 @@ class _Trainer:
     lora: Any = None  # the policy's LoRA adapters (RunPlan.lora), None: every weight trains
     ep: int = 1  # expert parallelism (MoE)
     etp: int | None = None  # expert TP, None: TP
+    sequence_parallel: bool = False  # megatron.sequence_parallel at TP > 1 (off at TP 1, as the workers build it)
 
     def params(self, stage: int) -> int:
         return stage_parameters(self.spec, tp=self.tp, pp=self.pp, stage=stage, critic=self.critic, ep=self.ep,
@@ -361,10 +367,20 @@ class _Trainer:
         in_flight = self.pp - stage  # 1F1B: stage s holds PP - s micro-batches (meshrl runs >= PP of them)
         if stage == 0 and self.vpp > 1:
             in_flight *= 1 + (self.pp - 1) / (self.pp * self.vpp)
-        per_layer = activation_bytes_per_token(self.spec, self.tp, dtype["act"])
+        per_layer = self.activation_bytes_per_token(dtype)
         if self.recompute:
-            return in_flight * layers * self.spec.hidden_size * dtype["act"] * tokens + per_layer * tokens
+            kept = self.spec.hidden_size // (self.tp if self.sequence_parallel else 1)  # each layer's input
+            return in_flight * layers * kept * dtype["act"] * tokens + per_layer * tokens
         return in_flight * layers * per_layer * tokens
+
+    def activation_bytes_per_token(self, dtype: dict) -> int:
+        """One layer's, in this layout (:func:`activation_bytes_per_token`)."""
+        return activation_bytes_per_token(self.spec, self.tp, dtype["act"], self.sequence_parallel)
+
+
+def _sequence_parallel(mg) -> bool:
+    """Whether a role's model runs sequence-parallel: its key, at TP > 1 (``model_builder.transformer_config``)."""
+    return bool(mg.sequence_parallel) and mg.tensor_model_parallel_size > 1
 
 
 def _flag(*sections, key: str) -> bool:
@@ -430,7 +446,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                         grad_offload=_flag(mg, key="grad_offload"),
                         optimizer_offload=_flag(mg, *fsdp, key="optimizer_offload"),
                         critic=is_critic, lora=None if is_critic else run.lora,
-                        ep=mg.expert_model_parallel_size, etp=mg.expert_tensor_parallel_size)
+                        ep=mg.expert_model_parallel_size, etp=mg.expert_tensor_parallel_size,
+                        sequence_parallel=_sequence_parallel(mg))
 
     policy = trainer_of(actor, arr.model, spec, False)
     critic = None
@@ -503,19 +520,18 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
             return Phase(name, items)
 
         lp_tokens = max(logprob_tokens, ref_tokens if use_ref else 0)
-        forward = {"forward activations": activation_bytes_per_token(spec, policy.tp, actor_dtype["act"]) * lp_tokens,
+        forward = {"forward activations": policy.activation_bytes_per_token(actor_dtype) * lp_tokens,
                    "forward logits": logits_bytes(lp_tokens, train=False) if last else 0}
         if critic is not None:
             forward["forward activations"] = max(
                 forward["forward activations"],
-                activation_bytes_per_token(critic.spec, critic.tp, critic_dtype["act"]) * values_tokens)
+                critic.activation_bytes_per_token(critic_dtype) * values_tokens)
         out = [
             phase("rollout", set(), {}, with_vllm=True),
         ]
         if reward_model is not None:  # scores the rollout's responses before the log-prob passes
             out.append(phase("reward model", {"reward model params"}, {
-                "reward model activations": activation_bytes_per_token(reward_model.spec, reward_model.tp,
-                                                                       rm_dtype["act"]) * rm_tokens}))
+                "reward model activations": reward_model.activation_bytes_per_token(rm_dtype) * rm_tokens}))
         out += [
             phase("log-prob", {"actor params", "ref params", "critic params"}, forward),
             phase("actor update", {"actor params", "actor grads"},
@@ -579,6 +595,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                 "nnodes": trainer.nnodes, "gpus_per_node": trainer.n_gpus_per_node, "world": world,
                 "tp": policy.tp, "pp": policy.pp, "vpp": policy.vpp, "dp": policy.dp,
                 "distributed_optimizer": policy.distributed_optimizer, "recompute": policy.recompute,
+                "sequence_parallel": policy.sequence_parallel,
                 "offload": {"param": policy.param_offload, "grad": policy.grad_offload,
                             "optimizer": policy.optimizer_offload, "ref_param": ref_offload},
                 "host_offload_bytes_per_node": host_offload * trainer.n_gpus_per_node,
@@ -617,7 +634,7 @@ def _reward_model(cfg, world: int) -> _Trainer:
         raise PlanError(f"reward_model.megatron: {exc}") from None
     return _Trainer(spec=spec, tp=tp, pp=pp, vpp=1, dp=world // (tp * pp), distributed_optimizer=False,
                     recompute=False, param_offload=_flag(mg, rm.model.fsdp_config, key="param_offload"),
-                    grad_offload=False, optimizer_offload=False, critic=True)
+                    grad_offload=False, optimizer_offload=False, critic=True, sequence_parallel=_sequence_parallel(mg))
 
 
 def _reward_judge_bytes(cfg, precision, device: str, limit: float) -> float:
@@ -763,6 +780,8 @@ def render(result: Plan, recipe: str | None) -> str:
              + f" -> DP {lay['dp']}"]
     flags.append("distributed optimizer" if lay["distributed_optimizer"] else "optimizer replicated over DP")
     flags.append("recompute" if lay["recompute"] else "no recompute")
+    if lay["sequence_parallel"]:
+        flags.append("sequence parallel")
     if lay["lora"]:
         flags.append(f"LoRA rank {lay['lora']['rank']} ({lay['lora']['trained_parameters'] / 1e6:.1f} M trained, "
                      "base frozen, reference = adapters off)")

@@ -52,10 +52,13 @@ def optimizer_config(optim, distributed: bool):
 
 
 def transformer_overrides(model_cfg, megatron_cfg) -> dict[str, Any]:
-    """TransformerConfig fields from ``megatron.override_transformer_config`` (verl's Megatron key). Without
+    """TransformerConfig fields from ``megatron.override_transformer_config`` (verl's Megatron key), and
+    ``megatron.sequence_parallel`` (the model builder turns it off at TP 1, as verl does). Without
     ``recompute_*`` fields there, ``model.enable_gradient_checkpointing`` (verl's FSDP key) means megatron's
     full-layer recompute, one layer per checkpoint."""
     overrides = dict(megatron_cfg.override_transformer_config)
+    if megatron_cfg.sequence_parallel:
+        overrides["sequence_parallel"] = True
     if model_cfg.enable_gradient_checkpointing and not any(k.startswith("recompute_") for k in overrides):
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return overrides
@@ -140,8 +143,10 @@ class ActorRolloutRefWorker(RankWorker):
         if self.plan.use_reference and self.plan.lora is None:  # with LoRA: the policy's base, adapters off
             # Forward passes only: no DDP gradient buffer (as large as the fp32 weights) for it.
             ref_dtype = arr.ref.megatron.dtype if arr.ref.megatron.dtype != "auto" else actor.megatron.dtype
-            self.ref = build_forward_only_model(self.hf_config, dtype=param_dtype(ref_dtype),
-                                                **transformer_overrides(arr.model, arr.ref.megatron))
+            ref_overrides = transformer_overrides(arr.model, arr.ref.megatron)
+            if actor.megatron.sequence_parallel:  # the reference shares the actor's layout (config.validate)
+                ref_overrides["sequence_parallel"] = True
+            self.ref = build_forward_only_model(self.hf_config, dtype=param_dtype(ref_dtype), **ref_overrides)
             load_initial_weights(self.ref, arr.ref.megatron, self.model_dir, self.hf_config)
             if "reference" in self.plan.torch_compile:
                 compile_elementwise(self.ref)

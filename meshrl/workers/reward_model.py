@@ -98,7 +98,8 @@ class RewardModelWorker(RankWorker):
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir, **trust)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.model = build_forward_only_model(self.hf_config, critic=True, dtype=param_dtype(megatron.dtype),
-                                              **dict(megatron.override_transformer_config))
+                                              **dict(megatron.override_transformer_config),
+                                              sequence_parallel=megatron.sequence_parallel)
         load_hf_weights(self.model, self.model_dir, self.hf_config)
         self.request = OutputRequest(remove_padding=packed_sequences(rm.model.use_remove_padding))
         self.engine = TrainingEngine("reward_model", self.model, None, None, self.pad_id,

@@ -36,6 +36,7 @@ from meshrl.parallel.forward import OutputRequest  # noqa: E402
 
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 REPLAY_FAMILY = "qwen2_moe"
+SP_FAMILY = "qwen2_moe"  # also runs sequence-parallel at the TP2 layout (recorded as ``qwen2_moe_sp``)
 TIMEOUT_S = 60.0
 # (name, layout, families, with the load-balancing and z-losses, the distributed checkpoint: save / load / None)
 PHASES = [("ep2", dict(expert_parallel=2), ("qwen2_moe",), True, "save"),
@@ -146,16 +147,18 @@ def _train_pass(chunks, batches: list[dict], path: Path, ref_loss: float, ref_gr
             "grads": max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)}
 
 
-def check_family(path: Path, aux: bool = False, replay: bool = True) -> dict:
+def check_family(path: Path, aux: bool = False, replay: bool = True, sequence_parallel: bool = False) -> dict:
     """Outputs, loss, gradients and export against HF; with ``aux`` also the loss and gradients with verl's
     load-balancing and z-loss keys set (``aux_*``; at TP 1, where the packed micro-batches hold exactly the
-    valid tokens the reference routes), and how far those losses move the gradients (``aux_effect``)."""
+    valid tokens the reference routes), and how far those losses move the gradients (``aux_effect``); with
+    ``sequence_parallel`` the model runs megatron's sequence parallelism (its MoE layer on each TP rank's sequence
+    shard instead of meshrl's TP-split one)."""
     batches = make_micro_batches()
     ref_out, ref_loss, ref_grads, ref_routes = hf_reference(path, batches)
     dp, rank = state.dp_size(), state.dp_rank()
     mine, mine_ref = batches[rank::dp], ref_out[rank::dp]
-    chunks = build(path)
-    result = {}
+    chunks = build(path, sequence_parallel=sequence_parallel)
+    result = {"sequence_parallel": int(model_builder.model_config(chunks).sequence_parallel)}
     for remove_padding in (False, True):
         out = schedule.forward_only(chunks, mine, OutputRequest(entropy=True, remove_padding=remove_padding))
         tag = "packed_" if remove_padding else ""
@@ -297,6 +300,12 @@ def run_phase(layout: dict, families: tuple[str, ...], aux: bool, ckpt: str | No
         except Exception:  # recorded, reported by pytest
             values[f"{model_type}.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
         print(f"[rank {dist.get_rank()}] {model_type}: {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+    if layout.get("tensor_parallel", 1) > 1:  # megatron's sequence parallelism, with one family
+        try:
+            found = check_family(tiny_model_dir(tiny_spec(SP_FAMILY)), replay=False, sequence_parallel=True)
+            values.update({f"{SP_FAMILY}_sp.{k}": v for k, v in found.items()})
+        except Exception:  # recorded, reported by pytest
+            values[f"{SP_FAMILY}_sp.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
     if ckpt is not None:  # Qwen2-MoE's checkpoint: saved at EP2, loaded at other expert layouts
         check = check_checkpoint_save if ckpt == "save" else check_checkpoint_load
         try:

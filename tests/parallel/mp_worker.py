@@ -285,6 +285,47 @@ def check_selected(chunks, path: Path, batches: list[dict], critic: bool, reques
     return result
 
 
+def check_sequence_parallel(path: Path, critic_path: Path) -> dict:
+    """Megatron sequence parallelism on vs off at this layout (TP2): per-token outputs of ``forward_only`` and the
+    loss and every gradient of one ``forward_backward``, for the policy in rows (every position) and packed with
+    the fused output layer on response positions (``output_mask``, the workers' layout), and the critic in rows
+    on response positions and packed. ``outputs_widened``: row micro-batches whose longest row is not a multiple
+    of TP, which run one padding column wider with sequence parallelism (``forward.trim_rows``)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    batches = my_batches(make_micro_batches())
+    responses = []
+    for mb in batches:  # the second half of each row's loss tokens, as responses after a prompt
+        keep = mb["loss_mask"] * (mb["loss_mask"].cumsum(1) > mb["loss_mask"].sum(1, keepdim=True) / 2)
+        responses.append({**mb, "loss_mask": keep, "output_mask": keep})
+    runs = {"policy_rows": (path, False, OutputRequest(entropy=True, temperature=0.7), batches),
+            "policy_packed_fused_responses": (path, False, OutputRequest(
+                entropy=True, temperature=0.7, remove_padding=True, fused_chunk_size=4), responses),
+            "critic_rows_responses": (critic_path, True, OutputRequest(), responses),
+            "critic_packed": (critic_path, True, OutputRequest(remove_padding=True), batches)}
+    result = {"widened_micro_batches": 0}  # the rows runs must have some, or their looser bound was never used
+    for name, (model, critic, request, mbs) in runs.items():
+        passes = []
+        for sequence_parallel in (False, True):
+            chunks = build(model, critic, sequence_parallel=sequence_parallel)
+            result[f"{name}.enabled_as_asked"] = result.get(f"{name}.enabled_as_asked", 1) * int(
+                model_builder.model_config(chunks).sequence_parallel == sequence_parallel)
+            outputs = schedule.forward_only(chunks, mbs, request)
+            passed = schedule.forward_backward(chunks, mbs, critic_loss if critic else policy_loss, request)
+            passes.append((outputs, passed.loss, hf_tensors(chunks, model, grads=True)))
+        (out_off, loss_off, grads_off), (out_on, loss_on, grads_on) = passes
+        widened = [not request.remove_padding and int(mb["attention_mask"].sum(1).max()) % tp != 0 for mb in mbs]
+        result["widened_micro_batches"] += sum(widened)
+        for tag, wanted in (("outputs", False), ("outputs_widened", True)):
+            result[f"{name}.{tag}"] = max([max_diff(a, b) for a, b, w in zip(out_off, out_on, widened) if w == wanted],
+                                          default=0.0)
+        result[f"{name}.loss"] = abs(loss_on - loss_off)
+        result[f"{name}.grads"] = max(float((grads_on[k] - grads_off[k]).abs().max()) for k in grads_off)
+        result[f"{name}.grad_names_mismatch"] = len(set(grads_on) ^ set(grads_off))
+    return result
+
+
 def check_forward_only_model(path: Path) -> dict:
     """``build_forward_only_model`` (RL's reference): the trainable build's outputs bit for bit, also after a
     host offload round trip; no DDP wrapper, grad buffer or gradient; the parameter bytes ``meshrl plan``
@@ -572,6 +613,8 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
             rec.run(f"roundtrip.{tag}_critic", lambda: check_roundtrip(critic, workdir, f"{name}-{tag}c", True))
         rec.run("invariance", lambda: check_invariance(llama))
         rec.run("forward_only_model", lambda: check_forward_only_model(qwen2 if name == "pp2" else llama))
+        if name in ("tp2", "tp2pp2"):
+            rec.run("sequence_parallel", lambda: check_sequence_parallel(llama, workdir / "critic-llama"))
         if name == "tp2":
             rec.run("optimizer", lambda: check_optimizer(llama))
             rec.run("checkpoint_save", lambda: check_checkpoint_save(llama, workdir))

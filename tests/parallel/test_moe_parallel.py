@@ -14,7 +14,7 @@ launch on 2 quiet cores (144 s at load 40).
 from __future__ import annotations
 
 import pytest
-from moe_worker import MOE_FAMILIES, PHASES, REPLAY_FAMILY, check_family
+from moe_worker import MOE_FAMILIES, PHASES, REPLAY_FAMILY, SP_FAMILY, check_family
 from torchrun_launch import launch
 
 from meshrl.models.tiny import tiny_model_dir, tiny_spec
@@ -58,6 +58,7 @@ def results(tmp_path_factory) -> dict:
 
 CASES = [(phase, model_type, aux) for phase, _, families, aux, _ in PHASES for model_type in families]
 LOADS = [phase for phase, *_, ckpt in PHASES if ckpt == "load"]
+SP_PHASES = [phase for phase, layout, *_ in PHASES if layout.get("tensor_parallel", 1) > 1]
 
 
 @pytest.mark.multiproc
@@ -66,6 +67,20 @@ LOADS = [phase for phase, *_, ckpt in PHASES if ckpt == "load"]
 def test_expert_parallel_layouts_match_hf(results: dict, phase: str, model_type: str, aux: bool) -> None:
     assert phase in results, results["_log"]
     failures = _failures(results[phase], model_type, aux, replay=model_type == REPLAY_FAMILY)
+    assert not failures, failures
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("phase", SP_PHASES)
+def test_sequence_parallel_moe_matches_hf(results: dict, phase: str) -> None:
+    """megatron's sequence parallelism at EP2 x TP2: its MoE layer routes each TP rank's sequence shard (meshrl's
+    TP-split layer stands aside), the norms' and router's gradients summed over TP; outputs, loss and gradients
+    against HF within the bounds of the other layouts."""
+    assert phase in results, results["_log"]
+    values = results[phase]
+    assert values.get(f"{SP_FAMILY}_sp.sequence_parallel") == 1, values
+    failures = _failures(values, f"{SP_FAMILY}_sp", aux=False, replay=False)
     assert not failures, failures
 
 

@@ -44,7 +44,6 @@ def test_override_transformer_config_reaches_megatron_and_wins(one_rank, tiny_ll
     (f"+{MEGATRON}.override_transformer_config.recompute_granularty=full", "recompute_granularity"),
     (f"+{MEGATRON}.override_transformer_config.attention_backend=flashy", "attention_backend"),
     (f"{MEGATRON}.use_dist_checkpointing=True", "dist_checkpointing_path"),
-    (f"{MEGATRON}.sequence_parallel=True", "sequence_parallel"),
 ])
 def test_bad_megatron_keys_are_refused_at_config_time(override, message):
     with pytest.raises(ConfigError, match=message):
