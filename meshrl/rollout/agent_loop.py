@@ -144,14 +144,16 @@ class MessageTokens:
 @dataclass
 class AgentStats:
     """One sample's conversation: turns (``user_turns``: tool and interaction turns, as verl counts them),
-    calls, per tool ``[calls, errors, timeouts, truncated, seconds]``, and its interaction's name, turns,
-    failure (``interaction_error``: "timeout" or "error"), seconds waited and ``turn_scores``."""
+    calls, per tool ``[calls, errors, timeouts, truncated, seconds, reward]`` (sums), every call's reward in
+    order (``tool_rewards``), and its interaction's name, turns, failure (``interaction_error``: "timeout" or
+    "error"), seconds waited and ``turn_scores``."""
 
     assistant_turns: int = 0
     user_turns: int = 0
     malformed_calls: int = 0
     tool_tokens: int = 0
     tools: dict[str, list[float]] = field(default_factory=dict)
+    tool_rewards: list[float] = field(default_factory=list)
     interaction: str | None = None
     interaction_turns: int = 0
     interaction_tokens: int = 0
@@ -160,9 +162,11 @@ class AgentStats:
     turn_scores: list[float] = field(default_factory=list)
 
     def add_call(self, name: str, result: CallResult) -> None:
-        row = self.tools.setdefault(name, [0.0] * 5)
-        for index, value in enumerate((1, result.error, result.timeout, result.truncated, result.seconds)):
+        row = self.tools.setdefault(name, [0.0] * 6)
+        for index, value in enumerate((1, result.error, result.timeout, result.truncated, result.seconds,
+                                       result.reward)):
             row[index] += float(value)
+        self.tool_rewards.append(result.reward)
 
 
 @dataclass
@@ -377,9 +381,10 @@ def agent_loop_for(rollout: Any, engine: RolloutEngine, tokenizer: Any, response
 
 def agent_reward_info(stats: AgentStats) -> dict[str, Any]:
     """What verl's agent loop adds to a multi-turn sample's ``extra_info`` for the reward function: its
-    interaction's ``turn_scores`` (a list of floats, empty without one) and ``num_turns`` (assistant + user turns
-    + 1, verl's count)."""
-    return {"turn_scores": list(stats.turn_scores), "num_turns": stats.assistant_turns + stats.user_turns + 1}
+    interaction's ``turn_scores`` and its tool calls' ``tool_rewards`` (lists of floats in turn order, empty
+    without any) and ``num_turns`` (assistant + user turns + 1, verl's count)."""
+    return {"turn_scores": list(stats.turn_scores), "tool_rewards": list(stats.tool_rewards),
+            "num_turns": stats.assistant_turns + stats.user_turns + 1}
 
 
 def prompt_tool_schemas(multi_turn: Any) -> list[dict[str, Any]] | None:
@@ -406,8 +411,8 @@ _TOOL_FIELDS = ("calls", "errors", "timeouts", "truncated")
 def agent_metrics(stats: Sequence[AgentStats], finish_reasons: Sequence[str]) -> dict[str, float]:
     """A rollout's ``agent/*`` metrics (turns per sample, as verl's ``num_turns`` counts them: assistant +
     tool turns + 1 for the prompt; finish reasons; how many samples reached each assistant turn) and its
-    ``tool/<name>/*`` metrics (calls, errors, timeouts, truncated outputs, mean seconds per call; calls of
-    names the tool config lacks count under ``unknown``), and with interactions ``interaction_metrics``."""
+    ``tool/<name>/*`` metrics (calls, errors, timeouts, truncated outputs, mean seconds and mean reward per call;
+    calls of names the tool config lacks count under ``unknown``), and with interactions ``interaction_metrics``."""
     if not stats:
         return {}
     turns = np.array([s.assistant_turns + s.user_turns + 1 for s in stats], dtype=np.float64)
@@ -423,10 +428,11 @@ def agent_metrics(stats: Sequence[AgentStats], finish_reasons: Sequence[str]) ->
     totals: dict[str, np.ndarray] = {}
     for s in stats:
         for name, row in s.tools.items():
-            totals[name] = totals.get(name, np.zeros(5)) + np.asarray(row)
+            totals[name] = totals.get(name, np.zeros(6)) + np.asarray(row)
     for name, total in sorted(totals.items()):
         out.update({f"tool/{name}/{key}": float(value) for key, value in zip(_TOOL_FIELDS, total)})
         out[f"tool/{name}/mean_seconds"] = float(total[4] / max(total[0], 1.0))
+        out[f"tool/{name}/mean_reward"] = float(total[5] / max(total[0], 1.0))
     return out | interaction_metrics(stats)
 
 

@@ -141,3 +141,20 @@ def test_rows_that_name_no_interaction_stop_the_run_before_any_worker(tmp_path):
                                            f"data.val_files={tmp_path / 'train.jsonl'}"], recipe="cpu_tiny_grpo")
     with pytest.raises(ConfigError, match=r"train\.jsonl row 1: .*name='chess' is not an interaction"):
         load_inputs(cfg)
+
+
+def test_the_gsm8k_interaction_task_writes_verls_rows_and_interaction_file(tmp_path):
+    from meshrl.data.gsm8k_interaction import INTERACTION_CONFIG, interaction_row
+    from meshrl.data.preprocess import build_rows
+    from meshrl.rollout.interactions.config import interaction_for, row_problems
+
+    rows = [interaction_row(r) for r in build_rows("gsm8k", "test")[:3]]
+    (tmp_path / "i.yaml").write_text(json.dumps(INTERACTION_CONFIG))
+    interactions = load_interactions(tmp_path / "i.yaml")
+    assert row_problems(interactions, [(str(i), r["extra_info"]) for i, r in enumerate(rows)]) == []
+    first = rows[0]
+    assert [m["role"] for m in first["prompt"]] == ["system", "user"]
+    kwargs = first["extra_info"]["interaction_kwargs"]
+    assert kwargs == {"name": "gsm8k", "query": first["prompt"][1]["content"],
+                      "ground_truth": first["reward_model"]["ground_truth"]}
+    assert isinstance(interaction_for(interactions, kwargs), Gsm8kInteraction)

@@ -94,7 +94,7 @@ def test_the_interaction_answers_turns_without_calls_and_its_user_turns_are_mask
     # The turn scores (verl: the interaction's reward per turn) and turns as verl counts them.
     assert [s.turn_scores for s in stats] == [[0.0, 1.0], [1.0]]
     assert (stats[0].assistant_turns, stats[0].user_turns, stats[0].interaction_turns) == (3, 3, 2)
-    assert agent_reward_info(stats[0]) == {"turn_scores": [0.0, 1.0], "num_turns": 7}
+    assert agent_reward_info(stats[0]) == {"turn_scores": [0.0, 1.0], "tool_rewards": [0.0], "num_turns": 7}
     # The conversation the interaction read: the prompt's messages, each turn decoded, tool and user messages.
     assert interaction.seen[-1][:2] == SYSTEM and [m["role"] for m in interaction.seen[-1]] == \
         ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
@@ -175,8 +175,9 @@ def test_verls_gsm8k_interaction_answers_as_verls():
     assert interaction._instances == {}
 
 
-def test_turn_scores_reach_the_reward_functions_extra_info_as_verl_passes_them(tokenizer):
-    """The driver's scoring adds each multi-turn row's turn scores and turn count to a copy of its extra_info."""
+def test_turn_scores_and_tool_rewards_reach_the_reward_functions_extra_info_as_verl_passes_them(tokenizer):
+    """The driver's scoring adds each multi-turn row's turn scores, tool rewards and turn count to a copy of its
+    extra_info."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -185,6 +186,7 @@ def test_turn_scores_reach_the_reward_functions_extra_info_as_verl_passes_them(t
     from meshrl.protocol import Batch
     from meshrl.rewards.pool import RewardBatch
     from meshrl.rollout.agent_loop import AGENT_STATS, AgentStats
+    from meshrl.rollout.tools.base import CallResult
     from meshrl.trainer.rl_trainer import RLTrainer
 
     seen = []
@@ -195,9 +197,11 @@ def test_turn_scores_reach_the_reward_functions_extra_info_as_verl_passes_them(t
 
     rows = [{"index": 3}, None]
     stats = [AgentStats(assistant_turns=2, user_turns=1, turn_scores=[0.5]), AgentStats(assistant_turns=1)]
+    stats[0].add_call("check", CallResult("wrong", reward=-0.05))
     batch = Batch(tensors={"responses": torch.tensor([[5, 6], [7, 0]]), "response_mask": torch.ones(2, 2)},
                   non_tensors={"extra_info": rows, "reward_source": ["a", "a"], "ground_truth": ["1", "2"],
                                AGENT_STATS: np.array(stats, dtype=object)})
     RLTrainer.function_scores(SimpleNamespace(reward=SimpleNamespace(score=score), tokenizer=tokenizer), batch, None)
-    assert seen == [{"index": 3, "turn_scores": [0.5], "num_turns": 4}, {"turn_scores": [], "num_turns": 2}]
+    assert seen == [{"index": 3, "turn_scores": [0.5], "tool_rewards": [-0.05], "num_turns": 4},
+                    {"turn_scores": [], "tool_rewards": [], "num_turns": 2}]
     assert rows[0] == {"index": 3}  # the rows' own extra_info is not changed

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from meshrl.rollout.tools import Invocation, Tool, ToolConfigError, ToolRunner, load_tools
+from meshrl.rollout.tools import Invocation, Tool, ToolAnswer, ToolConfigError, ToolRunner, load_tools
 from meshrl.rollout.tools.calculator import CalculatorTool, evaluate
 from meshrl.rollout.tools.gsm8k import Gsm8kAnswerTool
 from meshrl.rollout.tools.python import PythonTool
@@ -106,11 +106,28 @@ def test_runner_truncates_long_outputs_as_verl(side, expected):
 
 
 def test_gsm8k_tool_checks_the_answer_against_the_samples_ground_truth():
+    """verl's text, and verl's tool reward: -0.05 for a submission that does not beat a fresh instance's 0.0."""
     tool = Gsm8kAnswerTool({"type": "native"}, schema("calc_gsm8k_reward"))
-    assert tool.call({"answer": "72"}, {"ground_truth": "72"}) == "Current parsed answer='72' reward=1.0"
-    assert tool.call({"answer": "#### 70"}, {"ground_truth": "72"}) == "Current parsed answer='#### 70' reward=0.0"
+    assert tool.call({"answer": "72"}, {"ground_truth": "72"}) == ToolAnswer("Current parsed answer='72' reward=1.0")
+    assert tool.call({"answer": "#### 70"}, {"ground_truth": "72"}) == \
+        ToolAnswer("Current parsed answer='#### 70' reward=0.0", -0.05)
     with pytest.raises(ValueError, match="no ground truth"):
         tool.call({"answer": "1"}, {})
+
+
+def test_a_calls_reward_comes_back_with_its_text_and_a_failed_or_plain_calls_is_zero():
+    runner = ToolRunner([Gsm8kAnswerTool({}, schema("check")), CalculatorTool({}, schema("calculator"))],
+                        max_response_chars=12)
+    kwargs = {"check": {"create_kwargs": {"ground_truth": "72"}}}
+    try:
+        wrong, right, plain, failed, unknown = runner.run([
+            Invocation("check", '{"answer": "70"}', kwargs), Invocation("check", '{"answer": "72"}', kwargs),
+            Invocation("calculator", '{"expression": "1 + 1"}'), Invocation("check", '{"answer": "7"}'),
+            Invocation("nope", "{}")])
+    finally:
+        runner.shutdown()
+    assert (wrong.reward, right.reward, plain.reward, failed.reward, unknown.reward) == (-0.05, 0.0, 0.0, 0.0, 0.0)
+    assert wrong.truncated and wrong.text.startswith("Curren...") and failed.error and plain.text == "2"
 
 
 VERL_GSM8K = """\

@@ -2,9 +2,13 @@
 
 A tool is built from one entry of verl's tool config (``meshrl.rollout.tools.config``): its ``config``
 mapping and its OpenAI function schema. ``call(arguments, create_kwargs)`` answers one call with the text
-the model reads as the tool message; ``create_kwargs`` is the sample's
-``extra_info.tools_kwargs.<tool name>.create_kwargs`` (verl's per-trajectory arguments, e.g. a ground truth).
-Each call stands alone, as verl's agent loop runs a tool (create, execute, release per call).
+the model reads as the tool message, or with a ``ToolAnswer`` that adds the call's step reward (verl's
+``execute`` returns one beside the text: e.g. its GSM8K tool's -0.05 for a wrong answer); a text's reward is
+0.0 (verl's ``BaseTool``). ``create_kwargs`` is the sample's ``extra_info.tools_kwargs.<tool
+name>.create_kwargs`` (verl's per-trajectory arguments, e.g. a ground truth). Each call stands alone, as
+verl's agent loop runs a tool (create, execute, release per call). The rewards of a sample's calls reach the
+reward function in ``extra_info["tool_rewards"]`` (``meshrl.rollout.agent_loop``), as verl's agent loop passes
+them; a call that failed has reward 0.0, as in verl.
 
 ``ToolRunner.run`` executes a turn's calls (of all samples of a batch at once) concurrently on a thread
 pool. A call never fails the step: an unknown tool name, arguments that are not a JSON object, a tool
@@ -59,8 +63,17 @@ class Tool(abc.ABC):
         self.max_concurrent: int | None = None
 
     @abc.abstractmethod
-    def call(self, arguments: dict[str, Any], create_kwargs: Mapping[str, Any]) -> str:
-        """The tool message's text for one call (raise on failure: the runner reports it to the model)."""
+    def call(self, arguments: dict[str, Any], create_kwargs: Mapping[str, Any]) -> str | ToolAnswer:
+        """The tool message's text for one call, or it with the call's reward (raise on failure: the runner
+        reports it to the model)."""
+
+
+@dataclass(frozen=True)
+class ToolAnswer:
+    """A call's tool message ``text`` and its step ``reward`` (verl's ``tool_reward``)."""
+
+    text: str
+    reward: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,13 +88,14 @@ class Invocation:
 @dataclass(frozen=True)
 class CallResult:
     """One call's tool message ``text`` and how it went: ``error`` (the text is an error message),
-    ``timeout`` (no answer in time; also an error), ``truncated``, ``seconds``."""
+    ``timeout`` (no answer in time; also an error), ``truncated``, ``seconds``, and its ``reward``."""
 
     text: str
     error: bool = False
     timeout: bool = False
     truncated: bool = False
     seconds: float = 0.0
+    reward: float = 0.0
 
 
 def truncate_text(text: str, limit: int, side: str) -> tuple[str, bool]:
@@ -129,17 +143,17 @@ class ToolRunner:
         timeout_s = self.tools[inv.name].timeout_s
         # Every call started together: each may use what is left of its own timeout since then.
         try:
-            text, seconds = future.result(timeout=max(timeout_s - (time.monotonic() - started), 0.0))
+            answer, seconds = future.result(timeout=max(timeout_s - (time.monotonic() - started), 0.0))
         except FutureTimeout:
             return CallResult(f"Error executing tool '{inv.name}': no answer within {timeout_s:g} s", error=True,
                               timeout=True, seconds=timeout_s)
         except Exception as error:  # noqa: BLE001 - a tool's failure is the model's feedback, never the step's
             return CallResult(f"Error executing tool '{inv.name}': {error}", error=True,
                               seconds=time.monotonic() - started)
-        text, cut = truncate_text(text, self.max_response_chars, self.truncate_side)
-        return CallResult(text, truncated=cut, seconds=seconds)
+        text, cut = truncate_text(answer.text, self.max_response_chars, self.truncate_side)
+        return CallResult(text, truncated=cut, seconds=seconds, reward=answer.reward)
 
-    def _call(self, inv: Invocation) -> tuple[str, float]:
+    def _call(self, inv: Invocation) -> tuple[ToolAnswer, float]:
         tool = self.tools[inv.name]
         try:
             arguments = json.loads(inv.arguments)
@@ -153,8 +167,11 @@ class ToolRunner:
             limit.acquire()
         try:
             start = time.monotonic()
-            text = tool.call(arguments, create_kwargs)
-            return str(text), time.monotonic() - start
+            answer = tool.call(arguments, create_kwargs)
+            seconds = time.monotonic() - start
+            if isinstance(answer, ToolAnswer):
+                return ToolAnswer(str(answer.text), float(answer.reward)), seconds
+            return ToolAnswer(str(answer)), seconds
         finally:
             if limit is not None:
                 limit.release()
