@@ -21,7 +21,12 @@ activation ``h = A x`` enters megatron's ``copy_to_tensor_model_parallel_region`
 all-reduce backward), so A's and x's gradients are complete and equal on every TP rank. On a row-parallel
 layer (``o_proj``, ``down_proj``) A is split along its input and B replicated: ``h`` is the all-reduce of
 the ranks' partial ``A_t x_t`` (``reduce_from_tensor_model_parallel_region``), B's gradient is then the same
-on every rank. Pipeline parallelism: each stage adapts the layers it holds, named by their global index.
+on every rank. Under sequence parallelism the linear's input (column-parallel) or output (row-parallel) is this
+rank's sequence shard, and the rank-r activation moves as the layer's does: a column-parallel adapter's ``A x``
+of the shard is all-gathered along the sequence (its backward reduce-scatters, summing the ranks' B terms),
+a row-parallel one's partial ``A_t x_t`` reduce-scattered to the shard; the replicated A (column) or B (row) then
+sees one shard per rank, and is marked ``sequence_parallel`` so that megatron sums its gradient over TP, as for
+the norms. Pipeline parallelism: each stage adapts the layers it holds, named by their global index.
 
 The base model is frozen (``requires_grad=False``: no gradient, no DDP buffer, no optimizer state; megatron
 runs its frozen-weight linear); only the adapters train. ``adapters_disabled(chunks)`` runs the base model
@@ -87,7 +92,7 @@ class LoraAdapter(torch.nn.Module):
 
     def __init__(self, parts: tuple[str, ...], all_parts: tuple[str, ...], in_size: int,
                  out_sizes: dict[str, int], row_parallel: bool, layout: str, spec, settings: LoraSettings,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, sequence_parallel: bool = False) -> None:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -95,6 +100,7 @@ class LoraAdapter(torch.nn.Module):
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.parts, self.all_parts, self.layout, self.row_parallel = parts, all_parts, layout, row_parallel
         self.scaling, self.spec, self.tp = settings.scaling, spec, tp
+        self.sequence_parallel = sequence_parallel and tp > 1
         self.enabled = True
         self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout > 0 else torch.nn.Identity()
         local_in = in_size // tp if row_parallel else in_size
@@ -112,6 +118,8 @@ class LoraAdapter(torch.nn.Module):
             _init_a(param, settings.init_a, in_size)
         for param in self.lora_B.values():
             set_tensor_model_parallel_attributes(param, not row_parallel, 0, 1)
+        for param in (self.lora_B if row_parallel else self.lora_A).values():  # the replicated side
+            param.sequence_parallel = self.sequence_parallel
 
     def a_of(self, part: str) -> torch.nn.Parameter:
         return self.lora_A[SHARED] if SHARED in self.lora_A else self.lora_A[part]
@@ -119,26 +127,33 @@ class LoraAdapter(torch.nn.Module):
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """``scaling * B (A dropout(x))`` in the linear's local output layout (this TP rank's rows)."""
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                            reduce_from_tensor_model_parallel_region)
+                                                            gather_from_sequence_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region,
+                                                            reduce_scatter_to_sequence_parallel_region)
 
         x = self._dropped(x)
         names = list(self.lora_A)
         h = torch.nn.functional.linear(x, torch.cat([self.lora_A[n] for n in names]) if len(names) > 1
                                        else self.lora_A[names[0]])
-        h = reduce_from_tensor_model_parallel_region(h) if self.row_parallel \
-            else copy_to_tensor_model_parallel_region(h)
+        if self.sequence_parallel:
+            h = reduce_scatter_to_sequence_parallel_region(h) if self.row_parallel \
+                else gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+        else:
+            h = reduce_from_tensor_model_parallel_region(h) if self.row_parallel \
+                else copy_to_tensor_model_parallel_region(h)
         rank = self.lora_B[self.parts[0]].shape[1]
         by_a = dict(zip(names, h.split(rank, dim=-1)))
         deltas = {part: torch.nn.functional.linear(by_a[SHARED if SHARED in by_a else part], self.lora_B[part])
                   * self.scaling for part in self.parts}
-        return self._assemble(deltas, x.shape[:-1])
+        return self._assemble(deltas, h.shape[:-1])
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.dropout, torch.nn.Identity) or not self.training:
             return x
-        if self.row_parallel:
-            # Each TP rank holds other input columns: draw its mask from megatron's model-parallel RNG, as
-            # megatron does for any TP-split activation; a replicated input draws the same mask everywhere.
+        if self.row_parallel or self.sequence_parallel:
+            # Each TP rank holds other input columns (or sequence positions): draw its mask from megatron's
+            # model-parallel RNG, as megatron does for any TP-split activation; a replicated input draws the same
+            # mask everywhere.
             from megatron.core import tensor_parallel
 
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -260,7 +275,8 @@ def adapt(gpt: torch.nn.Module, settings: LoraSettings) -> None:
             all_parts, layout = _fused_parts(submodule)
             parts = tuple(name for name in all_parts if name in settings.targets)
             adapter = LoraAdapter(parts, all_parts, _in_size(spec, submodule), _out_sizes(spec, all_parts),
-                                  submodule in ROW_PARALLEL, layout, spec, settings, sample.dtype, sample.device)
+                                  submodule in ROW_PARALLEL, layout, spec, settings, sample.dtype, sample.device,
+                                  sequence_parallel=gpt.config.sequence_parallel)
             adapter.global_layer = layer.layer_number - 1
             parent_path, name = submodule.rsplit(".", 1)
             parent = _get(layer, parent_path)

@@ -5,7 +5,8 @@
 PEFT writes a random adapter (``init_lora_weights=False``: B != 0, so every adapter tensor has a gradient);
 each phase loads it into meshrl's adapters at its layout, and records the largest differences from PEFT's
 log-probs and adapter gradients (policy loss of ``mp_worker``), the adapter saved back from the layout
-against PEFT's file, and the merged weights against PEFT's ``merge_and_unload``. The TP2 Llama phase then takes
+against PEFT's file, and the merged weights against PEFT's ``merge_and_unload``; ``tp2sp`` is the TP2 Llama
+phase under megatron's sequence parallelism. The TP2 Llama phase then takes
 an optimizer step and saves a distributed checkpoint (model and Adam state); the PP2 phase loads it and must hold
 the adapters the TP2 phase saved in PEFT's format after its step. Rank 0 writes the results
 (max over ranks) at the end; ``test_lora_multiproc.py`` asserts the bounds.
@@ -34,7 +35,10 @@ from meshrl.parallel.forward import OutputRequest  # noqa: E402
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODELS = {"llama": TinySpec(), "qwen2": TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False)}
 PHASES = [("tp2", "llama", dict(tensor_parallel=2), ALL), ("pp2", "llama", dict(pipeline_parallel=2), ALL),
-          ("tp2", "qwen2", dict(tensor_parallel=2), ("q_proj", "v_proj", "gate_proj", "down_proj"))]
+          ("tp2", "qwen2", dict(tensor_parallel=2), ("q_proj", "v_proj", "gate_proj", "down_proj")),
+          ("tp2sp", "llama", dict(tensor_parallel=2), ALL)]
+# the model's own options per phase: tp2sp runs megatron's sequence parallelism
+BUILD = {"tp2sp": dict(sequence_parallel=True)}
 RANK, ALPHA = 4, 8
 REQUEST = OutputRequest(entropy=True)
 
@@ -69,7 +73,8 @@ def run_phase(name: str, family: str, layout: dict, targets: tuple[str, ...], wo
     reference = peft_reference(path, targets, folder)
     state.initialize(state.ParallelConfig(**layout))
     try:
-        chunks = lora.apply_lora(build(path), lora.LoraSettings(rank=RANK, alpha=ALPHA, targets=targets))
+        chunks = lora.apply_lora(build(path, **BUILD.get(name, {})),
+                                 lora.LoraSettings(rank=RANK, alpha=ALPHA, targets=targets))
         peft_io.load_adapter(chunks, folder)
         out = schedule.forward_only(chunks, make_micro_batches(), REQUEST)
         for chunk in chunks:
@@ -102,7 +107,7 @@ def layout_checkpoint(name: str, family: str, chunks, workdir: Path) -> float | 
     difference between the adapters loaded from that checkpoint (with the optimizer) and the saved PEFT ones."""
     from safetensors.torch import load_file
 
-    if family != "llama":
+    if family != "llama" or name not in ("tp2", "pp2"):
         return None
     opt, _ = optimizer.build_optimizer(chunks, optimizer.OptimizerConfig(lr=1e-2, weight_decay=0.0))
     folder = workdir / "checkpoint"

@@ -1,7 +1,8 @@
 """LoRA at TP2 and PP2 (CPU/gloo, one 2-rank torchrun launch of ``lora_mp_worker.py``, ~25 s on 2 cores):
 meshrl's adapters loaded from PEFT's random adapter give PEFT's log-probs and adapter gradients (the
 single-rank reference), save back PEFT's tensors, and merge to PEFT's ``merge_and_unload`` weights; a
-distributed checkpoint saved at TP2 after an Adam step loads at PP2 with the adapters of that step.
+distributed checkpoint saved at TP2 after an Adam step loads at PP2 with the adapters of that step. The TP2 Llama
+checks run again under megatron's sequence parallelism (``tp2sp``), against the same PEFT reference and bounds.
 
 Measured: log-probs <= 2.9e-6, adapter gradients <= 2.0e-6 (largest gradient entries 1e-2), saved and
 merged tensors exact.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 from torchrun_launch import launch
 
-PHASES = ("tp2-llama", "pp2-llama", "tp2-qwen2")
+PHASES = ("tp2-llama", "pp2-llama", "tp2-qwen2", "tp2sp-llama")  # tp2sp: with sequence parallelism
 
 
 @pytest.fixture(scope="module")
