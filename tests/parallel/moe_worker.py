@@ -243,7 +243,8 @@ def check_replay(path: Path, chunks, batches: list[dict], native_out: list[dict]
                                   for r, n in zip(mine_ref, mine_native))
     result.update({f"replay_{k}": v for k, v in _train_pass(chunks, forced, path, ref_loss, ref_grads).items()})
     # full activation recompute: the backward runs every layer again, outside the forward step
-    recomputing = build(path, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recomputing = build(path, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                        sequence_parallel=model_builder.model_config(chunks).sequence_parallel)
     router_replay.install(recomputing)
     passed = _train_pass(recomputing, forced, path, ref_loss, ref_grads)
     result.update({f"replay_recompute_{k}": v for k, v in passed.items()})
@@ -302,7 +303,7 @@ def run_phase(layout: dict, families: tuple[str, ...], aux: bool, ckpt: str | No
         print(f"[rank {dist.get_rank()}] {model_type}: {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
     if layout.get("tensor_parallel", 1) > 1:  # megatron's sequence parallelism, with one family
         try:
-            found = check_family(tiny_model_dir(tiny_spec(SP_FAMILY)), replay=False, sequence_parallel=True)
+            found = check_family(tiny_model_dir(tiny_spec(SP_FAMILY)), sequence_parallel=True)
             values.update({f"{SP_FAMILY}_sp.{k}": v for k, v in found.items()})
         except Exception:  # recorded, reported by pytest
             values[f"{SP_FAMILY}_sp.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
