@@ -146,9 +146,6 @@ REFUSED = {
     "actor_rollout_ref.hybrid_engine": "meshrl always colocates the rollout engine with the trainer (verl's hybrid "
                                        "engine); set True",
     "actor_rollout_ref.model.external_lib": "meshrl builds its own model families and imports no model code",
-    "actor_rollout_ref.rollout.multi_turn.function_tool_path": "verl's function tools (Python functions made tools) "
-                                                               "are not built yet; describe the tools in "
-                                                               "rollout.multi_turn.tool_config_path",
     "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts": "it repeats a conversation in verl's SGLang rollout, "
                                                                 "which meshrl does not run (samples per prompt are "
                                                                 "rollout.n); leave it unset",

@@ -370,8 +370,8 @@ class EngineKwargsConfig:
 @dataclass
 class MultiTurnConfig:
     """verl's ``rollout.multi_turn`` (both verl versions' keys): ``enable`` runs the multi-turn tool-calling
-    rollout (``meshrl.rollout.agent_loop``) with the tools of ``tool_config_path`` and the interactions of
-    ``interaction_config_path`` (``meshrl.rollout.interactions``); the function tools and SGLang's repeats are
+    rollout (``meshrl.rollout.agent_loop``) with the tools of ``tool_config_path`` and ``function_tool_path``
+    and the interactions of ``interaction_config_path`` (``meshrl.rollout.interactions``); SGLang's repeats are
     refused (``meshrl.config.key_policy``)."""
 
     enable: bool = False

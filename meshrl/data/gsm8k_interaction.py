@@ -40,7 +40,8 @@ SYSTEM_PROMPT = ("You are a math expert. You are given a question and you need t
 def interaction_row(row: dict[str, Any]) -> dict[str, Any]:
     """A GSM8K row (``meshrl.data.preprocess`` layout) as verl's interaction row (module docstring)."""
     (question,) = row["prompt"]
-    kwargs = {"name": INTERACTION_NAME, "query": question["content"], "ground_truth": row["reward_model"]["ground_truth"]}
+    kwargs = {"name": INTERACTION_NAME, "query": question["content"],
+              "ground_truth": row["reward_model"]["ground_truth"]}
     return {**row, "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, question],
             "extra_info": {**row["extra_info"], "interaction_kwargs": kwargs}}
 

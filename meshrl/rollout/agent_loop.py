@@ -80,7 +80,7 @@ from meshrl.rollout.interactions.config import interaction_for, interaction_kwar
 from meshrl.rollout.interactions.runner import Conversation, InteractionReply, InteractionRunner
 from meshrl.rollout.tool_parsers import tool_parser
 from meshrl.rollout.tools.base import CallResult, Invocation, ToolRunner
-from meshrl.rollout.tools.config import load_tools, tool_schemas
+from meshrl.rollout.tools.config import load_all_tools, tool_schemas
 
 if TYPE_CHECKING:  # the async engine imports vLLM's engine module; a multi-turn loop without it need not
     from meshrl.rollout.async_engine import AsyncEngine
@@ -388,19 +388,20 @@ def agent_reward_info(stats: AgentStats) -> dict[str, Any]:
 
 
 def prompt_tool_schemas(multi_turn: Any) -> list[dict[str, Any]] | None:
-    """The OpenAI schemas of ``rollout.multi_turn``'s tools, which the prompts' chat template renders
-    (``meshrl.data.dataset.load_datasets``); None when multi-turn is off or has no tools."""
+    """The OpenAI schemas of ``rollout.multi_turn``'s tools (``tool_config_path``'s, then ``function_tool_path``'s),
+    which the prompts' chat template renders (``meshrl.data.dataset.load_datasets``); None when multi-turn is off
+    or has no tools."""
     get = section_getter(multi_turn)
-    if not get("enable", False) or not get("tool_config_path"):
+    if not get("enable", False) or not (get("tool_config_path") or get("function_tool_path")):
         return None
-    return tool_schemas(load_tools(get("tool_config_path")))
+    return tool_schemas(load_all_tools(get("tool_config_path"), get("function_tool_path")))
 
 
 def tool_runner(multi_turn: Any) -> ToolRunner:
-    """The runner of ``rollout.multi_turn``'s tools (``tool_config_path``; none without one), truncating their
-    outputs by ``max_tool_response_length`` / ``tool_response_truncate_side``."""
+    """The runner of ``rollout.multi_turn``'s tools (``tool_config_path``'s and ``function_tool_path``'s; none
+    without either), truncating their outputs by ``max_tool_response_length`` / ``tool_response_truncate_side``."""
     get = section_getter(multi_turn)
-    tools = load_tools(get("tool_config_path")) if get("tool_config_path") else []
+    tools = load_all_tools(get("tool_config_path"), get("function_tool_path"))
     return ToolRunner(tools, max_response_chars=int(get("max_tool_response_length", 256)),
                       truncate_side=str(get("tool_response_truncate_side", "middle")))
 

@@ -23,7 +23,8 @@ interaction:
 """
 # verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo_w_interaction.yaml: its Megatron tool example's file
 # on verl's FSDP defaults, with max_user_turns
-VERL_EXAMPLE = TOOL_EXAMPLE.replace("ppo_megatron_trainer", "ppo_trainer").replace("max_assistant_turns", "max_user_turns")
+VERL_EXAMPLE = TOOL_EXAMPLE.replace("ppo_megatron_trainer", "ppo_trainer").replace("max_assistant_turns",
+                                                                                   "max_user_turns")
 # The trainer arguments of verl's examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh with
 # its defaults (TRAIN_BATCH_SIZE=512, MICRO_BATCH_SIZE=8, OFFLOAD=False, PROJECT_DIR=/verl)
 VERL_SCRIPT = """

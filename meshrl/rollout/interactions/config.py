@@ -49,7 +49,8 @@ def interaction_class(class_name: str) -> type[Interaction]:
                                      f"{type(error).__name__}: {error}") from None
     if isinstance(cls, type) and issubclass(cls, Interaction):
         return cls
-    why = f"{module} has no {name}" if cls is None else f"{name} is not a subclass of {Interaction.__module__}.Interaction"
+    why = f"{module} has no {name}" if cls is None else \
+        f"{name} is not a subclass of {Interaction.__module__}.Interaction"
     raise InteractionConfigError(f"class_name {class_name!r}: {why}; an interaction is one of verl's meshrl maps "
                                  f"or an importable Interaction subclass (known: {known})")
 
@@ -71,7 +72,8 @@ def load_interactions(path: str | Path) -> dict[str, Interaction]:
         raise InteractionConfigError(f"{path}: not YAML ({error})") from None
     entries = document.get("interaction") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise InteractionConfigError(f"{path}: expected a non-empty 'interaction:' list of {{name, class_name, config}}")
+        raise InteractionConfigError(f"{path}: expected a non-empty 'interaction:' list of "
+                                     "{name, class_name, config}")
     interactions: dict[str, Interaction] = {}
     for index, entry in enumerate(entries):
         where = f"{path}: interaction[{index}]"

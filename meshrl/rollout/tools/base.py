@@ -39,6 +39,16 @@ class ToolConfigError(ValueError):
     """A tool config entry meshrl cannot honour (the message names the entry and what to change)."""
 
 
+def check_schema(schema: Any, where: str) -> dict[str, Any]:
+    """``schema`` if it is an OpenAI function schema with a name; else ``ToolConfigError`` naming ``where``."""
+    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
+        raise ToolConfigError(f"{where}.tool_schema must be an OpenAI function schema "
+                              "({type: function, function: {name, description, parameters}})")
+    if not isinstance(schema["function"].get("name"), str) or not schema["function"]["name"]:
+        raise ToolConfigError(f"{where}.tool_schema.function.name must be a non-empty string")
+    return schema
+
+
 class Tool(abc.ABC):
     """One callable tool. Subclasses set ``CONFIG_KEYS`` (the ``config`` keys they read beyond ``type`` and
     ``timeout_s``; any other key is refused) and implement ``call``.

@@ -20,8 +20,9 @@ from typing import Any
 
 import yaml
 
-from meshrl.rollout.tools.base import Tool, ToolConfigError
+from meshrl.rollout.tools.base import Tool, ToolConfigError, check_schema
 from meshrl.rollout.tools.calculator import CalculatorTool
+from meshrl.rollout.tools.function import load_function_tools
 from meshrl.rollout.tools.gsm8k import Gsm8kAnswerTool
 from meshrl.rollout.tools.python import PythonTool
 
@@ -48,15 +49,6 @@ def tool_class(class_name: str) -> type[Tool]:
                           f"importable meshrl.rollout.tools.base.Tool subclass; known: {', '.join(known)}")
 
 
-def _check_schema(schema: Any, where: str) -> dict[str, Any]:
-    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
-        raise ToolConfigError(f"{where}.tool_schema must be an OpenAI function schema "
-                              "({type: function, function: {name, description, parameters}})")
-    if not isinstance(schema["function"].get("name"), str) or not schema["function"]["name"]:
-        raise ToolConfigError(f"{where}.tool_schema.function.name must be a non-empty string")
-    return schema
-
-
 def load_tools(path: str | Path) -> list[Tool]:
     """The tools of a verl tool config file, built (module docstring)."""
     path = Path(path)
@@ -76,13 +68,26 @@ def load_tools(path: str | Path) -> list[Tool]:
             raise ToolConfigError(f"{where}: config.type={config['type']!r}; only native tools are built (verl's MCP "
                                   "tools are not): use type: native")
         try:
-            tools.append(tool_class(entry["class_name"])(config, _check_schema(entry.get("tool_schema"), where)))
+            tools.append(tool_class(entry["class_name"])(config, check_schema(entry.get("tool_schema"), where)))
         except ToolConfigError as error:
             raise ToolConfigError(f"{where}: {error}") from None
     names = [tool.name for tool in tools]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ToolConfigError(f"{path}: tool names {duplicates} appear more than once")
+    return tools
+
+
+def load_all_tools(tool_config_path: str | Path | None, function_tool_path: str | Path | None) -> list[Tool]:
+    """The tools of verl's two keys, built: the tool config's, then the function tools
+    (``meshrl.rollout.tools.function``); a name both give is refused, as verl refuses it."""
+    tools = (load_tools(tool_config_path) if tool_config_path else []) + \
+        (load_function_tools(function_tool_path) if function_tool_path else [])
+    names = [tool.name for tool in tools]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ToolConfigError(f"actor_rollout_ref.rollout.multi_turn.function_tool_path: tool name(s) {duplicates} "
+                              "are also in tool_config_path; each tool needs its own name")
     return tools
 
 
