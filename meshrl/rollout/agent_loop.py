@@ -201,7 +201,7 @@ class AgentLoop:
         self.runner = runner
         self.settings = settings
         self.response_length = response_length
-        self.parser = tool_parser(settings.format)
+        self.parser = tool_parser(settings.format, tool_schemas(list(runner.tools.values())))
         self.message_tokens = MessageTokens(tokenizer, engine.eos_token_ids)
         self.interactions = dict(interactions or {})
         self.interaction_runner = InteractionRunner() if self.interactions else None

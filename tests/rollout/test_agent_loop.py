@@ -180,3 +180,13 @@ def test_the_hf_engine_caps_each_prompt_at_its_own_max_tokens(tiny_llama_dir):
         engine.shutdown()
     assert capped[0].token_ids == full[0].token_ids[:3] and capped[0].finish_reason == "length"
     assert capped[1].token_ids == full[1].token_ids and len(capped[1].token_ids) == 10
+
+
+def test_qwen3_coder_calls_run_through_the_loop(tiny_llama_dir, tokenizer):
+    from test_tool_parsers import qwen3_coder_call
+
+    script = [["First " + qwen3_coder_call("calculator", expression="6 * 7"), "It is 42."]]
+    engine, loop = make_loop(tiny_llama_dir, tokenizer, script, format="qwen3_coder")
+    (completion,), (stats,) = loop.generate([[0, 9]], SamplingConfig(max_response_length=400))
+    assert (stats.assistant_turns, stats.tools["calculator"][:2]) == (2, [1.0, 0.0])
+    assert "<|im_start|>tool\n42<|im_end|>" in tokenizer.decode(completion.token_ids)

@@ -35,5 +35,39 @@ def test_hermes_counts_malformed_blocks_and_keeps_the_good_ones():
 
 
 def test_an_unknown_format_is_refused_naming_the_key():
-    with pytest.raises(ValueError, match="multi_turn.format='gpt-oss'.*hermes"):
+    with pytest.raises(ValueError, match="multi_turn.format=.gpt-oss..*hermes.*qwen3_coder"):
         tool_parser("gpt-oss")
+
+
+SCHEMAS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"}, "cfg": {"type": "object"},
+    "items": {"type": "array"}, "s": {"type": "string"}, "untyped": {}}}}}]
+
+
+def qwen3_coder_call(name, **parameters):
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_types_the_arguments_by_the_tools_schema_as_verl():
+    text = "Let me see. " + qwen3_coder_call("f", n="7", x="2.50", ok="True", cfg='{"a": [1]}', items="[1, 'b']",
+                                              s="0012", untyped="12", extra="3", big="null") + \
+        qwen3_coder_call("f", n="seven", x="3.0", ok="yes", cfg="{'a': 1}", items="not a list")
+    turn = tool_parser("qwen3_coder", SCHEMAS).parse(text)
+    assert turn.content == "Let me see. " and turn.malformed == 0
+    first, second = (json.loads(call.arguments) for call in turn.calls)
+    assert first == {"n": 7, "x": 2.5, "ok": True, "cfg": {"a": [1]}, "items": [1, "b"], "s": "0012", "untyped": "12",
+                     "extra": "3", "big": None}
+    # what does not parse as its type stays text (a bad boolean is false); a Python dict literal is an object
+    assert second == {"n": "seven", "x": 3, "ok": False, "cfg": {"a": 1}, "items": "not a list"}
+    assert [call.name for call in turn.calls] == ["f", "f"]
+
+
+def test_qwen3_coder_reads_what_a_turn_left_open_and_counts_a_nameless_function():
+    multiline = "def g():\n    return 1\n"
+    open_call = f"<tool_call>\n<function=run>\n<parameter=code>\n{multiline}"  # the turn ended inside it
+    turn = tool_parser("qwen3_coder").parse(open_call)
+    assert turn.calls == [ToolCall("run", json.dumps({"code": multiline.removesuffix("\n")}))]
+    bare = tool_parser("qwen3_coder").parse("<tool_call><function=broken</function></tool_call>")
+    assert bare.calls == [] and bare.malformed == 1
+    assert tool_parser("qwen3_coder").parse("<function=f></function>").calls == []  # no <tool_call>: no call
