@@ -3,6 +3,7 @@ test_agent_loop, batched and async: the user turns' tokens, masks, turn scores, 
 engine and trainer: tests/rollout/test_agent_e2e.py."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -42,6 +43,9 @@ class Failing(Interaction):
     async def generate_response(self, instance_id, messages, **kwargs):
         if self.config["mode"] == "raise":
             raise RuntimeError("the judge is down")
+        if self.config["mode"] == "block":  # synchronous work: the interactions' loop cannot cancel it
+            time.sleep(0.6)
+            return False, "late", 0.0, {}
         await asyncio.sleep(60)
 
 
@@ -124,7 +128,7 @@ def test_a_user_turn_that_does_not_fit_ends_the_response_on_the_sampled_turn(tin
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-@pytest.mark.parametrize("mode,error", [("raise", "error"), ("hang", "timeout")])
+@pytest.mark.parametrize("mode,error", [("raise", "error"), ("hang", "timeout"), ("block", "timeout")])
 def test_a_failing_or_hanging_interaction_ends_only_its_own_conversation(tiny_llama_dir, tokenizer, asynchronous,
                                                                          mode, error, caplog):
     interactions = {"gsm8k": Gsm8kInteraction({"name": "gsm8k"}),
@@ -135,7 +139,7 @@ def test_a_failing_or_hanging_interaction_ends_only_its_own_conversation(tiny_ll
                                        [row("bad"), row()], [SYSTEM, SYSTEM])
     assert [c.finish_reason for c in completions] == ["interaction_error", "stop"]
     assert stats[0].interaction_error == error and stats[0].assistant_turns == 1 and stats[0].user_turns == 0
-    assert stats[1].turn_scores == [0.0, 1.0]  # the other conversation went on
+    assert stats[1].turn_scores == [0.0, 1.0]  # the other conversation went on (behind a block: once it ends)
     assert "interaction 'bad' failed" in caplog.text
     metrics = agent_metrics(stats, [c.finish_reason for c in completions])
     assert metrics["interaction/bad/errors"] == 1 and metrics["interaction/bad/timeouts"] == (error == "timeout")

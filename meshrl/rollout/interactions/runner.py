@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Coroutine, Mapping
 
 from meshrl.rollout.interactions.base import Interaction
@@ -90,31 +90,36 @@ class InteractionRunner:
 
     def wait(self, conversation: Conversation, future: concurrent.futures.Future, started: float) -> InteractionReply:
         """``future``'s reply, or an error reply once the interaction's ``timeout_s`` since ``started`` is spent."""
-        timeout_s = conversation.interaction.timeout_s
         try:
-            reply = future.result(timeout=max(timeout_s - (time.monotonic() - started), 0.0))
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            return self._failed(conversation, f"no answer within {timeout_s:g} s", timeout_s, timeout=True)
+            reply = future.result(timeout=max(conversation.interaction.timeout_s - (time.monotonic() - started), 0.0))
         except Exception as error:  # noqa: BLE001 - an interaction's failure ends its conversation, never the step
-            return self._failed(conversation, f"{type(error).__name__}: {error}", time.monotonic() - started)
-        return InteractionReply(reply.text, reply.terminate, reply.score, seconds=time.monotonic() - started)
+            future.cancel()
+            return self._failed(conversation, future, error, started)
+        return replace(reply, seconds=time.monotonic() - started)
 
     async def await_reply(self, conversation: Conversation) -> InteractionReply:
-        """``reply`` + ``wait`` from a coroutine: the caller's loop runs other conversations meanwhile."""
+        """``reply`` + ``wait`` from a coroutine: the caller's loop runs other conversations meanwhile (at the
+        timeout, ``wait_for`` cancels the call)."""
         started = time.monotonic()
         future = self.reply(conversation)
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), conversation.interaction.timeout_s)
-        except Exception:  # noqa: BLE001 - timed out or failed: wait() turns either into the reply
-            pass
-        return self.wait(conversation, future, started)
+            reply = await asyncio.wait_for(asyncio.wrap_future(future), conversation.interaction.timeout_s)
+        except Exception as error:  # noqa: BLE001 - as in wait()
+            return self._failed(conversation, future, error, started)
+        return replace(reply, seconds=time.monotonic() - started)
 
     @staticmethod
-    def _failed(conversation: Conversation, why: str, seconds: float, timeout: bool = False) -> InteractionReply:
+    def _failed(conversation: Conversation, future: concurrent.futures.Future, error: Exception, started: float
+                ) -> InteractionReply:
+        """The error reply for a call that raised ``error`` or, when it had not answered (or was cancelled for
+        it), that timed out."""
+        timeout_s = conversation.interaction.timeout_s
+        timeout = future.cancelled() or not future.done()
+        why = f"no answer within {timeout_s:g} s" if timeout else f"{type(error).__name__}: {error}"
         message = f"interaction {conversation.interaction.name!r} failed: {why}"
         logger.warning("%s; that sample's conversation ends here", message)
-        return InteractionReply(error=message, timeout=timeout, seconds=seconds)
+        return InteractionReply(error=message, timeout=timeout,
+                                seconds=timeout_s if timeout else time.monotonic() - started)
 
     def finalize(self, conversations: list[Conversation]) -> None:
         """``finalize_interaction`` of every started conversation, each waited for at most its ``timeout_s``;
