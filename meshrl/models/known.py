@@ -106,6 +106,19 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "mistralai/Mixtral-8x7B-Instruct-v0.1": dict(model_type="mixtral", num_hidden_layers=32, hidden_size=4096,
                                                  num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
                                                  num_local_experts=8, num_experts_per_tok=2),
+    # DeepSeek-V3's architecture (verl's Moonlight scripts): multi-latent attention without a query latent
+    # (q_lora_rank null), a dense first layer, 64 routed experts (top-6 by sigmoid scores plus the correction bias,
+    # one group) and two shared ones, no RoPE scaling
+    "moonshotai/Moonlight-16B-A3B": dict(model_type="deepseek_v3", num_hidden_layers=27, hidden_size=2048,
+                                         num_attention_heads=16, num_key_value_heads=16, intermediate_size=11264,
+                                         moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
+                                         num_experts_per_tok=6, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                         routed_scaling_factor=2.446, norm_topk_prob=True, scoring_func="sigmoid",
+                                         topk_method="noaux_tc", q_lora_rank=None, kv_lora_rank=512,
+                                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                         vocab_size=163840, max_position_embeddings=8192, rope_theta=50000.0,
+                                         rms_norm_eps=1e-5, tie_word_embeddings=False, num_nextn_predict_layers=0,
+                                         attention_bias=False, rope_interleave=True),
 }
 
 
@@ -118,4 +131,4 @@ def known_config(model_id: str):
     fields = dict(KNOWN_MODELS[model_id])
     model_type = fields.pop("model_type")
     config_class = getattr(transformers, family(model_type).config_class)
-    return config_class(**{**_SHARED[model_type], **fields})
+    return config_class(**{**_SHARED.get(model_type, {}), **fields})

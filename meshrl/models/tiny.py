@@ -90,7 +90,7 @@ def build_tiny_model(spec: TinySpec = TinySpec()):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from meshrl.models.families import model_spec
+    from meshrl.models.families import family, model_spec
 
     config = tiny_config(spec)
     # A zero-centred gamma w scales by 1 + w: drawn around 0 so that the scale is around 1 as elsewhere.
@@ -108,6 +108,9 @@ def build_tiny_model(spec: TinySpec = TinySpec()):
                     param.normal_(0.0, 0.05)
                 elif spec.norm_scale:  # a norm's gamma
                     param.normal_(gamma_centre, spec.norm_scale)
+            for name, buffer in model.named_buffers():
+                if name.endswith(family(spec.arch).tiny_buffers):
+                    buffer.normal_(0.0, 0.05)
     return model.eval()
 
 

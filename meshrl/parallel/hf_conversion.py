@@ -30,6 +30,10 @@ Megatron layouts handled (local and Transformer Engine specs alike):
   ``SequentialMLP`` (``experts.local_experts.{k}``), its ``linear_fc1`` / ``linear_fc2`` split over the expert-
   tensor-parallel group like a dense MLP over TP; the shared expert (Qwen2-MoE) is a dense TP-split MLP
   (``shared_experts``) with a replicated ``gate_weight``. The TE spec keeps an MoE layer's pre-MLP norm apart.
+  DeepSeek-V3's ``e_score_correction_bias`` is the router's ``expert_bias``, a buffer (``Piece.buffer``: fp32,
+  moved by megatron after each step, exported with the weights, absent from the gradients).
+- Multi-latent attention (``families._mla_pieces``): each projection is split on its rows over TP, the down
+  projections too (megatron's local ``MLASelfAttention`` gathers their outputs), ``o_proj`` on its columns.
 - Fused HF tensors (``ModelSpec.hf_fused``: Phi-3's ``qkv_proj`` / ``gate_up_proj``): the table names the parts;
   ``FusedHFReader`` reads a part as its rows of the fused tensor (its TP shard of them only), and
   ``iter_hf_weights`` concatenates the parts back (``fused_hf_tensors``), so exports and the rollout sync carry
@@ -138,7 +142,8 @@ def _model_facts(chunks: list[torch.nn.Module], hf_config) -> tuple[ModelSpec, b
 
 
 def _chunk_params(chunks: list[torch.nn.Module]) -> list[dict[str, torch.Tensor]]:
-    return [dict(unwrap(chunk).named_parameters()) for chunk in chunks]
+    """Each chunk's parameters and buffers by name (``Piece.buffer``: the router's expert bias)."""
+    return [{**dict(unwrap(chunk).named_parameters()), **dict(unwrap(chunk).named_buffers())} for chunk in chunks]
 
 
 class HFCheckpointReader:
@@ -364,6 +369,8 @@ def _iter_pieces(chunks: list[torch.nn.Module], hf_config,
       ``*ForCausalLM`` (critic: ``*ForTokenClassification`` with ``score``; Qwen3 adds ``q_norm`` / ``k_norm``);
       with tied embeddings there is no ``lm_head.weight``. Order is ``hf_layout``'s (embedding, layer by
       layer, final norm, head). dtype is the model's; device is the model's.
+    - Buffers (``Piece.buffer``: DeepSeek-V3's ``e_score_correction_bias``) are yielded in fp32, and not at all
+      with ``grads=True`` (they have no gradient).
     - A yielded tensor is a fresh buffer owned by the consumer; the generator keeps no reference to it,
       so peak extra memory is about one full tensor (plus one TP shard while gathering).
     """
@@ -380,6 +387,8 @@ def _iter_pieces(chunks: list[torch.nn.Module], hf_config,
     device = next(iter(params[0].values())).device
     dtype = next(iter(params[0].values())).main_grad.dtype if grads else model_builder.model_config(chunks).params_dtype
     for piece in hf_layout(spec, critic):
+        if grads and piece.buffer:
+            continue
         owner_pp, vp = _owner(piece, spec, parallel)
         owner_ep = my_ep if piece.expert is None else _expert_slot(piece, spec, parallel)[0]
         if owner_pp == my_pp and owner_ep == my_ep:
@@ -392,7 +401,7 @@ def _iter_pieces(chunks: list[torch.nn.Module], hf_config,
             else:
                 tensor = local.clone()
         else:
-            tensor = torch.empty(piece.shape, dtype=dtype, device=device)
+            tensor = torch.empty(piece.shape, dtype=torch.float32 if piece.buffer else dtype, device=device)
         if owner_pp == my_pp and piece.expert is not None and parallel.expert_parallel > 1:
             dist.broadcast(tensor, src=ep_ranks[owner_ep], group=ep_group)
         if parallel.pipeline_parallel > 1:

@@ -52,14 +52,19 @@ def sdpa_core_attention_class():
     ``(w - 1, 0)`` on the layers ``window_attn_skip_freq`` marks) also masks keys more than ``w - 1`` tokens
     back. ``logit_softcap`` c (a spec parameter) caps the scaled scores to ``c * tanh(s / c)`` before the
     mask and an fp32 softmax — SDPA has no such option, so those layers run the explicit product. Anything
-    else falls back to megatron.
+    else falls back to megatron. Multi-latent attention builds it with ``k_channels`` (query / key head width) and
+    ``v_channels`` (value head width, the config's ``kv_channels``, by which the output is sized): SDPA takes
+    keys and values of different widths as they come.
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     class SDPACoreAttention(DotProductAttention):
-        def __init__(self, *args, logit_softcap: float | None = None, **kwargs):
+        def __init__(self, *args, logit_softcap: float | None = None, k_channels: int | None = None,
+                     v_channels: int | None = None, **kwargs):
             super().__init__(*args, **kwargs)
+            if v_channels is not None and v_channels != self.hidden_size_per_attention_head:
+                raise ValueError(f"value heads of {v_channels} need kv_channels={v_channels} in the config")
             self.logit_softcap = logit_softcap
             window = self.scale_mask_softmax.window_size
             if window is not None and window[1] != 0:
@@ -88,10 +93,13 @@ def sdpa_core_attention_class():
         def _packed(self, query, key, value, params):
             """``[t, heads, d]`` -> ``[t, heads * d]``: one causal SDPA call per slot. On CPU this beat a
             single call with a block-diagonal mask 11-35x (fwd+bwd, 8-32 sequences of 100-600 tokens),
-            which computes and stores all t^2 scores."""
+            which computes and stores all t^2 scores. Each slot goes in as a batch of one (``[1, heads, s, d]``):
+            torch's CPU flash kernel takes 4-D inputs only, and a 3-D call falls back to the math path, which
+            keeps every slot's ``[heads, s, s]`` probabilities for the backward (SmolLM2 at TP3, one 2,048-token
+            slot: 1.4 GiB over 30 layers)."""
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
             bounds = cu.tolist()
-            slots = [self._causal(*(t[start:end].transpose(0, 1) for t in (query, key, value))).transpose(0, 1)
+            slots = [self._causal(*(t[start:end].transpose(0, 1)[None] for t in (query, key, value)))[0].transpose(0, 1)
                      for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
             return torch.cat(slots).reshape(query.shape[0], self.hidden_size_per_partition)
 
@@ -190,6 +198,75 @@ def softcap_logits(module, args, output: tuple, *, cap: float) -> tuple:
     """Forward hook of the policy's output layer (``(logits, bias)``): logits -> ``cap * tanh(logits / cap)``."""
     logits, bias = output
     return torch.tanh(logits / cap) * cap, bias
+
+
+@functools.cache
+def local_mla_without_transformer_engine() -> None:
+    """Let megatron's ``MLASelfAttention`` run on the local spec without Transformer Engine: megatron-core 0.16.1
+    stands TE's classes in by mocks when TE is missing yet still sets ``HAVE_TE`` in that module, and then tests
+    ``isinstance(self.linear_proj, TELinear)`` against the mock (a TypeError)."""
+    from megatron.core.transformer import multi_latent_attention
+
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        multi_latent_attention.HAVE_TE = False
+
+
+class _GatherLatentRows(torch.autograd.Function):
+    """Forward: every TP rank's rows of MLA's down projection (``[latent; rope key]`` split over TP) all-gathered
+    along the last dim, as megatron's ``gather_from_tensor_model_parallel_region``. Backward: this rank's slice of
+    the gradient, its last ``rope`` columns (the RoPE key's) summed over TP first.
+
+    megatron's own backward takes the slice alone, which is right for the latent (its gradient arrives whole on every
+    rank, all-reduced by ``linear_kv_up_proj``'s column-parallel input) but not for the RoPE key every head shares:
+    each rank's gradient of it sums over its own heads only. Measured on tiny:deepseek_v3 at TP2: gradients up to
+    0.038 off transformers' (embedding; 0.021 on ``kv_a_proj_with_mqa``) while the outputs agreed."""
+
+    @staticmethod
+    def forward(ctx, rows, rope, group):
+        ctx.rope, ctx.group = rope, group
+        parts = [torch.empty_like(rows) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, rows.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        rope = grad[..., grad.shape[-1] - ctx.rope:].contiguous()  # a collective needs its own storage
+        torch.distributed.all_reduce(rope, group=ctx.group)
+        grad[..., grad.shape[-1] - ctx.rope:] = rope
+        width = grad.shape[-1] // ctx.group.size()
+        start = ctx.group.rank() * width
+        return grad[..., start:start + width].contiguous(), None, None
+
+
+@functools.cache
+def mla_self_attention_class():
+    """megatron's ``MLASelfAttention`` (local spec) whose ``linear_kv_down_proj``, at TP > 1, gathers its rows itself
+    with ``_GatherLatentRows`` (megatron then splits the full output without gathering it again), so that the
+    shared RoPE key's gradient is summed over the TP ranks' heads. The projection keeps its class's parameters and
+    names (megatron builds it only from a fixed list of linear classes, hence the swap after construction)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class KVDownProjection(torch.nn.Module):
+        def forward(self, hidden_states):
+            rows, bias = super().forward(hidden_states)
+            return _GatherLatentRows.apply(rows, self.meshrl_rope, self.tp_group), bias
+
+    class TPRopeKeyMLASelfAttention(MLASelfAttention):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            down = self.linear_kv_down_proj
+            if self.config.sequence_parallel:
+                raise ValueError("multi-latent attention under sequence parallelism is not implemented in meshrl "
+                                 "(megatron's local MLA shares the RoPE key's gradient wrongly); set "
+                                 "megatron.sequence_parallel=False")
+            if down.tp_group.size() > 1:
+                down.__class__ = type(f"KVDown{type(down).__name__}", (KVDownProjection, type(down)), {})
+                down.meshrl_rope = self.config.qk_pos_emb_head_dim
+
+    return TPRopeKeyMLASelfAttention
 
 
 # Attribute marking a parameter whose gradient each TP rank computes from its own share of the tokens:

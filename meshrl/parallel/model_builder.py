@@ -82,6 +82,12 @@ def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
         if spec.shared_expert_ffn_hidden_size and spec.shared_expert_ffn_hidden_size % tp:
             problems.append(f"TP={tp} does not divide shared_expert_intermediate_size="
                             f"{spec.shared_expert_ffn_hidden_size}")
+    if spec.mla:  # megatron's local MLA splits the down projections' rows over TP too
+        if (spec.kv_lora_rank + spec.qk_rope_head_dim) % tp:
+            problems.append(f"TP={tp} does not divide kv_lora_rank + qk_rope_head_dim = "
+                            f"{spec.kv_lora_rank + spec.qk_rope_head_dim}")
+        if spec.q_lora_rank and spec.q_lora_rank % tp:
+            problems.append(f"TP={tp} does not divide q_lora_rank={spec.q_lora_rank}")
     if problems:
         raise ValueError("impossible parallel layout for this model: " + "; ".join(problems))
 
@@ -137,7 +143,7 @@ def packed_sequences(requested: bool) -> bool:
 def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: torch.dtype,
                        **overrides: Any):
     """megatron ``TransformerConfig`` for ``spec`` at ``parallel``; ``overrides`` win (e.g. recompute)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     check_layout(spec, parallel)
     kwargs: dict[str, Any] = dict(
@@ -146,7 +152,8 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         ffn_hidden_size=spec.ffn_hidden_size,
         num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
+        # an MLA head's attention output is v_head_dim wide (megatron's local core attention sizes it by this)
+        kv_channels=spec.v_head_dim if spec.mla else spec.head_dim,
         **transformer_options(spec),
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -201,7 +208,7 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         from megatron.core.transformer.enums import AttnBackend
 
         kwargs["attention_backend"] = AttnBackend[kwargs["attention_backend"]]
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if spec.mla else TransformerConfig)(**kwargs)
 
 
 class ValueHead(torch.nn.Module):
@@ -227,30 +234,41 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight, self.bias), None
 
 
-def _layer_spec(use_te: bool, model: ModelSpec, sequence_parallel: bool = False):
+def _layer_spec(use_te: bool, model: ModelSpec, sequence_parallel: bool = False, moe: bool | None = None):
     """Transformer Engine's spec, or megatron's local spec (RMSNorm) with SDPA core attention; both with the
     family's layer options (q/k layernorm) and ``meshrl.parallel.layers``' additions for what megatron-core
     lacks: local norms that are zero-centred or sequence-parallel (``layers.RMSNorm``), post-attention /
     post-MLP norms, attention logit soft-capping (TE's attention has none: such layers run meshrl's SDPA
-    attention on any device), the windowed layers' RoPE base."""
+    attention on any device), the windowed layers' RoPE base, multi-latent attention whose shared RoPE key's
+    gradient is summed over TP (``layers.mla_self_attention_class``). ``moe``: whether the layer's MLP is the
+    mixture of experts (None: the model's; False for the ``dense_layers`` of an MoE model)."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    moe = model.moe if moe is None else moe  # False: the dense layers of an MoE model (``dense_layers``)
+    options = {key: value for key, value in layer_spec_options(model).items() if moe or key != "num_experts"}
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
-        spec, norm = get_gpt_layer_with_transformer_engine_spec(**layer_spec_options(model)), TENorm
+        if model.mla:  # TE's MLA spec replicates the down projections, which meshrl's conversion splits over TP
+            raise ValueError("multi-latent attention runs on megatron's local layer spec only (meshrl's HF conversion "
+                             "has not been built for Transformer Engine's MLA layout); uninstall transformer-engine")
+        spec, norm = get_gpt_layer_with_transformer_engine_spec(**options), TENorm
     else:
-        spec, norm = get_gpt_layer_local_spec(normalization="RMSNorm", **layer_spec_options(model)), layers.RMSNorm
+        if model.mla:
+            layers.local_mla_without_transformer_engine()
+        spec, norm = get_gpt_layer_local_spec(normalization="RMSNorm", **options), layers.RMSNorm
         spec.submodules.self_attention.submodules.core_attention = layers.sdpa_core_attention_class()
+        if model.mla:  # the RoPE key's gradient summed over TP (megatron's local MLA drops other ranks' shares)
+            spec.submodules.self_attention.module = layers.mla_self_attention_class()
         # megatron's local torch norm refuses layernorm_zero_centered_gamma and sequence_parallel
         if _local_norms_replaced(model, sequence_parallel):
             spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
             if model.qk_norm:
                 spec.submodules.self_attention.submodules.q_layernorm = norm
                 spec.submodules.self_attention.submodules.k_layernorm = norm
-    if model.moe:  # routed per TP rank's share of the tokens: its sequence shard, or with TP > 1 alone its share
+    if moe:  # routed per TP rank's share of the tokens: its sequence shard, or with TP > 1 alone its share
         spec.submodules.mlp.module = layers.tp_split_moe_layer_class()
         spec.submodules.mlp.submodules.router = layers.mean_aux_loss_router_class()
     attention = spec.submodules.self_attention
@@ -273,16 +291,33 @@ def _local_norms_replaced(model: ModelSpec, sequence_parallel: bool) -> bool:
     return model.zero_centered_norms or sequence_parallel
 
 
-def _decoder_spec(layer_spec, use_te: bool, model: ModelSpec, config, vp_stage: int | None):
+def _decoder_spec(layer_spec, use_te: bool, model: ModelSpec, config, vp_stage: int | None, dense_spec=None):
     """What GPTModel builds its decoder from: the layer spec (megatron adds its final norm), or, when the local
     spec's norms are replaced (``_local_norms_replaced``), the block of this stage's layers with
     ``layers.RMSNorm`` as the final norm (megatron's would refuse the option)."""
+    if dense_spec is not None:
+        return _with_dense_layers(layer_spec, dense_spec, use_te, model, config, vp_stage)
     if use_te or not _local_norms_replaced(model, config.sequence_parallel):
         return layer_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage),
                                       layer_norm=layers.RMSNorm)
+
+
+def _with_dense_layers(moe_spec, dense_spec, use_te: bool, model: ModelSpec, config, vp_stage: int | None):
+    """The block of this stage's layers of an MoE model whose first ``dense_layers`` layers have the dense MLP (the
+    ``moe_layer_freq`` pattern megatron's own block spec reads), with TE's or ``layers.RMSNorm`` as the final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    first, count = get_transformer_layer_offset(config, vp_stage), get_num_layers_to_build(config, vp_stage)
+    specs = [moe_spec if model.moe_layer(i) else dense_spec for i in range(first, first + count)]
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=layers.RMSNorm)
 
 
 def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
@@ -312,6 +347,7 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
     config = transformer_config(spec, parallel, dtype, **config_overrides)
     use_te = transformer_engine_available()
     layer_spec = _layer_spec(use_te, spec, config.sequence_parallel)
+    dense_spec = _layer_spec(use_te, spec, config.sequence_parallel, moe=False) if spec.dense_layers else None
     if "attention_backend" in config_overrides and not use_te:
         # Said, not silently dropped: only Transformer Engine's attention chooses among backends.
         warnings.warn(f"attention_backend={config_overrides['attention_backend']} selects a Transformer Engine "
@@ -324,7 +360,7 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_decoder_spec(layer_spec, use_te, spec, config, stage),
+            transformer_layer_spec=_decoder_spec(layer_spec, use_te, spec, config, stage, dense_spec),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=pre,

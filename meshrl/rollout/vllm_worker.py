@@ -40,6 +40,20 @@ import torch
 
 from meshrl.rollout.flat_buckets import TensorLayout, unflatten_bucket
 
+
+def _patch_cpu_rope() -> None:
+    """vLLM imports this module in the process that runs the model (``worker_extension_cls``) before it builds the
+    model, which is when the CPU rotary fix must be in place (``meshrl.rollout.vllm_cpu_rope``)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from meshrl.rollout.vllm_cpu_rope import patch
+
+        patch()
+
+
+_patch_cpu_rope()
+
 class WeightUpdateExtension:
     """Mixed into vLLM's ``Worker``; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
 

@@ -172,9 +172,10 @@ def sync_weights(engine: WeightReceiver, weights: WeightStream, *, bucket_bytes:
 def hf_weight_manifest(model_path: str) -> dict[str, torch.Size]:
     """HF name -> shape of every parameter of the causal LM in ``model_path``, built on the meta device.
 
-    These are the names an HF model's ``named_parameters()`` yields, so a tied ``lm_head`` is absent, as its
-    checkpoints hold them: transformers fuses a mixture-of-experts layer's experts in memory and writes (and
-    vLLM loads) them per expert.
+    These are the names an HF model's ``named_parameters()`` yields, so a tied ``lm_head`` is absent, and its
+    persistent buffers (DeepSeek-V3's router ``e_score_correction_bias``, a parameter in vLLM), as its checkpoints
+    hold them: transformers fuses a mixture-of-experts layer's experts in memory and writes (and vLLM loads) them
+    per expert.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
@@ -182,7 +183,10 @@ def hf_weight_manifest(model_path: str) -> dict[str, torch.Size]:
     config = AutoConfig.from_pretrained(model_path)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {name: param.shape for name, param in revert_weight_conversion(model, dict(model.named_parameters())).items()}
+    persistent = set(model.state_dict())
+    tensors = {**dict(model.named_parameters()),
+               **{name: buffer for name, buffer in model.named_buffers() if name in persistent}}
+    return {name: tensor.shape for name, tensor in revert_weight_conversion(model, tensors).items()}
 
 
 class LiveBytesMeter:

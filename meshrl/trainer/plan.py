@@ -151,15 +151,19 @@ def load_hf_config(path: str):
                     f"known: {', '.join(KNOWN_MODELS)}. Pass the model's folder.")
 
 
-def layer_parameters(spec, tp: int = 1, ep: int = 1, etp: int | None = None) -> int:
-    """Parameters of one transformer layer on one rank: the family's tensors of a decoder layer
-    (``meshrl.models.families.layer_pieces``, the table conversion uses), replicated ones (norms, an MoE router)
-    whole, TP-split ones divided; an MoE layer's routed experts are split over the expert-parallel ranks
-    (``num_experts / ep`` each) and each expert over the expert-TP ranks (``etp``, megatron's default: TP)."""
+def layer_parameters(spec, tp: int = 1, ep: int = 1, etp: int | None = None, layer: int | None = None) -> int:
+    """Parameters of transformer layer ``layer`` (None: the last, an MoE layer in an MoE model whose first
+    ``dense_layers`` are dense) on one rank: the family's tensors of a decoder layer
+    (``meshrl.models.families.layer_pieces``, the table conversion uses; buffers such as DeepSeek-V3's expert bias
+    are no parameters), replicated ones (norms, an MoE router) whole, TP-split ones divided; an MoE layer's routed
+    experts are split over the expert-parallel ranks (``num_experts / ep`` each) and each expert over the expert-TP
+    ranks (``etp``, megatron's default: TP)."""
     etp = tp if etp is None else etp
     local_experts = spec.num_experts // ep if spec.moe else 0
     count = 0
-    for p in layer_pieces(spec, 0):
+    for p in layer_pieces(spec, spec.num_layers - 1 if layer is None else layer):
+        if p.buffer:
+            continue
         if p.expert is None:
             count += prod(p.shape) // (1 if p.tp_dim is None else tp)
         elif p.expert < local_experts:
@@ -169,20 +173,22 @@ def layer_parameters(spec, tp: int = 1, ep: int = 1, etp: int | None = None) -> 
 
 def expert_parameters(spec) -> int:
     """Parameters of one routed expert of one layer (0 for a dense model)."""
-    return sum(prod(p.shape) for p in layer_pieces(spec, 0) if p.expert == 0)
+    return sum(prod(p.shape) for p in layer_pieces(spec, spec.num_layers - 1) if p.expert == 0)
 
 
-def active_layer_parameters(spec) -> int:
-    """Parameters of one layer that one token runs through: all but the ``num_experts - moe_topk`` routed experts
-    it is not sent to (the whole layer when dense)."""
-    idle = spec.num_experts - spec.moe_topk if spec.moe else 0
-    return layer_parameters(spec) - idle * expert_parameters(spec)
+def active_layer_parameters(spec, layer: int | None = None) -> int:
+    """Parameters of layer ``layer`` (None: the last) that one token runs through: all but the
+    ``num_experts - moe_topk`` routed experts it is not sent to (the whole layer when dense)."""
+    layer = spec.num_layers - 1 if layer is None else layer
+    idle = spec.num_experts - spec.moe_topk if spec.moe_layer(layer) else 0
+    return layer_parameters(spec, layer=layer) - idle * expert_parameters(spec)
 
 
 def active_parameters(spec) -> int:
     """Parameters one token uses, as MoE models publish them ("A2.7B"): every layer's ``active_layer_parameters``,
     the embedding and the output layer (once when tied)."""
-    return stage_parameters(spec) - spec.num_layers * (layer_parameters(spec) - active_layer_parameters(spec))
+    return stage_parameters(spec) - sum(layer_parameters(spec, layer=i) - active_layer_parameters(spec, i)
+                                        for i in range(spec.num_layers))
 
 
 def stage_parameters(spec, *, tp: int = 1, pp: int = 1, stage: int = 0, critic: bool = False, ep: int = 1,
@@ -197,7 +203,8 @@ def stage_parameters(spec, *, tp: int = 1, pp: int = 1, stage: int = 0, critic: 
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} outside 0..{pp - 1}")
     embedding = spec.vocab_size // tp * spec.hidden_size
-    count = spec.num_layers // pp * layer_parameters(spec, tp, ep, etp)
+    per_stage = spec.num_layers // pp
+    count = sum(layer_parameters(spec, tp, ep, etp, i) for i in range(stage * per_stage, (stage + 1) * per_stage))
     if stage == 0:
         count += embedding
     if stage == pp - 1:
@@ -213,7 +220,7 @@ def matmul_parameters(spec, critic: bool = False) -> int:
     """N of the 2·N / 6·N FLOP rules: every layer plus the output projection (not the embedding lookup); an MoE
     layer counts the experts a token runs (``active_layer_parameters``)."""
     head = spec.hidden_size + 1 if critic else spec.vocab_size * spec.hidden_size
-    return spec.num_layers * active_layer_parameters(spec) + head
+    return sum(active_layer_parameters(spec, i) for i in range(spec.num_layers)) + head
 
 
 def all_to_all_bytes_per_token(spec, ep: int, act_bytes: int) -> float:
@@ -222,7 +229,8 @@ def all_to_all_bytes_per_token(spec, ep: int, act_bytes: int) -> float:
     another rank under balanced routing (twice that for a forward plus backward)."""
     if not spec.moe:
         return 0.0
-    return spec.num_layers * 2 * spec.moe_topk * spec.hidden_size * act_bytes * (ep - 1) / ep
+    moe_layers = sum(spec.moe_layer(i) for i in range(spec.num_layers))
+    return moe_layers * 2 * spec.moe_topk * spec.hidden_size * act_bytes * (ep - 1) / ep
 
 
 # LoRA (``RunPlan.lora``): the (input, output) sizes of each adapted HF linear, and the ones megatron splits on their
@@ -345,7 +353,9 @@ class _Trainer:
         if not self.spec.moe:
             return 0
         etp = self.tp if self.etp is None else self.etp
-        return self.spec.num_layers // self.pp * self.spec.num_experts // self.ep * expert_parameters(self.spec) // etp
+        layers = self.spec.num_layers  # the last stage's: the dense_layers come first
+        moe_layers = sum(self.spec.moe_layer(i) for i in range(layers - layers // self.pp, layers))
+        return moe_layers * self.spec.num_experts // self.ep * expert_parameters(self.spec) // etp
 
     def static(self, stage: int, dtype: dict) -> dict[str, float]:
         n = self.params(stage)
@@ -667,6 +677,8 @@ def _vllm(spec, rollout, dtype: dict, device: str, limit: float, seq_len: int) -
         kv = budget - weights - activations
     kv_heads = max(1, spec.num_kv_heads // rtp)  # vLLM replicates KV heads when rollout TP exceeds them
     kv_per_token = 2 * spec.num_layers * kv_heads * spec.head_dim * dtype["act"]
+    if spec.mla:  # vLLM caches one latent and rope key per token and layer, whole on every TP rank
+        kv_per_token = spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * dtype["act"]
     capacity = max(0, int(kv // kv_per_token))
     return {
         "tp": rtp, "budget_bytes": budget, "weights_bytes": weights, "activation_bytes": activations,

@@ -24,6 +24,7 @@ PUBLISHED_B = {
     "THUDM/GLM-4-9B-0414": 9.40,
     # mixture-of-experts: the model cards' totals
     "Qwen/Qwen1.5-MoE-A2.7B": 14.3, "Qwen/Qwen3-30B-A3B": 30.5, "mistralai/Mixtral-8x7B-Instruct-v0.1": 46.7,
+    "moonshotai/Moonlight-16B-A3B": 16.0,  # its card's "16B" (meshrl counts 15.96 B; 2.91 B active, the card's "3B")
 }
 # ... and the parameters one token uses, as the cards publish them ("A2.7B", "A3B", Mistral's 12.9 B)
 PUBLISHED_ACTIVE_B = {"Qwen/Qwen1.5-MoE-A2.7B": 2.7, "Qwen/Qwen3-30B-A3B": 3.3, "mistralai/Mixtral-8x7B-Instruct-v0.1": 12.9}

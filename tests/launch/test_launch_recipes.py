@@ -31,7 +31,8 @@ PROMISED = (["remax_qwen2.5-3b_seq_balance", "remax_qwen2.5-7b_seq_balance", "gr
             + ["grpo_qwen3-8b", "grpo_qwen3-32b", "grpo_gemma2-9b", "grpo_mistral-7b", "grpo_glm4-9b",
                "grpo_deepseek-llm-7b", "cpu_gemma3_270m_grpo"]
             # issue 21: the seed's MoE script's model and the other MoE families at real sizes
-            + ["ppo_qwen1.5-moe-a2.7b_megatron", "grpo_qwen3-30b-a3b", "grpo_mixtral-8x7b"]
+            + ["ppo_qwen1.5-moe-a2.7b_megatron", "grpo_qwen3-30b-a3b", "grpo_mixtral-8x7b",
+               "grpo_moonlight-16b-a3b_megatron"]
             # issue 20: LoRA, the seed's 3B script and the sizes LoRA brings to one node
             + [f"grpo_qwen2.5-{size}_lora" for size in ("3b", "7b", "32b", "72b")] + ["cpu_smollm2_lora_grpo"])
 

@@ -115,9 +115,10 @@ def test_a_mistral_window_that_never_slides_is_full_attention() -> None:
 
 def test_an_unregistered_family_names_the_supported_ones() -> None:
     config = tiny_config(tiny_spec("llama"))
-    config.model_type = "deepseek_v3"
-    with pytest.raises(ValueError, match="model_type 'deepseek_v3' is not supported; supported: llama, qwen2, qwen3, "
-                                         "mistral, gemma, gemma2, gemma3_text, qwen2_moe, qwen3_moe, mixtral, phi3, glm4"):
+    config.model_type = "deepseek_v2"
+    with pytest.raises(ValueError, match="model_type 'deepseek_v2' is not supported; supported: llama, qwen2, qwen3, "
+                                         "mistral, gemma, gemma2, gemma3_text, qwen2_moe, qwen3_moe, mixtral, phi3, glm4, "
+                                         "deepseek_v3"):
         model_spec(config)
 
 

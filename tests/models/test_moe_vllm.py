@@ -15,9 +15,10 @@ from test_family_vllm import perturbed_megatron, served_logprob_error, tp1  # no
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 
-# Qwen2-MoE (shared expert and its gate, the seed's family) in CI; Qwen3-MoE and Mixtral (block_sparse_moe
-# names) pass too (all three: 82 s on 2 cores, add them to the list to run them).
-@pytest.mark.parametrize("model_type", ["qwen2_moe"])
+# Qwen2-MoE (shared expert and its gate, the seed's family) and DeepSeek-V3 (multi-latent attention on vLLM's CPU
+# MLA backend, a dense first layer, sigmoid grouped routing with the synced e_score_correction_bias) in CI; Qwen3-MoE
+# and Mixtral (block_sparse_moe names) pass too (the first three: 82 s on 2 cores, add them to the list to run them).
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3"])
 def test_engine_serves_the_resharded_experts(tp1, tmp_path, model_type: str) -> None:  # noqa: F811
     from transformers import AutoModelForCausalLM
 

@@ -45,6 +45,7 @@ FAMILY_MODULES = {
     "mixtral": "mixtral",
     "phi3": "phi3",
     "glm4": "glm4",
+    "deepseek_v3": "deepseek_v3",
 }
 
 
@@ -75,6 +76,21 @@ class ModelSpec:
       ``(x_2i, x_2i+1)`` (GLM-4) instead of the two halves.
     - ``post_norm_names``: the HF names of the three norms around a ``post_norms`` layer's attention and MLP
       (a key of ``POST_NORM_NAMES``).
+    - ``kv_lora_rank`` (None: ordinary attention): multi-latent attention (DeepSeek-V2/V3's MLA, megatron's
+      ``MLASelfAttention``). Keys and values come from a latent ``c = RMSNorm(x W_kv_a[:kv_lora_rank])`` of width
+      ``kv_lora_rank`` through ``W_kv_b``, each head's ``[k_nope (qk_nope_head_dim); v (v_head_dim)]``; one RoPE key
+      of ``qk_rope_head_dim`` (``x W_kv_a[kv_lora_rank:]``) is shared by every head. Queries are ``x W_q`` or, with
+      ``q_lora_rank``, ``RMSNorm(x W_q_a) W_q_b``, each head ``[q_nope; q_rope]``. RoPE turns adjacent pairs (HF's
+      ``rope_interleave``); scores are scaled by ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``. ``head_dim`` is
+      then HF's (``qk_rope_head_dim``) and ``num_kv_heads`` equals ``num_attention_heads``.
+    - ``dense_layers``: the first ``dense_layers`` layers of an MoE model have a dense MLP of width
+      ``ffn_hidden_size`` (HF's ``first_k_dense_replace``).
+    - ``moe_score`` "sigmoid" (DeepSeek-V3): the router scores ``s = sigmoid(r)``; the top-k is taken over
+      ``s + b`` with ``b`` the router's expert bias when ``moe_expert_bias`` (HF's ``e_score_correction_bias``, a
+      buffer megatron moves by ``moe_router_bias_update_rate`` after each step, never by gradients), within the
+      ``moe_group_topk`` best of ``moe_groups`` equal groups of experts (a group scores the sum of its top two)
+      when ``moe_groups``; the weights are the chosen ``s`` renormalised to sum to 1, times ``moe_scaling_factor``
+      when set (HF's ``routed_scaling_factor``).
     - ``hf_fused``: HF tensors that concatenate several of the table's pieces along dim 0 (keys of ``HF_FUSIONS``:
       Phi-3's ``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]); ``hf_layout`` keeps the parts' names and
       the checkpoint reader / writer map them onto the fused tensors (``hf_fusions``).
@@ -115,6 +131,17 @@ class ModelSpec:
     rotary_fraction: float = 1.0
     rotary_interleaved: bool = False
     post_norm_names: str = "gemma2"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    dense_layers: int = 0
+    moe_score: str = "softmax"
+    moe_expert_bias: bool = False
+    moe_groups: int | None = None
+    moe_group_topk: int | None = None
+    moe_scaling_factor: float | None = None
 
     def __post_init__(self) -> None:
         # A spec read back from a checkpoint's JSON holds a list here.
@@ -132,6 +159,14 @@ class ModelSpec:
     @property
     def moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has a mixture-of-experts MLP."""
+        return self.moe and layer >= self.dense_layers
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,7 +202,10 @@ def _rope_type(hf_config) -> str:
 
 # ModelSpec.expert_names -> the HF checkpoint's (MoE block, gate, up, down projection) names: a layer's router is
 # ``model.layers.{i}.{block}.gate.weight``, expert e's gate projection ``...{block}.experts.{e}.{gate}.weight``.
-EXPERT_NAMES = {"qwen": ("mlp", "gate_proj", "up_proj", "down_proj"), "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+EXPERT_NAMES = {"qwen": ("mlp", "gate_proj", "up_proj", "down_proj"), "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                "deepseek": ("mlp", "gate_proj", "up_proj", "down_proj")}
+# ModelSpec.expert_names -> the HF module of the shared expert (Qwen2-MoE's one, DeepSeek's n_shared_experts as one).
+SHARED_EXPERT_NAMES = {"qwen": "mlp.shared_expert", "deepseek": "mlp.shared_experts"}
 
 # ModelSpec.post_norm_names -> the HF names of a post-normed layer's (attention output norm, MLP input norm, MLP
 # output norm); the input norm is input_layernorm in both.
@@ -233,6 +271,9 @@ class Family:
     lifts: tuple[str, ...] = ()  # fields of COMMON_REFUSALS the family implements itself (GLM-4's partial rotary)
     tiny_shape: dict[str, Any] = field(default_factory=dict)  # TinySpec fields of ``tiny:<model_type>``
     tiny_config: dict[str, Any] = field(default_factory=dict)  # HF config kwargs of every tiny model
+    # the tiny model's persistent buffers (name suffixes) drawn at random like its biases (DeepSeek-V3's
+    # e_score_correction_bias, zero in HF's init, so that the tests see it used)
+    tiny_buffers: tuple[str, ...] = ()
 
     @property
     def config_class(self) -> str:
@@ -323,12 +364,21 @@ def transformer_options(spec: ModelSpec) -> dict[str, Any]:
                        window_attn_skip_freq=[int(i in spec.sliding_layers) for i in range(spec.num_layers)])
     if spec.moe:
         # Softmax then top-k (pre_softmax) keeps the probabilities as they are; top-k of the logits then a
-        # softmax over those k equals softmax, top-k, renormalise.
+        # softmax over those k equals softmax, top-k, renormalise. Sigmoid scores are always renormalised.
         options.update(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-                       moe_router_topk=spec.moe_topk, moe_router_score_function="softmax",
+                       moe_router_topk=spec.moe_topk, moe_router_score_function=spec.moe_score,
                        moe_router_pre_softmax=not spec.moe_norm_topk,
+                       moe_router_enable_expert_bias=spec.moe_expert_bias, moe_router_num_groups=spec.moe_groups,
+                       moe_router_group_topk=spec.moe_group_topk, moe_router_topk_scaling_factor=spec.moe_scaling_factor,
                        moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
                        moe_shared_expert_gate=spec.shared_expert_gate, moe_grouped_gemm=False)
+        if spec.dense_layers:  # megatron's per-layer pattern: 0 dense, 1 MoE
+            options["moe_layer_freq"] = [int(spec.moe_layer(i)) for i in range(spec.num_layers)]
+    if spec.mla:
+        # megatron's MLA de-interleaves the RoPE pairs itself (HF's rope_interleave); "rope": plain RoPE, no YaRN
+        options.update(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                       qk_head_dim=spec.qk_nope_head_dim, qk_pos_emb_head_dim=spec.qk_rope_head_dim,
+                       v_head_dim=spec.v_head_dim, rope_type="rope", rotary_base=spec.rope_theta)
     return options
 
 
@@ -336,10 +386,13 @@ def layer_spec_options(spec: ModelSpec) -> dict[str, Any]:
     """Arguments of megatron's ``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``:
     both build ``q_layernorm`` / ``k_layernorm`` (torch RMSNorm / TE's ``TENorm``, parameter ``weight``) only
     when asked, and an MoE layer (router, token dispatcher, one ``SequentialMLP`` of per-expert MLPs: grouped
-    GEMMs need CUDA kernels) when given ``num_experts``."""
+    GEMMs need CUDA kernels) when given ``num_experts`` (a model with ``dense_layers`` also builds the dense
+    layer spec: ``num_experts`` dropped). MLA layers: ``multi_latent_attention``, with the latent norms."""
     options: dict[str, Any] = dict(qk_layernorm=spec.qk_norm)
     if spec.moe:
         options.update(num_experts=spec.num_experts, moe_grouped_gemm=False)
+    if spec.mla:  # MLA's latent norms (q_layernorm on the q latent, kv_layernorm) come with qk_layernorm
+        options.update(multi_latent_attention=True, qk_layernorm=True)
     return options
 
 
@@ -353,6 +406,7 @@ class Piece:
     ("q", "k", "v", "gate", "up") or None. ``shape``: full HF shape. ``fields``: the config fields
     that determine the shape, for error messages. ``expert``: the routed expert it belongs to (MoE); its
     ``mcore`` name holds ``{k}``, the expert's index among its expert-parallel rank's local experts.
+    ``buffer``: a megatron buffer, not a parameter (the router's fp32 expert bias): no gradient, held in fp32.
     """
 
     hf_name: str
@@ -364,6 +418,7 @@ class Piece:
     shape: tuple[int, ...]
     fields: str
     expert: int | None = None
+    buffer: bool = False
 
 
 def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
@@ -377,12 +432,15 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
     def piece(hf: str, mcore: str, tp_dim: int | None, part: str | None, shape: tuple[int, ...], fields: str):
         return Piece(p + hf, "layer", i, mcore, tp_dim, part, shape, fields)
 
-    pieces = [
-        piece("input_layernorm.weight", layer + "input_layernorm.weight", None, None, (h,), "hidden_size"),
-        piece("self_attn.q_proj.weight", qkv + "weight", 0, "q", (nq * d, h), f"{q_rows}, hidden_size"),
-        piece("self_attn.k_proj.weight", qkv + "weight", 0, "k", (nkv * d, h), f"{kv_rows}, hidden_size"),
-        piece("self_attn.v_proj.weight", qkv + "weight", 0, "v", (nkv * d, h), f"{kv_rows}, hidden_size"),
-    ]
+    pieces = [piece("input_layernorm.weight", layer + "input_layernorm.weight", None, None, (h,), "hidden_size")]
+    if spec.mla:
+        pieces += _mla_pieces(spec, piece, attn)
+    else:
+        pieces += [
+            piece("self_attn.q_proj.weight", qkv + "weight", 0, "q", (nq * d, h), f"{q_rows}, hidden_size"),
+            piece("self_attn.k_proj.weight", qkv + "weight", 0, "k", (nkv * d, h), f"{kv_rows}, hidden_size"),
+            piece("self_attn.v_proj.weight", qkv + "weight", 0, "v", (nkv * d, h), f"{kv_rows}, hidden_size"),
+        ]
     if spec.qkv_bias:
         pieces += [piece("self_attn.q_proj.bias", qkv + "bias", 0, "q", (nq * d,), q_rows),
                    piece("self_attn.k_proj.bias", qkv + "bias", 0, "k", (nkv * d,), kv_rows),
@@ -391,8 +449,9 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
         pieces += [piece("self_attn.q_norm.weight", attn + "q_layernorm.weight", None, None, (d,), "head_dim"),
                    piece("self_attn.k_norm.weight", attn + "k_layernorm.weight", None, None, (d,), "head_dim")]
     fc1, fc2, ffn = layer + "mlp.linear_fc1.weight", layer + "mlp.linear_fc2.weight", "intermediate_size, hidden_size"
-    pieces.append(piece("self_attn.o_proj.weight", attn + "linear_proj.weight", 1, None, (h, nq * d),
-                        f"hidden_size, {q_rows}"))
+    if not spec.mla:
+        pieces.append(piece("self_attn.o_proj.weight", attn + "linear_proj.weight", 1, None, (h, nq * d),
+                            f"hidden_size, {q_rows}"))
     attn_out_norm, mlp_in_norm, mlp_out_norm = POST_NORM_NAMES[spec.post_norm_names]
     if spec.post_norms:
         # Gemma2/3's post_attention_layernorm (GLM-4's post_self_attn_layernorm) normalises the attention output
@@ -404,7 +463,7 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
     else:
         pieces.append(piece("post_attention_layernorm.weight", layer + "pre_mlp_layernorm.weight", None, None, (h,),
                             "hidden_size"))
-    if spec.moe:
+    if spec.moe_layer(i):
         pieces += _moe_pieces(spec, piece, layer + "mlp.")
     else:
         pieces += [
@@ -418,6 +477,37 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
     return pieces
 
 
+def _mla_pieces(spec: ModelSpec, piece: Callable[..., Piece], attn: str) -> list[Piece]:
+    """Multi-latent attention's HF tensors on megatron's local-spec ``MLASelfAttention``. Every projection is a
+    column-parallel linear split on its rows over TP (the down projections too: megatron gathers their outputs),
+    ``linear_proj`` on its columns; the latent norms are replicated. The rows of ``kv_a_proj_with_mqa`` are
+    ``[latent (kv_lora_rank); rope key (qk_rope_head_dim)]`` and those of ``q_proj`` / ``q_b_proj`` /
+    ``kv_b_proj`` per head ``[nope; rope]`` / ``[k_nope; v]``, megatron's order too."""
+    h, nq, lora, rope = spec.hidden_size, spec.num_attention_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+    q_head, v_head = spec.qk_nope_head_dim + rope, spec.v_head_dim
+    qk = "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)"
+    if spec.q_lora_rank is None:
+        pieces = [piece("self_attn.q_proj.weight", attn + "linear_q_proj.weight", 0, None, (nq * q_head, h),
+                        f"{qk}, hidden_size")]
+    else:
+        ql = spec.q_lora_rank
+        pieces = [piece("self_attn.q_a_proj.weight", attn + "linear_q_down_proj.weight", 0, None, (ql, h),
+                        "q_lora_rank, hidden_size"),
+                  piece("self_attn.q_a_layernorm.weight", attn + "q_layernorm.weight", None, None, (ql,), "q_lora_rank"),
+                  piece("self_attn.q_b_proj.weight", attn + "linear_q_up_proj.weight", 0, None, (nq * q_head, ql),
+                        f"{qk}, q_lora_rank")]
+    return pieces + [
+        piece("self_attn.kv_a_proj_with_mqa.weight", attn + "linear_kv_down_proj.weight", 0, None, (lora + rope, h),
+              "kv_lora_rank+qk_rope_head_dim, hidden_size"),
+        piece("self_attn.kv_a_layernorm.weight", attn + "kv_layernorm.weight", None, None, (lora,), "kv_lora_rank"),
+        piece("self_attn.kv_b_proj.weight", attn + "linear_kv_up_proj.weight", 0, None,
+              (nq * (spec.qk_nope_head_dim + v_head), lora), "num_attention_heads*(qk_nope_head_dim+v_head_dim), "
+              "kv_lora_rank"),
+        piece("self_attn.o_proj.weight", attn + "linear_proj.weight", 1, None, (h, nq * v_head),
+              "hidden_size, num_attention_heads*v_head_dim"),
+    ]
+
+
 def _moe_pieces(spec: ModelSpec, piece: Callable[..., Piece], mlp: str) -> list[Piece]:
     """An MoE layer's HF tensors: the router, each expert's SwiGLU (split over expert-tensor-parallel ranks like a
     dense MLP over TP; megatron's ``SequentialMLP`` holds the local ones), the shared expert and its gate."""
@@ -426,6 +516,9 @@ def _moe_pieces(spec: ModelSpec, piece: Callable[..., Piece], mlp: str) -> list[
     width = "intermediate_size" if spec.expert_names == "mixtral" else "moe_intermediate_size"  # the HF field
     ffn, local = f"{width}, hidden_size", mlp + "experts.local_experts.{k}."
     pieces = [piece(f"{block}.gate.weight", mlp + "router.weight", None, None, (n, h), "num_experts, hidden_size")]
+    if spec.moe_expert_bias:
+        pieces.append(replace(piece(f"{block}.gate.e_score_correction_bias", mlp + "router.expert_bias", None, None,
+                                    (n,), "num_experts"), buffer=True))
     for e in range(n):
         expert = f"{block}.experts.{e}."
         pieces += [replace(piece(expert + f"{gate}.weight", local + "linear_fc1.weight", 0, "gate", (f, h), ffn), expert=e),
@@ -433,12 +526,12 @@ def _moe_pieces(spec: ModelSpec, piece: Callable[..., Piece], mlp: str) -> list[
                    replace(piece(expert + f"{down}.weight", local + "linear_fc2.weight", 1, None, (h, f),
                                  f"hidden_size, {width}"), expert=e)]
     if spec.shared_expert_ffn_hidden_size:
-        fs, shared = spec.shared_expert_ffn_hidden_size, mlp + "shared_experts."
-        sizes = "shared_expert_intermediate_size, hidden_size"
-        pieces += [piece("mlp.shared_expert.gate_proj.weight", shared + "linear_fc1.weight", 0, "gate", (fs, h), sizes),
-                   piece("mlp.shared_expert.up_proj.weight", shared + "linear_fc1.weight", 0, "up", (fs, h), sizes),
-                   piece("mlp.shared_expert.down_proj.weight", shared + "linear_fc2.weight", 1, None, (h, fs),
-                         "hidden_size, shared_expert_intermediate_size")]
+        fs, shared, hf = spec.shared_expert_ffn_hidden_size, mlp + "shared_experts.", SHARED_EXPERT_NAMES[spec.expert_names]
+        width = ("n_shared_experts*moe_intermediate_size" if spec.expert_names == "deepseek"
+                 else "shared_expert_intermediate_size")
+        pieces += [piece(f"{hf}.gate_proj.weight", shared + "linear_fc1.weight", 0, "gate", (fs, h), f"{width}, hidden_size"),
+                   piece(f"{hf}.up_proj.weight", shared + "linear_fc1.weight", 0, "up", (fs, h), f"{width}, hidden_size"),
+                   piece(f"{hf}.down_proj.weight", shared + "linear_fc2.weight", 1, None, (h, fs), f"hidden_size, {width}")]
         if spec.shared_expert_gate:
             pieces.append(piece("mlp.shared_expert_gate.weight", shared + "gate_weight", None, None, (1, h),
                                 "hidden_size"))

@@ -1,0 +1,83 @@
+"""The DeepSeek-V3 family (Moonlight-16B-A3B's architecture): its HF config read into megatron's MLA and sigmoid-router
+options, the HF tensors of its dense and MoE layers, and the configs megatron-core or vLLM would run otherwise,
+refused with the reason (parity under expert parallelism: tests/parallel/test_moe_parallel.py; vLLM:
+tests/models/test_moe_vllm.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrl.models.families import hf_layout, layer_spec_options, model_spec, transformer_options
+from meshrl.models.tiny import tiny_config, tiny_spec
+from meshrl.parallel import model_builder
+from meshrl.parallel.state import ParallelConfig
+
+
+def config(**fields):
+    hf_config = tiny_config(tiny_spec("deepseek_v3"))
+    for key, value in fields.items():
+        setattr(hf_config, key, value)
+    return hf_config
+
+
+def test_router_attention_and_dense_layers_map_onto_megatrons_options() -> None:
+    hf_config = config()
+    options = transformer_options(model_spec(hf_config))
+    assert options["moe_router_score_function"] == "sigmoid" and options["moe_router_enable_expert_bias"]
+    assert (options["moe_router_num_groups"], options["moe_router_group_topk"]) == (hf_config.n_group,
+                                                                                   hf_config.topk_group)
+    assert options["moe_router_topk_scaling_factor"] == hf_config.routed_scaling_factor
+    assert options["moe_layer_freq"] == [0, 1]  # first_k_dense_replace = 1 of 2 layers
+    assert options["moe_shared_expert_intermediate_size"] == hf_config.n_shared_experts * hf_config.moe_intermediate_size
+    assert not options["moe_shared_expert_gate"]
+    assert (options["q_lora_rank"], options["kv_lora_rank"], options["qk_head_dim"], options["qk_pos_emb_head_dim"],
+            options["v_head_dim"]) == (32, 512, 64, 64, 64)
+    assert options["multi_latent_attention"] and options["rope_type"] == "rope"
+    assert layer_spec_options(model_spec(hf_config))["qk_layernorm"]  # the latent norms
+
+
+def test_one_group_or_every_group_routes_ungrouped() -> None:
+    for n_group, topk_group in ((1, 1), (2, 2)):
+        spec = model_spec(config(n_group=n_group, topk_group=topk_group))
+        assert spec.moe_groups is None and spec.moe_group_topk is None
+    spec = model_spec(config(n_group=4, topk_group=2, num_experts_per_tok=4))  # DeepSeek-V3's top-8 of 4 of 8 groups
+    assert (spec.moe_groups, spec.moe_group_topk) == (4, 2)
+
+
+def test_dense_first_layer_and_moe_layers_name_the_checkpoints_tensors() -> None:
+    layout = hf_layout(model_spec(config()))
+    dense = {p.hf_name for p in layout if p.layer == 0}
+    moe = {p.hf_name: p for p in layout if p.layer == 1}
+    assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.q_a_proj.weight",
+            "model.layers.0.self_attn.q_a_layernorm.weight", "model.layers.0.self_attn.q_b_proj.weight",
+            "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.self_attn.kv_a_layernorm.weight",
+            "model.layers.0.self_attn.kv_b_proj.weight"} <= dense
+    assert not any(".experts." in name or "mlp.gate.weight" in name for name in dense)
+    bias = moe["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.buffer and bias.mcore.endswith("mlp.router.expert_bias") and bias.shape == (8,)
+    assert {"model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.1.mlp.experts.7.up_proj.weight"} <= set(moe)
+    # Moonlight: queries straight from the hidden state
+    moonlight = {p.hf_name for p in hf_layout(model_spec(config(q_lora_rank=None))) if p.layer == 0}
+    assert "model.layers.0.self_attn.q_proj.weight" in moonlight and not any("q_a_" in n for n in moonlight)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(rope_interleave=False), "rope_interleave=False: megatron's multi-latent attention rotates adjacent"),
+    (dict(norm_topk_prob=False), "norm_topk_prob=False: megatron renormalises the top-k sigmoid scores"),
+    (dict(n_group=4, topk_group=2), "topk_group=2: megatron's group-limited routing"),  # top-2 // 2 groups = 1
+    (dict(scoring_func="softmax"), "scoring_func='softmax'"),
+    (dict(topk_method="greedy"), "topk_method='greedy'"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2"),
+    (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers=1"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}), "rope_type='yarn'"),
+])
+def test_what_megatron_or_vllm_would_run_otherwise_is_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match="deepseek_v3 config not supported by meshrl") as err:
+        model_spec(config(**fields))
+    assert message in str(err.value)
+
+
+def test_latent_widths_tp_cannot_split_are_refused() -> None:
+    with pytest.raises(ValueError, match="TP=2 does not divide q_lora_rank=33"):
+        model_builder.check_layout(model_spec(config(q_lora_rank=33)), ParallelConfig(tensor_parallel=2))
+    model_builder.check_layout(model_spec(config()), ParallelConfig(tensor_parallel=2, expert_parallel=2))
