@@ -96,7 +96,7 @@ def sdpa_core_attention_class():
             which computes and stores all t^2 scores. Each slot goes in as a batch of one (``[1, heads, s, d]``):
             torch's CPU flash kernel takes 4-D inputs only, and a 3-D call falls back to the math path, which
             keeps every slot's ``[heads, s, s]`` probabilities for the backward (SmolLM2 at TP3, one 2,048-token
-            slot: 1.4 GiB over 30 layers)."""
+            slot: 1.36 GiB more saved over 30 layers, ``bench/sequence_parallel.py``)."""
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
             bounds = cu.tolist()
             slots = [self._causal(*(t[start:end].transpose(0, 1)[None] for t in (query, key, value)))[0].transpose(0, 1)
