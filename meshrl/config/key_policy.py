@@ -106,9 +106,10 @@ INERT = {
 REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one score per response, dispatched by "
                   "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
                   "(e.g. DAPO's overlong buffer) are not built yet")
-MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral "
-       "with TP / PP / DP / EP, megatron's load-balancing / z-loss (override_transformer_config.moe_aux_loss_coeff, "
-       "moe_z_loss_coeff, moe_router_load_balancing_type) and router replay (actor.megatron.router_replay.mode=R2), "
+MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral / "
+       "DeepSeek-V3 with TP / PP / DP / EP, megatron's load-balancing / z-loss (override_transformer_config."
+       "moe_aux_loss_coeff, moe_z_loss_coeff, moe_router_load_balancing_type), DeepSeek-V3's expert-bias update rate "
+       "(moe_router_bias_update_rate) and router replay (actor.megatron.router_replay.mode=R2), "
        "but not with other MoE settings or MoE rollout sizes; leave those keys at their defaults")
 # Router replay's R3 (the rollout engine's routing replayed in training), and why it is refused.
 ROLLOUT_ROUTING = ("replaying the rollout's routing (verl's R3) needs the engine to report each token's experts: vLLM "
@@ -198,9 +199,12 @@ ALIASES = {
 
 
 # Entries of a free-form dict that meshrl reads although a REFUSED rule matches their name: the MoE load-balancing
-# and z-loss settings (``meshrl.parallel.layers.mean_aux_loss_router_class``).
+# and z-loss settings (``meshrl.parallel.layers.mean_aux_loss_router_class``) and the step of the expert bias
+# megatron moves after each update (DeepSeek-V3's e_score_correction_bias; refused for a model without one by
+# ``meshrl.parallel.model_builder.transformer_config``).
 READ_ENTRIES = tuple(f"*.megatron.override_transformer_config.{name}"
-                     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type"))
+                     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
+                                  "moe_router_bias_update_rate"))
 
 
 def _match(key: str, patterns) -> str | None:

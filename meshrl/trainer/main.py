@@ -211,7 +211,7 @@ def preflight(cfg):
     from meshrl.config import ConfigError
     from meshrl.config.validate import validate_against_model, validate_config
     from meshrl.models.families import model_spec
-    from meshrl.rollout.engines import engine_window_problems, unsupported_rollout_features
+    from meshrl.rollout.engines import engine_window_problems, unsupported_rollout_features, vllm_cpu_mla_problem
     from meshrl.trainer.checkpoint import hf_export_roles
     from meshrl.workers.cluster import ray_init_kwargs
 
@@ -223,6 +223,11 @@ def preflight(cfg):
         raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}, whose HF checkpoint fuses "
                           "its projections (qkv_proj, gate_up_proj), is not built yet; train every weight "
                           "(no LoRA keys) or use another family", ["actor_rollout_ref.model.lora"])
+    if plan.lora is not None and model_spec(hf_config).mla:
+        # Adapters are mapped onto q/k/v and o projections; multi-latent attention has none of those
+        raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}'s multi-latent attention is "
+                          "not built yet; train every weight (no LoRA keys) or use another family",
+                          ["actor_rollout_ref.model.lora"])
     if plan.use_reward_model or plan.reward_judge:
         from meshrl.rewards.judge import judge_problems
         from meshrl.workers.reward_model import reward_model_problems
@@ -233,6 +238,9 @@ def preflight(cfg):
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
     problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + engine_window_problems(
         cfg.actor_rollout_ref.rollout.name, hf_config, plan.prompt_length + plan.response_length)
+    mla_problem = vllm_cpu_mla_problem(hf_config)
+    if mla_problem and cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.device == "cpu":
+        problems.append(f"actor_rollout_ref.rollout.name: {mla_problem}")  # under device auto: at engine start
     if problems:
         raise ConfigError("invalid rollout configuration ({} problem(s)):\n  - {}".format(
             len(problems), "\n  - ".join(problems)), [line.split(":")[0] for line in problems])

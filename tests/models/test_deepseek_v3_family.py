@@ -81,3 +81,33 @@ def test_latent_widths_tp_cannot_split_are_refused() -> None:
     with pytest.raises(ValueError, match="TP=2 does not divide q_lora_rank=33"):
         model_builder.check_layout(model_spec(config(q_lora_rank=33)), ParallelConfig(tensor_parallel=2))
     model_builder.check_layout(model_spec(config()), ParallelConfig(tensor_parallel=2, expert_parallel=2))
+
+
+def test_the_expert_bias_step_is_read_for_deepseek_and_refused_without_an_expert_bias() -> None:
+    import torch
+
+    from meshrl.config import load_config
+    from meshrl.config.validate import validate_config
+
+    key = "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_bias_update_rate=0.0"
+    validate_config(load_config(["actor_rollout_ref.model.path=tiny:deepseek_v3", key], recipe="cpu_tiny_grpo"))
+    built = model_builder.transformer_config(model_spec(config()), ParallelConfig(), torch.float32,
+                                             moe_router_bias_update_rate=0.0)
+    assert built.moe_router_bias_update_rate == 0.0 and built.moe_router_enable_expert_bias
+    with pytest.raises(ValueError, match="qwen2_moe's router has no expert bias to move"):
+        model_builder.transformer_config(model_spec(tiny_config(tiny_spec("qwen2_moe"))), ParallelConfig(),
+                                         torch.float32, moe_router_bias_update_rate=0.0)
+
+
+def test_what_vllm_on_cpu_or_lora_cannot_serve_is_refused_before_the_run() -> None:
+    from meshrl.config import ConfigError, load_config
+    from meshrl.rollout.engines import vllm_cpu_mla_problem
+    from meshrl.trainer.main import preflight
+
+    assert vllm_cpu_mla_problem(config()) is None  # kv_lora_rank 512 + qk_rope_head_dim 64
+    assert "kv_lora_rank 512 and qk_rope_head_dim 64 only" in vllm_cpu_mla_problem(config(kv_lora_rank=256))
+    assert vllm_cpu_mla_problem(tiny_config(tiny_spec("qwen2_moe"))) is None
+    cfg = load_config(["actor_rollout_ref.model.path=tiny:deepseek_v3", "actor_rollout_ref.model.lora_rank=8"],
+                      recipe="cpu_tiny_grpo")
+    with pytest.raises(ConfigError, match="LoRA on deepseek_v3's multi-latent attention is not built yet"):
+        preflight(cfg)

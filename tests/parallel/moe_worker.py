@@ -175,6 +175,12 @@ def check_family(path: Path, aux: bool = False, replay: bool = True, sequence_pa
     result["export_mismatches"] = (len(set(original.file_of) ^ set(weights))
                                    + sum(not torch.equal(original.read(n), weights[n]) for n in weights))
     result.update(_train_pass(chunks, mine, path, ref_loss, ref_grads))
+    if model_builder.unwrap(chunks[0]).meshrl_spec.moe_expert_bias:
+        # megatron moved each expert's bias by +-moe_router_bias_update_rate (1e-3) after the pass, towards balanced
+        # loads (0 for an expert at exactly the mean), and the export carries it
+        moved = hf_tensors(chunks, path)
+        result["expert_bias_step"] = max(abs(float((moved[n] - original.read(n)).abs().max()) - 1e-3)
+                                         for n in moved if n.endswith("e_score_correction_bias"))
     result["planned_parameters"] = abs(planned_parameters(path) - sum(
         p.numel() for chunk in chunks for p in model_builder.unwrap(chunk).parameters()))
     if aux:
