@@ -98,7 +98,7 @@ def vllm_cpu_mla_problem(hf_config) -> str | None:
         return None
     return (f"vLLM on CPU serves multi-latent attention with kv_lora_rank {VLLM_CPU_MLA_LATENT[0]} and "
             f"qk_rope_head_dim {VLLM_CPU_MLA_LATENT[1]} only (its MLA decode kernel); {spec.model_type} has "
-            f"{spec.kv_lora_rank} and {spec.qk_rope_head_dim}: use rollout.name=hf, or a GPU")
+            f"{spec.kv_lora_rank} and {spec.qk_rope_head_dim}, which it cannot serve: roll out on a GPU")
 
 
 def multi_turn_problems(multi_turn: Any) -> list[str]:
