@@ -105,9 +105,13 @@ def test_a_users_interaction_by_dotted_path(tmp_path, monkeypatch):
     ([{"name": "a", "class_name": "verl.interactions.base.BaseInteraction"}] * 2, "'a' is taken"),
     ([{"class_name": "verl.interactions.base.BaseInteraction", "config": [1]}], "config must be a mapping"),
     ([], "non-empty 'interaction:' list"),
+    ([{"class_name": "broken_interactions_init.Lazy"}], r"Lazy.__init__ must call super\(\).__init__\(config\)"),
 ])
 def test_what_an_interaction_file_cannot_hold_is_refused_with_the_entry(tmp_path, monkeypatch, entries, match):
     (tmp_path / "broken_interactions.py").write_text("1 / 0\n")
+    (tmp_path / "broken_interactions_init.py").write_text(
+        "from meshrl.rollout.interactions.base import Interaction\n"
+        "class Lazy(Interaction):\n    def __init__(self, config):\n        self.config = config\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     path = tmp_path / "i.yaml"
     path.write_text(json.dumps({"interaction": entries}))

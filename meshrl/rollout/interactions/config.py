@@ -89,6 +89,9 @@ def load_interactions(path: str | Path) -> dict[str, Interaction]:
         try:
             cls = interaction_class(entry["class_name"])
             interactions[name] = cls({**config, "name": name})
+            if not all(hasattr(interactions[name], key) for key in ("name", "timeout_s")):
+                raise InteractionConfigError(f"{cls.__name__}.__init__ must call super().__init__(config), which sets "
+                                             "the interaction's name and timeout_s")
         except InteractionConfigError as error:
             raise InteractionConfigError(f"{where}: {error}") from None
         except Exception as error:  # noqa: BLE001 - a user's constructor failing is reported with the entry
