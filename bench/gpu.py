@@ -521,7 +521,9 @@ def summary(result: dict) -> list[str]:
              f"bf16 matmul {peak / 1e12:.0f} TFLOP/s measured, copy "
              f"{m.get('copy_bytes_per_s', float('nan')) / 1e12:.2f} TB/s"]
     for name in SECTIONS[1:]:
-        section = result.get(name, {})
+        if name not in result:  # not asked for in this run
+            continue
+        section = result[name]
         if not section.get("ok"):
             lines.append(f"{name}: FAILED {section.get('error', 'not run')}")
             continue
@@ -569,8 +571,11 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     peak = result.get("machine", {}).get("matmul_bf16_flops")
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 4.5))
     runs = [name for name in ("rl_step", "rl_step_padded") if result.get(name, {}).get("ok")]
+    if runs:
+        fig, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 4.5))
+    else:  # a run of the update sections alone
+        fig, (middle, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     phases = ("generate", "old_log_prob", "update", "sync")
     colors = ("#3b7dd8", "#9a9a9a", "#d8843b", "#4caf50")
     for index, name in enumerate(runs):
@@ -580,10 +585,12 @@ def plot(result: dict, path: Path) -> None:
             left.bar(index, value, bottom=bottom, color=color, label=phase if index == 0 else None)
             bottom += value
         left.text(index, bottom, f"{bottom:.1f} s", ha="center", va="bottom", fontsize=9)
-    left.set_xticks(range(len(runs)), [n.replace("rl_step", "RL step").replace("_padded", " (padded rows)") for n in runs])
-    left.set_ylabel("seconds per step (median)")
-    left.set_title("RL step phases, HF engine + Megatron TP1, bf16", fontsize=10)
-    left.legend(fontsize=8)
+    if runs:
+        left.set_xticks(range(len(runs)), [n.replace("rl_step", "RL step").replace("_padded", " (padded rows)")
+                                           for n in runs])
+        left.set_ylabel("seconds per step (median)")
+        left.set_title("RL step phases, HF engine + Megatron TP1, bf16", fontsize=10)
+        left.legend(fontsize=8)
     variants = [name for name in UPDATE_VARIANTS if result.get(name, {}).get("ok")]
     shapes = sorted({(s["rows"], s["seq"], s["token_budget"]) for name in variants for s in result[name]["shapes"]
                      if "error" not in s})

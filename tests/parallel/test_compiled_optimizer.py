@@ -1,9 +1,10 @@
 """torch's fused AdamW kernel behind megatron's optimizer (``optimizer.OptimizerConfig.fused_adam``) against torch's
 per-parameter loop (megatron's fallback as it comes), in process at TP1.
 
-One update of a tiny Llama from the same weights on the same micro-batch: the weights after it agree within one
-fp32 epsilon of each tensor's scale (the fused kernel computes ``m``, ``v`` and the step in one pass, in another
-order of roundings; measured <= 0.56 epsilon: 3e-8 at weights of scale 0.3-0.45), and moved by far more (2e-3).
+One update of a tiny Llama from the same weights on the same micro-batch: the weights after it agree within two
+fp32 epsilons of each tensor's scale (the fused kernel computes ``m``, ``v`` and the step in one pass, in another
+order of roundings; measured <= 0.56 epsilon on CPU: 3e-8 at weights of scale 0.3-0.45, and 1.12 with the CUDA
+kernel on an H100), and moved by far more (2e-3).
 A second update runs on the fused state (its step count is what a checkpoint saves). After it the two runs
 differ by up to 2.7e-7: the first update's rounding changes the second's gradients, which Adam's normalisation
 amplifies where a gradient is near zero.
@@ -60,7 +61,7 @@ def test_the_fused_kernel_updates_as_the_loop_does(tp1, tiny_llama_dir) -> None:
     moved = max(float((looped[n] - start[n]).abs().max()) for n in start)
     # In units of fp32's epsilon at each tensor's scale (the norms' weights are ~1, the others ~0.1).
     ulps = max(float((fused[n] - looped[n]).abs().max() / (EPS * looped[n].abs().max())) for n in start)
-    assert moved > 1e-3 and ulps <= 1, (moved, ulps)
+    assert moved > 1e-3 and ulps <= 2, (moved, ulps)
     assert optimizer.train_step(chunks, fused_opt, sched, _batches(), _loss, OutputRequest())["update_successful"]
     for inner in optimizer._inner_optimizers(fused_opt):  # the torch state a checkpoint saves
         assert {float(s["step"]) for s in inner.optimizer.state_dict()["state"].values()} == {2.0}
