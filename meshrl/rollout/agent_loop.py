@@ -22,7 +22,7 @@ Per sample, with R = the response length (``rollout.response_length`` / ``data.m
         stop ("stop") when the interaction said terminate
 
 **Token in, token out.** The engine is given, and the trainer receives, ``prompt + response`` built only by
-appending: the engine's sampled ids as they came and each tool delta. Nothing is re-tokenised, so the
+appending: the engine's sampled ids as they came and each tool or user delta. Nothing is re-tokenised, so the
 trainer's tokens are the engine's byte for byte (a transcript re-tokenised from text could merge tokens
 across turn boundaries, and the trained log-probs would not be those of what was sampled).
 
@@ -43,7 +43,8 @@ which sees the conversation as chat messages (the prompt's ``raw_prompt``, each 
 without special tokens, tool and user messages) and answers with a user message (appended as tokens,
 loss mask 0, counted as a user turn for ``max_user_turns``), a turn score and whether to stop there; the
 stopping user message is appended too, as verl appends it. The turn scores reach the reward function as
-verl's agent loop passes them: ``extra_info["turn_scores"]`` (with ``num_turns``; ``meshrl.trainer.rl_trainer``).
+verl's agent loop passes them: ``extra_info["turn_scores"]`` (with the tool calls' ``tool_rewards`` and
+``num_turns``: ``agent_reward_info``, read by ``meshrl.trainer.rl_trainer``).
 An interaction that raises or outlives its ``timeout_s`` ends that sample's conversation (finish reason
 ``interaction_error``, a logged warning); the step goes on. A started interaction is finalized
 (``finalize_interaction``) when its conversation ends (``meshrl.rollout.interactions.runner``).
@@ -56,7 +57,7 @@ rollout's.
 
 **Async** (``rollout.mode=async``, ``meshrl.rollout.async_engine``). One coroutine per sample runs the loop
 above on its own: each turn is one engine request, its tools run on a thread (``asyncio.to_thread`` around
-the runner) while the other samples keep generating, and its next turn joins the engine's running batch
+the runner) and its interaction on the interactions' loop while the other samples keep generating, and its next turn joins the engine's running batch
 as soon as they answer. Turn k of sample j of prompt i is seeded ``turn_seed(seed_i + j, k)``, so the
 first turn draws what a single-turn rollout's sample j would.
 
