@@ -27,6 +27,12 @@ the actor's dtype and B the read bandwidth:
 at the step's real decode batch (``bench.machine.decode_matmuls``: torch's GEMMs on M = rows per step,
 times the decode steps): small-M products run far below the peak of large ones.
 
+``matmul_floor_s`` = ``floor_train_s`` + ``decode_matmuls_s``: the step if the update did nothing but its
+matrix products at the machine's peak rate and generation nothing but its weight products at the decode
+batch's measured rate (no attention, norms, sampling, optimizer, sync). With a vs_trl input whose TRL side
+ran, ``ceiling_speedup_vs_trl`` = TRL's median step / the median ``matmul_floor_s``: no meshrl step on this
+machine can beat TRL's by more.
+
 ``roofline_floor_s`` is stricter and closer to what the hardware allows: the decode phase costs
 at least the larger of its compute (2·N and attention per generated token) and its memory traffic
 (weights per decode step plus the KV cache read per generated token), and prefill adds 2·N per unique
@@ -105,6 +111,7 @@ def step_limits(step: dict, shape: ModelShape, *, rows: int, n: int, flops_per_s
         "decode_fraction_of_bandwidth": decode_bytes / gen_s / read_bytes_per_s if gen_s > 0 else None,
         "decode_fraction_of_matmul_flops": decode_flops / gen_s / flops_per_s if gen_s > 0 else None,
         "decode_matmuls_s": decode_steps * decode_step_matmul_s if decode_step_matmul_s else None,
+        "matmul_floor_s": train_floor + decode_steps * decode_step_matmul_s if decode_step_matmul_s else None,
         "gen_over_decode_matmuls": gen_s / (decode_steps * decode_step_matmul_s) if decode_step_matmul_s else None,
         # Where the step's time goes relative to the floor's two terms.
         "above_floor_s": {"generation": gen_s - decode_floor, "update_actor": update_s - train_floor,
@@ -113,15 +120,20 @@ def step_limits(step: dict, shape: ModelShape, *, rows: int, n: int, flops_per_s
     }
 
 
-def summarize_limits(per_step: list[dict], warmup: int = 1) -> dict:
-    """Medians over the steps after ``warmup`` (all steps when there are not more than ``warmup``)."""
+def summarize_limits(per_step: list[dict], warmup: int = 1, trl_step_s: float | None = None) -> dict:
+    """Medians over the steps after ``warmup`` (all steps when there are not more than ``warmup``); with
+    ``trl_step_s`` (TRL's median step in the same vs_trl run), the ceiling on meshrl's speed-up over it."""
     used = per_step[warmup:] if len(per_step) > warmup else per_step
     out = {"steps_used": [s["step"] for s in used]}
-    for key in ("wall_s", "floor_s", "roofline_floor_s", "step_over_floor", "step_over_roofline_floor",
-                "update_fraction_of_matmul_flops", "decode_fraction_of_bandwidth", "decode_fraction_of_matmul_flops",
-                "gen_over_decode_matmuls"):
+    for key in ("wall_s", "floor_s", "roofline_floor_s", "matmul_floor_s", "step_over_floor",
+                "step_over_roofline_floor", "update_fraction_of_matmul_flops", "decode_fraction_of_bandwidth",
+                "decode_fraction_of_matmul_flops", "gen_over_decode_matmuls"):
         values = [s[key] for s in used if s.get(key) is not None]
         out[key] = statistics.median(values) if values else None
+    if trl_step_s and out["matmul_floor_s"]:
+        out["trl_step_s"] = trl_step_s
+        out["speedup_vs_trl"] = trl_step_s / out["wall_s"]
+        out["ceiling_speedup_vs_trl"] = trl_step_s / out["matmul_floor_s"]
     out["target_step_over_floor"] = TARGET_STEP_OVER_FLOOR
     out["meets_target"] = out["step_over_floor"] is not None and out["step_over_floor"] <= TARGET_STEP_OVER_FLOOR
     return out
@@ -145,7 +157,7 @@ def meshrl_source(args) -> dict:
         if side["status"] != "ok":
             raise SystemExit(f"limits: the meshrl run failed: {side['error']}")
         return {"input": f"--run ({side['log']})", "steps": side["steps"], "rows": s.rows, "n": s.n,
-                "rollout_dtype": "float32", "actor_dtype": "float32", "recorded_rates": []}
+                "rollout_dtype": "float32", "actor_dtype": "float32", "recorded_rates": [], "trl_step_s": None}
     if args.metrics:
         from meshrl.trainer.tracking import read_metrics
 
@@ -153,7 +165,7 @@ def meshrl_source(args) -> dict:
             raise SystemExit("limits: --metrics needs --rows (prompts x n per step) and --n")
         steps = [vs_trl.meshrl_step(r, args.rows) for r in read_metrics(args.metrics) if "timing/step_s" in r]
         return {"input": str(args.metrics), "steps": steps, "rows": args.rows, "n": args.n,
-                "rollout_dtype": args.rollout_dtype, "actor_dtype": "float32", "recorded_rates": []}
+                "rollout_dtype": args.rollout_dtype, "actor_dtype": "float32", "recorded_rates": [], "trl_step_s": None}
     path = Path(args.source)
     if not path.is_file():
         raise SystemExit(f"limits: {path} does not exist; run `python -m bench.vs_trl --dtype fp32` first, "
@@ -166,7 +178,8 @@ def meshrl_source(args) -> dict:
     rollout = "bfloat16" if result["dtype"] == "bf16" else "float32"
     return {"input": str(path), "steps": side["steps"], "rows": settings["rows_per_step"], "n": settings["n"],
             "rollout_dtype": rollout, "actor_dtype": "float32",
-            "recorded_rates": [result["machine"].get("rates_before"), result["machine"].get("rates_after")]}
+            "recorded_rates": [result["machine"].get("rates_before"), result["machine"].get("rates_after")],
+            "trl_step_s": (result.get("summary") or {}).get("trl", {}).get("step_s")}
 
 
 def main(argv=None) -> int:
@@ -182,16 +195,26 @@ def main(argv=None) -> int:
     p.add_argument("--response-length", type=int, default=128)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, default=RESULTS / "limits.json")
+    p.add_argument("--rates-from", type=Path, help="a limits JSON whose machine measurements (rates, decode matmuls) "
+                   "to reuse instead of measuring now: on a busy machine, the figures of a quiet one")
     args = p.parse_args(argv)
 
     source = meshrl_source(args)
     from meshrl.models.embedded import smollm2_hf_dir
 
     shape = model_shape(smollm2_hf_dir())
-    print(f"limits: measuring matmul FLOP/s and memory bandwidth ({args.threads} threads)", flush=True)
-    measured = measure_rates(args.threads)
-    rollout_dtype = torch.bfloat16 if source["rollout_dtype"] == "bfloat16" else torch.float32
-    decode = decode_matmuls(smollm2_hf_dir(), rows=source["rows"], threads=args.threads, dtype=rollout_dtype)
+    if args.rates_from:
+        earlier = json.loads(args.rates_from.read_text())["machine"]
+        measured, decode = earlier["measured_now"], earlier["decode_matmuls"]
+        if decode["rows"] != source["rows"]:
+            raise SystemExit(f"limits: {args.rates_from} measured decode matmuls at {decode['rows']} rows, "
+                             f"this input decodes {source['rows']}; measure now instead (drop --rates-from)")
+        print(f"limits: machine measurements from {args.rates_from} (load average {measured['load_average']})")
+    else:
+        print(f"limits: measuring matmul FLOP/s and memory bandwidth ({args.threads} threads)", flush=True)
+        measured = measure_rates(args.threads)
+        rollout_dtype = torch.bfloat16 if source["rollout_dtype"] == "bfloat16" else torch.float32
+        decode = decode_matmuls(smollm2_hf_dir(), rows=source["rows"], threads=args.threads, dtype=rollout_dtype)
     recorded = [r for r in source["recorded_rates"] if r]
     flops_key = "matmul_flops_bf16" if source["actor_dtype"] == "bfloat16" else "matmul_flops_fp32"
     rates = {
@@ -205,7 +228,7 @@ def main(argv=None) -> int:
                             weight_dtype_bytes=DTYPE_BYTES[source["rollout_dtype"]],
                             decode_step_matmul_s=decode["seconds_per_step"])
                 for step in source["steps"]]
-    summary = summarize_limits(per_step)
+    summary = summarize_limits(per_step, trl_step_s=source["trl_step_s"])
     result = {
         "benchmark": "limits", "input": source["input"],
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
@@ -230,6 +253,9 @@ def main(argv=None) -> int:
               f"{_pct(st['update_fraction_of_matmul_flops'])} of FLOP/s  decode {_pct(st['decode_fraction_of_bandwidth'])} "
               f"of bandwidth, {_pct(st['decode_fraction_of_matmul_flops'])} of FLOP/s, "
               f"{st['gen_over_decode_matmuls']:.2f}x its matmuls' time")
+    if "ceiling_speedup_vs_trl" in summary:
+        print(f"TRL's step {summary['trl_step_s']:.1f} s: meshrl {summary['speedup_vs_trl']:.2f}x faster; at its matmul "
+              f"floor ({summary['matmul_floor_s']:.1f} s) it would be {summary['ceiling_speedup_vs_trl']:.2f}x")
     print(f"median step/floor {summary['step_over_floor']:.2f}x (target <= {TARGET_STEP_OVER_FLOOR}: "
           f"{'met' if summary['meets_target'] else 'NOT met'}); wrote {args.out}")
     return 0

@@ -244,7 +244,8 @@ class ProcessTreeSampler:
     time at its last sample (a process that exits between samples loses its last interval).
 
     Use as a context manager; ``samples`` holds ``(unix_time, rss_bytes, processes, cpu_seconds_so_far)``,
-    ``pss_samples`` ``(unix_time, pss_bytes)``.
+    ``pss_samples`` ``(unix_time, pss_bytes)``, and ``peak_by_process`` the processes of the sample with the
+    largest summed RSS: ``(name, rss_bytes)``, largest first (what the peak is made of).
     """
 
     def __init__(self, pid: int, interval_s: float = 0.5, pss_every: int = 10) -> None:
@@ -258,6 +259,8 @@ class ProcessTreeSampler:
         self._cpu: dict[int, float] = {}
         self.samples: list[tuple[float, int, int, float]] = []
         self.pss_samples: list[tuple[float, int]] = []
+        self.peak_by_process: list[tuple[str, int]] = []
+        self._peak_rss = 0
 
     def _tree(self) -> list:
         try:
@@ -268,9 +271,12 @@ class ProcessTreeSampler:
     def sample(self, with_pss: bool = False) -> None:
         rss = pss = 0
         procs = self._tree()
+        parts: list[tuple[str, int]] = []
         for proc in procs:
             try:
-                rss += proc.memory_info().rss
+                part = proc.memory_info().rss
+                rss += part
+                parts.append((proc.name(), part))
                 times = proc.cpu_times()
                 self._cpu[proc.pid] = times.user + times.system
                 if with_pss:
@@ -279,6 +285,8 @@ class ProcessTreeSampler:
                 continue  # exited between listing and reading, or PSS unsupported here
         now = time.time()
         if procs:
+            if rss > self._peak_rss:
+                self._peak_rss, self.peak_by_process = rss, sorted(parts, key=lambda item: -item[1])
             self.samples.append((now, rss, len(procs), self.cpu_seconds))
             if with_pss and pss:
                 self.pss_samples.append((now, pss))

@@ -428,6 +428,8 @@ def _side_common(child: Child, code: int, sampler, load_before: float, command: 
         "wall_s_total": round(child.ended - child.started, 1),
         "peak_rss_gib_run": peak / GIB if peak else None, "peak_pss_gib_run": peak_pss / GIB if peak_pss else None,
         "max_processes": max((smp[2] for smp in sampler.samples), default=0),
+        # What the peak is made of: each process's RSS in the sample with the largest sum.
+        "peak_rss_gib_by_process": [(name, round(rss / GIB, 3)) for name, rss in sampler.peak_by_process],
         # Memory over the run, thinned to at most ~400 points, for the plot.
         "rss_timeline": [(round(smp[0] - child.started, 1), round(smp[1] / GIB, 3))
                          for smp in sampler.samples[:: max(1, len(sampler.samples) // 400)]],

@@ -171,6 +171,21 @@ def test_limits_summary_checks_the_target():
     assert summary["meets_target"] == (summary["step_over_floor"] <= 1.25)
 
 
+def test_the_ceiling_over_trl_is_trls_step_over_the_matmul_floor():
+    """The matmul floor adds the decode's measured weight-product time to the update's FLOP floor; the ceiling
+    divides TRL's step by it (absent without a TRL step or a decode measurement)."""
+    st = vs_trl.meshrl_step(meshrl_record(), rows=8)
+    step = limits.step_limits(st, SHAPE, rows=8, n=4, flops_per_s=1e6, read_bytes_per_s=1e5, weight_dtype_bytes=4,
+                              decode_step_matmul_s=0.01)
+    assert step["matmul_floor_s"] == pytest.approx(step["floor_train_s"] + 64 * 0.01)
+    summary = limits.summarize_limits([step] * 3, trl_step_s=30.0)
+    assert summary["ceiling_speedup_vs_trl"] == pytest.approx(30.0 / step["matmul_floor_s"])
+    assert summary["speedup_vs_trl"] == pytest.approx(30.0 / 10.0)
+    assert "ceiling_speedup_vs_trl" not in limits.summarize_limits([step] * 3)
+    bare = limits.step_limits(st, SHAPE, rows=8, n=4, flops_per_s=1e6, read_bytes_per_s=1e5, weight_dtype_bytes=4)
+    assert "ceiling_speedup_vs_trl" not in limits.summarize_limits([bare] * 3, trl_step_s=30.0)
+
+
 def test_consistency_compares_prompt_tokens_step_by_step():
     m, t = steps_of([1.0, 2.0]), steps_of([1.0, 2.0])
     assert vs_trl.consistency(m, t)["prompt_tokens_equal"]
