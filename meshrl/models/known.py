@@ -119,6 +119,21 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                          vocab_size=163840, max_position_embeddings=8192, rope_theta=50000.0,
                                          rms_norm_eps=1e-5, tie_word_embeddings=False, num_nextn_predict_layers=0,
                                          attention_bias=False, rope_interleave=True),
+    # DeepSeek-V3 itself: a query latent, 3 dense layers, 256 routed experts top-8 within 4 of 8 groups, YaRN. Its
+    # config.json has num_nextn_predict_layers 1 (the multi-token-prediction layer, which meshrl does not train, as
+    # verl: refused unless 0) and FP8 weights; this entry is the main model, the 671 B the paper counts
+    "deepseek-ai/DeepSeek-V3": dict(model_type="deepseek_v3", num_hidden_layers=61, hidden_size=7168,
+                                    num_attention_heads=128, num_key_value_heads=128, intermediate_size=18432,
+                                    moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+                                    num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+                                    routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid",
+                                    topk_method="noaux_tc", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                    qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+                                    max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                    num_nextn_predict_layers=0, attention_bias=False, rope_interleave=True,
+                                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                                                         original_max_position_embeddings=4096, beta_fast=32.0,
+                                                         beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
 }
 
 

@@ -25,9 +25,11 @@ PUBLISHED_B = {
     # mixture-of-experts: the model cards' totals
     "Qwen/Qwen1.5-MoE-A2.7B": 14.3, "Qwen/Qwen3-30B-A3B": 30.5, "mistralai/Mixtral-8x7B-Instruct-v0.1": 46.7,
     "moonshotai/Moonlight-16B-A3B": 16.0,  # its card's "16B" (meshrl counts 15.96 B; 2.91 B active, the card's "3B")
+    "deepseek-ai/DeepSeek-V3": 671,  # the paper's count, without the MTP layer (the hub's 685 B)
 }
-# ... and the parameters one token uses, as the cards publish them ("A2.7B", "A3B", Mistral's 12.9 B)
-PUBLISHED_ACTIVE_B = {"Qwen/Qwen1.5-MoE-A2.7B": 2.7, "Qwen/Qwen3-30B-A3B": 3.3, "mistralai/Mixtral-8x7B-Instruct-v0.1": 12.9}
+# ... and the parameters one token uses, as the cards publish them ("A2.7B", "A3B", Mistral's 12.9 B, DeepSeek-V3's 37 B)
+PUBLISHED_ACTIVE_B = {"Qwen/Qwen1.5-MoE-A2.7B": 2.7, "Qwen/Qwen3-30B-A3B": 3.3, "mistralai/Mixtral-8x7B-Instruct-v0.1": 12.9,
+                      "deepseek-ai/DeepSeek-V3": 37}
 
 
 def spec_of(model: str, **changes):
@@ -79,7 +81,8 @@ def test_all_to_all_volume_per_step():
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED_B))
 def test_count_is_linear_in_layers(model):
-    counts = [stage_parameters(spec_of(model, num_hidden_layers=n)) for n in (1, 2, 3, 8)]
+    dense = spec_of(model).dense_layers  # DeepSeek-V3's first layers are dense: count from the first MoE layer
+    counts = [stage_parameters(spec_of(model, num_hidden_layers=dense + n)) for n in (1, 2, 3, 8)]
     per_layer = layer_parameters(spec_of(model))
     assert counts[1] - counts[0] == counts[2] - counts[1] == per_layer
     assert counts[3] - counts[0] == 7 * per_layer

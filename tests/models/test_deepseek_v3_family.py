@@ -36,6 +36,22 @@ def test_router_attention_and_dense_layers_map_onto_megatrons_options() -> None:
     assert layer_spec_options(model_spec(hf_config))["qk_layernorm"]  # the latent norms
 
 
+# DeepSeek-V3's rope_parameters
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def test_yarn_maps_onto_megatrons_mla_yarn_as_transformers_reads_it() -> None:
+    options = transformer_options(model_spec(config(rope_parameters=dict(YARN))))
+    assert options["rope_type"] == "yarn"
+    assert [options[key] for key in ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
+                                     "beta_slow", "mscale", "mscale_all_dim")] == [40.0, 4096, 32.0, 1.0, 1.0, 1.0]
+    # without mscale_all_dim transformers scales cos / sin by m(1) whatever mscale says: megatron's (1, 0)
+    spec = model_spec(config(rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=None)))
+    assert spec.yarn[-2:] == (1.0, 0.0)
+    assert transformer_options(model_spec(config()))["rope_type"] == "rope"
+
+
 def test_one_group_or_every_group_routes_ungrouped() -> None:
     for n_group, topk_group in ((1, 1), (2, 2)):
         spec = model_spec(config(n_group=n_group, topk_group=topk_group))
@@ -69,7 +85,10 @@ def test_dense_first_layer_and_moe_layers_name_the_checkpoints_tensors() -> None
     (dict(topk_method="greedy"), "topk_method='greedy'"),
     (dict(num_key_value_heads=2), "num_key_value_heads=2"),
     (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers=1"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}), "rope_type='yarn'"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type='linear'"),
+    (dict(rope_parameters=dict(YARN, attention_factor=1.0)), "rope_type='yarn': only plain RoPE and YaRN as megatron"),
+    (dict(rope_parameters=dict(YARN, truncate=False)), "rope_type='yarn'"),
+    (dict(rope_parameters=dict(YARN, mscale=None)), "rope_type='yarn'"),  # mscale_all_dim alone
 ])
 def test_what_megatron_or_vllm_would_run_otherwise_is_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match="deepseek_v3 config not supported by meshrl") as err:

@@ -106,6 +106,37 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_other_expert_layouts(results: dict
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_deepseek_yarn_matches_hf(tmp_path) -> None:
+    """DeepSeek-V3's YaRN (its released rope_parameters' mscale = mscale_all_dim = 1, factor 4 over 8 original
+    positions so that the micro-batches' 7-13 tokens reach the interpolated frequencies): megatron's MLA YaRN gives
+    transformers' outputs, loss and gradients at TP1, and the scaling moves the log-probs (so the check bites)."""
+    import json
+    import shutil
+
+    from moe_worker import hf_reference, make_micro_batches
+
+    plain = tiny_model_dir(tiny_spec("deepseek_v3"))
+    yarn = shutil.copytree(plain, tmp_path / "yarn")
+    config = json.loads((yarn / "config.json").read_text())
+    config["rope_parameters"] = dict(rope_type="yarn", rope_theta=config["rope_parameters"]["rope_theta"], factor=4.0,
+                                     original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                     mscale_all_dim=1.0)
+    (yarn / "config.json").write_text(json.dumps(config))
+    batches = make_micro_batches()
+    moved = max(float((a["log_probs"] - b["log_probs"]).abs().max())
+                for a, b in zip(hf_reference(yarn, batches)[0], hf_reference(plain, batches)[0]))
+    assert moved > 1e-2, moved
+    state.initialize(state.ParallelConfig())
+    try:
+        values = {f"deepseek_v3.{k}": v for k, v in check_family(yarn, aux=False, replay=False).items()}
+    finally:
+        state.destroy()
+    failures = _failures(values, "deepseek_v3", aux=False, replay=False)
+    assert not failures, failures
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_single_rank_matches_hf() -> None:
     state.initialize(state.ParallelConfig())
     try:

@@ -91,6 +91,11 @@ class ModelSpec:
       ``moe_group_topk`` best of ``moe_groups`` equal groups of experts (a group scores the sum of its top two)
       when ``moe_groups``; the weights are the chosen ``s`` renormalised to sum to 1, times ``moe_scaling_factor``
       when set (HF's ``routed_scaling_factor``).
+    - ``yarn`` (multi-latent attention only; empty: plain RoPE): YaRN RoPE scaling with the values of ``YARN_FIELDS``
+      (HF's ``rope_parameters``): frequencies interpolated by ``factor`` below the ``beta_slow`` / ``beta_fast``
+      rotations of ``original_max_position_embeddings`` (the correction range rounded outwards to whole dimensions,
+      HF's ``truncate``), cos / sin scaled by ``m(mscale) / m(mscale_all_dim)`` and the attention scores by
+      ``m(mscale_all_dim) ** 2``, with ``m(x) = 0.1 x ln(factor) + 1`` (1 for ``x`` 0): megatron's MLA YaRN.
     - ``hf_fused``: HF tensors that concatenate several of the table's pieces along dim 0 (keys of ``HF_FUSIONS``:
       Phi-3's ``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]); ``hf_layout`` keeps the parts' names and
       the checkpoint reader / writer map them onto the fused tensors (``hf_fusions``).
@@ -142,11 +147,15 @@ class ModelSpec:
     moe_groups: int | None = None
     moe_group_topk: int | None = None
     moe_scaling_factor: float | None = None
+    yarn: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         # A spec read back from a checkpoint's JSON holds a list here.
         object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         object.__setattr__(self, "hf_fused", tuple(self.hf_fused))
+        object.__setattr__(self, "yarn", tuple(self.yarn))
+        if self.yarn and len(self.yarn) != len(YARN_FIELDS):
+            raise ValueError(f"yarn {self.yarn!r}: one value for each of {', '.join(YARN_FIELDS)}")
         if self.post_norm_names not in POST_NORM_NAMES:
             raise ValueError(f"post_norm_names {self.post_norm_names!r} is not one of {', '.join(POST_NORM_NAMES)}")
         if set(self.hf_fused) - set(HF_FUSIONS):
@@ -199,6 +208,9 @@ def _rope_type(hf_config) -> str:
     params = getattr(hf_config, "rope_parameters", None) or {}
     return params.get("rope_type", params.get("type", "default"))
 
+
+# ModelSpec.yarn's values, in order: HF's rope_parameters keys of YaRN, megatron MLA's YarnRotaryEmbedding arguments
+YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 # ModelSpec.expert_names -> the HF checkpoint's (MoE block, gate, up, down projection) names: a layer's router is
 # ``model.layers.{i}.{block}.gate.weight``, expert e's gate projection ``...{block}.experts.{e}.{gate}.weight``.
@@ -375,10 +387,15 @@ def transformer_options(spec: ModelSpec) -> dict[str, Any]:
         if spec.dense_layers:  # megatron's per-layer pattern: 0 dense, 1 MoE
             options["moe_layer_freq"] = [int(spec.moe_layer(i)) for i in range(spec.num_layers)]
     if spec.mla:
-        # megatron's MLA de-interleaves the RoPE pairs itself (HF's rope_interleave); "rope": plain RoPE, no YaRN
+        # megatron's MLA de-interleaves the RoPE pairs itself (HF's rope_interleave)
         options.update(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
                        qk_head_dim=spec.qk_nope_head_dim, qk_pos_emb_head_dim=spec.qk_rope_head_dim,
-                       v_head_dim=spec.v_head_dim, rope_type="rope", rotary_base=spec.rope_theta)
+                       v_head_dim=spec.v_head_dim, rope_type="yarn" if spec.yarn else "rope",
+                       rotary_base=spec.rope_theta)
+        if spec.yarn:
+            factor, original, fast, slow, mscale, mscale_all_dim = spec.yarn
+            options.update(rotary_scaling_factor=factor, original_max_position_embeddings=int(original),
+                           beta_fast=fast, beta_slow=slow, mscale=mscale, mscale_all_dim=mscale_all_dim)
     return options
 
 

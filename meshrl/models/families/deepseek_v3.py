@@ -12,8 +12,11 @@ verl's ``override_transformer_config`` key) towards balanced loads, and is expor
 
 Refused, each with what megatron-core 0.16.1 or vLLM does otherwise:
 
-- RoPE scaling (DeepSeek-V3's YaRN) through the common ``rope_type`` refusal: megatron has a YaRN for MLA but
-  meshrl has not checked it against transformers'; Moonlight has none.
+- RoPE scaling other than YaRN (DeepSeek-V3's; Moonlight has none), and YaRN settings megatron's MLA YaRN would
+  compute otherwise than transformers: an explicit ``attention_factor``, ``truncate`` false, ``mscale_all_dim``
+  without ``mscale`` (transformers then scales cos / sin by ``m(1)``, megatron by ``m(1) / m(mscale_all_dim)``), no
+  ``original_max_position_embeddings``. transformers ignores ``mscale`` without ``mscale_all_dim``; so does meshrl
+  (``ModelSpec.yarn`` gets 1 and 0).
 - ``rope_interleave`` false: megatron's MLA always rotates adjacent pairs (and vLLM's DeepSeek code too).
 - ``norm_topk_prob`` false: megatron renormalises sigmoid top-k weights always (``topk_routing_with_score_function``).
 - grouped routing whose ``num_experts_per_tok // topk_group`` is not 2: megatron scores a group by the sum of its top
@@ -30,8 +33,34 @@ DeepSeek's reference code. Equal for DeepSeek-V3 (1e-6); Moonlight's 1e-5 makes 
 the trainer's and the engine's by about 1e-5 (tiny model at 1e-5: 1.1e-5), while trainer and engine agree.
 """
 
-from meshrl.models.families import Family, Refusal
+from meshrl.models.families import Family, Refusal, _rope_type
 from meshrl.models.families.qwen2_moe import MOE_REFUSALS
+
+
+def _rope_parameters(hf_config) -> dict:
+    return getattr(hf_config, "rope_parameters", None) or {}
+
+
+def yarn_values(hf_config) -> tuple[float, ...]:
+    """``ModelSpec.yarn`` of the config (empty without YaRN), in ``YARN_FIELDS``' order, as transformers reads them."""
+    params = _rope_parameters(hf_config)
+    if _rope_type(hf_config) != "yarn":
+        return ()
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):  # transformers' cos / sin factor is then m(1), its score factor 1
+        mscale, mscale_all_dim = 1.0, 0.0
+    return (float(params["factor"]), float(params["original_max_position_embeddings"]),
+            float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1), float(mscale),
+            float(mscale_all_dim))
+
+
+def _rope_supported(rope_type, c) -> bool:
+    if rope_type == "default":
+        return True
+    params = _rope_parameters(c)
+    return (rope_type == "yarn" and params.get("attention_factor") is None and params.get("truncate", True)
+            and params.get("original_max_position_embeddings") is not None
+            and (bool(params.get("mscale")) or not params.get("mscale_all_dim")))
 
 
 def deepseek_v3_fields(hf_config) -> dict:
@@ -48,7 +77,7 @@ def deepseek_v3_fields(hf_config) -> dict:
         moe_scaling_factor=None if scaling in (None, 1, 1.0) else float(scaling),
         q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
         qk_nope_head_dim=hf_config.qk_nope_head_dim, qk_rope_head_dim=hf_config.qk_rope_head_dim,
-        v_head_dim=hf_config.v_head_dim)
+        v_head_dim=hf_config.v_head_dim, yarn=yarn_values(hf_config))
 
 
 def _grouping_supported(topk_group, c) -> bool:
@@ -62,6 +91,10 @@ FAMILY = Family(
     model_type="deepseek_v3",
     hf_prefix="DeepseekV3",
     refusals=tuple(r for r in MOE_REFUSALS if r.field == "output_router_logits") + (
+        Refusal("rope_type", _rope_supported,
+                "only plain RoPE and YaRN as megatron's multi-latent attention computes it: no attention_factor, "
+                "truncate true, original_max_position_embeddings set, mscale_all_dim only with mscale",
+                read=_rope_type),
         Refusal("rope_interleave", lambda v, c: v in (None, True),
                 "megatron's multi-latent attention rotates adjacent RoPE pairs only (rope_interleave true)"),
         Refusal("norm_topk_prob", lambda v, c: v in (None, True) or c.num_experts_per_tok == 1,
@@ -83,6 +116,7 @@ FAMILY = Family(
                 "multi-token-prediction layers are not trained (as in verl); set num_nextn_predict_layers to 0 in "
                 "config.json"),
     ),
+    lifts=("rope_type",),
     spec_fields=deepseek_v3_fields,
     # kv_lora_rank 512 / qk_rope_head_dim 64: the only latent vLLM's CPU MLA kernel serves (576 = 512 + 64).
     # rms_norm_eps 1e-6 (DeepSeek-V3's): transformers builds the latent norms with eps 1e-6 whatever rms_norm_eps
