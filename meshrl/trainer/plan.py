@@ -27,7 +27,9 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
   ``4h`` replicated over TP (inputs of the two RMSNorms and of the QKV / FC1 projections) plus
   ``(2·a·d + 2·g·d + 4f) / TP`` (query, key, value, attention output; FC1's gate and up halves,
   SiLU(gate) and FC2's input — SwiGLU is unfused in meshrl's layer config), plus ``(a·d + g·d) / TP``
-  for the inputs of a family's q/k layernorms (Qwen3). With sequence parallelism
+  for the inputs of a family's q/k layernorms (Qwen3); multi-latent attention (DeepSeek-V3) counts its own head
+  widths (queries and keys ``qk_nope + qk_rope``, values and outputs ``v_head_dim``) and keeps its latents whole on
+  every TP rank (``2·kv_lora + qk_rope + 2·q_lora``). With sequence parallelism
   (``megatron.sequence_parallel``, at TP > 1) the ``4h`` are this rank's sequence shard too, so everything is
   divided by TP (megatron keeps the shard of a projection's input and gathers it again in the backward). With
   full-layer recompute (``model.enable_gradient_checkpointing`` or ``override_transformer_config``) a layer keeps only
@@ -269,11 +271,17 @@ def activation_bytes_per_token(spec, tp: int, act_bytes: int, sequence_parallel:
     h, f = spec.hidden_size, mlp_width(spec)
     q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     split = 2 * q + 2 * kv + 4 * f
+    replicated = 4 * h
     if spec.qk_norm:  # the q/k layernorms' inputs
         split += q + kv
+    if spec.mla:  # queries and keys of nope + rope dims, values and outputs of v_head_dim, per head; the latents
+        # (the gathered kv down projection, its norm's output, the q latent and its norm's output) whole on each rank
+        qk = spec.num_attention_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+        split = 2 * qk + 2 * spec.num_attention_heads * spec.v_head_dim + 4 * f
+        replicated += 2 * spec.kv_lora_rank + spec.qk_rope_head_dim + 2 * (spec.q_lora_rank or 0)
     if sequence_parallel:
-        return act_bytes * ((4 * h + split) // tp)
-    return act_bytes * (4 * h + split // tp)
+        return act_bytes * ((replicated + split) // tp)
+    return act_bytes * (replicated + split // tp)
 
 
 def mlp_width(spec) -> int:
