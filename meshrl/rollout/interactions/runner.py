@@ -1,8 +1,8 @@
 """Running the interactions of a rollout's conversations: one event loop, per-call timeouts, failures contained.
 
 Every call of an interaction's coroutines runs on one event loop on its own thread (started with the first
-call and kept until ``shutdown``: an interaction may hold loop-bound state across rollouts), whichever loop
-(the async rollout's) or thread (the batched one) asks. ``reply(conversation)`` answers one user turn:
+call and kept for the life of the process: an interaction may hold loop-bound state across rollouts),
+whichever loop (the async rollout's) or thread (the batched one) asks. ``reply(conversation)`` answers one user turn:
 
 1. the first time, ``start_interaction(instance_id, **interaction_kwargs)`` (a new id per conversation);
 2. ``generate_response(instance_id, messages, **interaction_kwargs)``.
@@ -61,15 +61,13 @@ class InteractionRunner:
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def _submit(self, coroutine: Coroutine) -> concurrent.futures.Future:
         with self._lock:
-            if self._loop is None:
+            if self._loop is None:  # a daemon thread: it serves the agent loop until the process ends
                 self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._loop.run_forever, name="meshrl-interactions", daemon=True)
-                self._thread.start()
+                threading.Thread(target=self._loop.run_forever, name="meshrl-interactions", daemon=True).start()
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     @staticmethod
@@ -136,9 +134,3 @@ class InteractionRunner:
                 logger.warning("interaction %r: finalize_interaction(%s) failed: %s: %s", conversation.interaction.name,
                                conversation.instance_id, type(error).__name__, error)
             conversation.instance_id = None
-
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._loop = None
