@@ -36,7 +36,7 @@ from meshrl.parallel import (checkpoint, hf_conversion, model_builder, optimizer
 from meshrl.parallel.forward import OutputRequest  # noqa: E402
 
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
-# the families routing by a softmax, for which hf_reference writes the load-balancing / z-losses and router replay out
+# the families routing by a softmax, for which hf_reference writes the load-balancing and z-losses out
 SOFTMAX_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 REPLAY_FAMILY = "qwen2_moe"
 SP_FAMILY = "qwen2_moe"  # also runs sequence-parallel at the TP2 layout (recorded as ``qwen2_moe_sp``)
@@ -94,11 +94,14 @@ def hf_reference(path: Path, batches: list[dict], aux: bool = False, routes: lis
     ``router_losses`` over its valid tokens divided by the number of micro-batches: their mean over micro-batches
     (and, split over DP ranks, over those). With ``routes`` (per micro-batch ``[b, s, L, k]``) each router sends a
     token to those experts unless they are ``NATIVE``, its weights the softmax of its own logits at them
-    (renormalised with ``norm_topk_prob`` and always for Mixtral): router replay written out on HF's router."""
+    (renormalised with ``norm_topk_prob`` and always for Mixtral), or for DeepSeek-V3 their sigmoid renormalised
+    and scaled by ``routed_scaling_factor``: router replay written out on HF's router. ``L`` counts every decoder
+    layer; a dense layer's routes are ``NATIVE``."""
     from transformers.core_model_loading import revert_weight_conversion
 
     model = hf_model(path, critic=False)
-    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    # (decoder layer, router): "model.layers.{i}.mlp.gate"
+    routers = [(int(name.split(".")[2]), m) for name, m in model.named_modules() if name.endswith("mlp.gate")]
     captured: list[torch.Tensor] = []
     chosen: list[dict[int, torch.Tensor]] = []
     current: list[torch.Tensor] = []  # this micro-batch's forced routes, flattened [b * s, L, k]
@@ -111,12 +114,16 @@ def hf_reference(path: Path, batches: list[dict], aux: bool = False, routes: lis
             return output
         forced = current[0][:, layer].long()
         indices = torch.where((forced >= 0).all(dim=1, keepdim=True), forced, indices)
+        if hasattr(module, "e_score_correction_bias"):  # DeepSeek-V3: the sigmoid scores, without the bias
+            weights = logits.sigmoid().gather(1, indices)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * module.routed_scaling_factor
+            return logits, weights.to(logits.dtype), indices
         weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, indices)
         if getattr(module, "norm_topk_prob", True):  # Mixtral's router always renormalises
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), indices
 
-    for layer, router in enumerate(routers):
+    for layer, router in routers:
         router.register_forward_hook(functools.partial(route, layer))
     outputs, total = [], 0.0
     for index, mb in enumerate(batches):
@@ -137,8 +144,13 @@ def hf_reference(path: Path, batches: list[dict], aux: bool = False, routes: lis
                                                                                     "first_k_dense_replace", 0)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     shape = [tuple(mb["input_ids"].shape) for mb in batches]
-    natives = [torch.stack([layers[i] for i in range(len(routers))], dim=1).view(*size, len(routers), -1)
-               for layers, size in zip(chosen, shape)]
+    natives = []
+    for layers, size in zip(chosen, shape):
+        native = torch.full((*size, model.config.num_hidden_layers, model.config.num_experts_per_tok),
+                            router_replay.NATIVE, dtype=torch.long)
+        for layer, indices in layers.items():
+            native[:, :, layer] = indices.view(*size, -1)
+        natives.append(native)
     return outputs, total, revert_weight_conversion(model, grads), natives
 
 

@@ -141,10 +141,10 @@ def test_single_rank_matches_hf() -> None:
     state.initialize(state.ParallelConfig())
     try:
         for model_type in MOE_FAMILIES:
-            softmax = model_type in SOFTMAX_FAMILIES  # the router-loss and replay references' routers
-            found = check_family(tiny_model_dir(tiny_spec(model_type)), aux=softmax, replay=softmax)
+            softmax = model_type in SOFTMAX_FAMILIES  # the router-loss reference's routers
+            found = check_family(tiny_model_dir(tiny_spec(model_type)), aux=softmax)
             values = {f"{model_type}.{k}": v for k, v in found.items()}
-            failures = _failures(values, model_type, aux=softmax, replay=softmax)
+            failures = _failures(values, model_type, aux=softmax)
             assert not failures, failures
     finally:
         state.destroy()
