@@ -21,7 +21,7 @@ from pathlib import Path
 
 from meshrl.models.families import ModelSpec
 
-# ModelSpec field -> the HF config field it comes from (for error messages).
+# ModelSpec field -> the HF config field it comes from (for error messages; a field not listed is named as it is).
 HF_FIELD = {
     "model_type": "model_type", "num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
     "ffn_hidden_size": "intermediate_size", "num_attention_heads": "num_attention_heads",
@@ -39,7 +39,7 @@ class ConfigMismatch(ValueError):
 def compare_specs(checkpoint: ModelSpec, hf: ModelSpec) -> None:
     """Raise ``ConfigMismatch`` naming every HF config field that differs from the checkpoint's."""
     mine, theirs = checkpoint.to_dict(), hf.to_dict()
-    diffs = [f"{HF_FIELD[key]}: checkpoint has {mine[key]!r}, HF config has {theirs[key]!r}"
+    diffs = [f"{HF_FIELD.get(key, key)}: checkpoint has {mine[key]!r}, HF config has {theirs[key]!r}"
              for key in mine if mine[key] != theirs[key]]
     if diffs:
         raise ConfigMismatch("the HF config does not match the checkpoint: " + "; ".join(diffs))
