@@ -200,6 +200,8 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    # megatron's sequence parallelism (verl's key; verl's engine defaults it on): norms and the residual stream split
+    # along the sequence over the TP ranks, the same numbers with less activation memory; off at TP 1, as in verl
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     param_offload: bool = False
