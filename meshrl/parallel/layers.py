@@ -258,11 +258,7 @@ def mla_self_attention_class():
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
             down = self.linear_kv_down_proj
-            if self.config.sequence_parallel:
-                raise ValueError("multi-latent attention under sequence parallelism is not implemented in meshrl "
-                                 "(megatron's local MLA shares the RoPE key's gradient wrongly); set "
-                                 "megatron.sequence_parallel=False")
-            if down.tp_group.size() > 1:
+            if down.tp_group.size() > 1:  # without sequence parallelism (model_builder refuses it with MLA)
                 down.__class__ = type(f"KVDown{type(down).__name__}", (KVDownProjection, type(down)), {})
                 down.meshrl_rope = self.config.qk_pos_emb_head_dim
 

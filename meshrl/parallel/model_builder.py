@@ -207,6 +207,10 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         warnings.warn("sequence_parallel=True at tensor_model_parallel_size=1: off, as in verl (it splits "
                       "activations over TP ranks)", stacklevel=2)
         kwargs["sequence_parallel"] = False
+    if spec.mla and kwargs["sequence_parallel"]:
+        raise ValueError("sequence_parallel with multi-latent attention is not built in meshrl (megatron's local MLA "
+                         "and meshrl's TP fix of its RoPE-key gradient are checked without it); set "
+                         "megatron.sequence_parallel=False")
     if isinstance(kwargs.get("attention_backend"), str):  # verl's configs name the enum member
         from megatron.core.transformer.enums import AttnBackend
 

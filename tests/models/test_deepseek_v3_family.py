@@ -130,3 +130,11 @@ def test_what_vllm_on_cpu_or_lora_cannot_serve_is_refused_before_the_run() -> No
                       recipe="cpu_tiny_grpo")
     with pytest.raises(ConfigError, match="LoRA on deepseek_v3's multi-latent attention is not built yet"):
         preflight(cfg)
+
+
+def test_sequence_parallelism_with_mla_is_refused_when_the_config_is_built() -> None:
+    import torch
+
+    with pytest.raises(ValueError, match="sequence_parallel with multi-latent attention is not built"):
+        model_builder.transformer_config(model_spec(config()), ParallelConfig(tensor_parallel=2), torch.float32,
+                                         sequence_parallel=True)
