@@ -200,8 +200,10 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
-    # megatron's sequence parallelism (verl's key; verl's engine defaults it on): norms and the residual stream split
-    # along the sequence over the TP ranks, the same numbers with less activation memory; off at TP 1, as in verl
+    # megatron's sequence parallelism (verl's key): norms and the residual stream split along the sequence over the
+    # TP ranks, the same numbers with less activation memory; off at TP 1, as in verl. Off by default, where verl's
+    # engine defaults it on: meshrl does not build it with multi-latent attention (DeepSeek-V3, Moonlight), whose
+    # verl scripts leave the key unset and would be refused
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     param_offload: bool = False

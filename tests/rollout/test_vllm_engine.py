@@ -270,6 +270,29 @@ def test_generation_leaves_process_state_alone(engine):
     assert torch.set_num_threads is torch._C.set_num_threads and torch.get_num_threads() == 1
 
 
+def test_sleep_frees_the_kv_cache_and_waking_serves_the_same_tokens(engine):
+    """The CPU engine's own sleep (``free_cache_engine``): the process's RSS falls by the KV cache's 256 MiB and
+    rises again at wake-up; generating while asleep is refused; after waking, greedy tokens and their log-probs
+    are those of before."""
+    import psutil
+
+    before = [(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, GREEDY)]
+    rss = psutil.Process().memory_info().rss
+    engine.sleep()
+    asleep = psutil.Process().memory_info().rss
+    engine.sleep()  # idempotent
+    with pytest.raises(EngineStateError, match="asleep"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.wake_up(("weights",))  # the weights never left: still asleep
+    with pytest.raises(EngineStateError, match="asleep"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.wake_up(("kv_cache",))
+    awake = psutil.Process().memory_info().rss
+    assert rss - asleep >= 0.9 * ENGINE.kv_cache_memory_bytes, (rss, asleep)
+    assert awake - asleep >= 0.9 * ENGINE.kv_cache_memory_bytes, (asleep, awake)
+    assert [(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, GREEDY)] == before
+
+
 def test_engine_arg_names_are_vllms_engine_args_fields():
     from vllm.engine.arg_utils import EngineArgs
 
