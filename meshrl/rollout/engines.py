@@ -124,12 +124,9 @@ def multi_turn_problems(multi_turn: Any) -> list[str]:
     from meshrl.rollout.agent_loop import MultiTurnSettings, tool_runner
     from meshrl.rollout.interactions.config import load_interactions
 
-    if get("interaction_config_path"):
-        try:
-            load_interactions(get("interaction_config_path"))
-        except ValueError as error:  # names the file and the entry
-            return [f"multi_turn.interaction_config_path: {error}"]
     try:
+        if get("interaction_config_path"):
+            load_interactions(get("interaction_config_path"))  # its errors name the key, the file and the entry
         MultiTurnSettings.from_rollout(multi_turn)
         tool_runner(multi_turn).shutdown()
     except ValueError as error:  # ToolConfigError included; a problem inside the tool file names the file

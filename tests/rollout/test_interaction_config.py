@@ -119,7 +119,7 @@ def test_what_an_interaction_file_cannot_hold_is_refused_with_the_entry(tmp_path
         load_interactions(path)
     rollout = {"multi_turn": {"enable": True, "interaction_config_path": str(path)}}
     (problem,) = unsupported_rollout_features(rollout)
-    assert problem.startswith("actor_rollout_ref.rollout.multi_turn.interaction_config_path: ")
+    assert problem.startswith(f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={path}: ")
 
 
 @pytest.mark.parametrize("overrides,key", [

@@ -69,14 +69,14 @@ def load_interactions(path: str | Path) -> dict[str, Interaction]:
     try:
         document = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
-        raise InteractionConfigError(f"{path}: not YAML ({error})") from None
+        raise InteractionConfigError(f"{KEY}={path}: not YAML ({error})") from None
     entries = document.get("interaction") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise InteractionConfigError(f"{path}: expected a non-empty 'interaction:' list of "
+        raise InteractionConfigError(f"{KEY}={path}: expected a non-empty 'interaction:' list of "
                                      "{name, class_name, config}")
     interactions: dict[str, Interaction] = {}
     for index, entry in enumerate(entries):
-        where = f"{path}: interaction[{index}]"
+        where = f"{KEY}={path}: interaction[{index}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
             raise InteractionConfigError(f"{where} needs a class_name")
         config = entry.get("config") or {}
