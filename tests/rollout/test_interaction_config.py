@@ -97,6 +97,7 @@ def test_a_users_interaction_by_dotted_path(tmp_path, monkeypatch):
     ([{"class_name": "no_such_module_xyz.Thing"}], r"interaction\[0\].*importing no_such_module_xyz failed: "
                                                    r"ModuleNotFoundError"),
     ([{"class_name": "broken_interactions.Thing"}], r"importing broken_interactions failed: ZeroDivisionError"),
+    ([{"class_name": "verl_interactions.Mine"}], r"No module named 'verl'; subclass meshrl's Interaction"),
     ([{"class_name": "json.JSONDecoder"}], "JSONDecoder is not a subclass of .*Interaction"),
     ([{"class_name": "json.Nope"}], "json has no Nope"),
     ([{"class_name": "verl.interactions.weather_interaction.WeatherInteraction"}], "importing verl.interactions"),
@@ -109,6 +110,7 @@ def test_a_users_interaction_by_dotted_path(tmp_path, monkeypatch):
 ])
 def test_what_an_interaction_file_cannot_hold_is_refused_with_the_entry(tmp_path, monkeypatch, entries, match):
     (tmp_path / "broken_interactions.py").write_text("1 / 0\n")
+    (tmp_path / "verl_interactions.py").write_text("from verl.interactions.base import BaseInteraction\n")
     (tmp_path / "broken_interactions_init.py").write_text(
         "from meshrl.rollout.interactions.base import Interaction\n"
         "class Lazy(Interaction):\n    def __init__(self, config):\n        self.config = config\n")

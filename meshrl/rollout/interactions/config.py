@@ -45,8 +45,11 @@ def interaction_class(class_name: str) -> type[Interaction]:
     try:
         cls = getattr(importlib.import_module(module), name, None)
     except Exception as error:  # noqa: BLE001 - any failure of the user's module is reported with its cause
+        hint = ("; subclass meshrl's Interaction instead of verl's BaseInteraction (`from "
+                "meshrl.rollout.interactions.base import Interaction`: the same four coroutines)"
+                if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "verl" else "")
         raise InteractionConfigError(f"class_name {class_name!r}: importing {module} failed: "
-                                     f"{type(error).__name__}: {error}") from None
+                                     f"{type(error).__name__}: {error}{hint}") from None
     if isinstance(cls, type) and issubclass(cls, Interaction):
         return cls
     why = f"{module} has no {name}" if cls is None else \
