@@ -107,7 +107,8 @@ def validate_config(cfg: DictConfig) -> RunPlan:
               "multi-turn rollouts run their tools on every rank of an inference replica, and sharing one rank's "
               "tool outputs with the others is not built yet; set it to 1 with rollout.multi_turn.enable")
     # Interactions play the user of multi-turn conversations and read them as chat messages (verl's raw_prompt).
-    for key, what in (("interaction_config_path", "interactions answer"), ("function_tool_path", "function tools run in")):
+    for key, what in (("interaction_config_path", "interactions answer"), ("function_tool_path", "function tools run in"),
+                      ("tool_config_path", "tools run in")):
         p.require(not rollout.multi_turn[key] or rollout.multi_turn.enable,
                   f"actor_rollout_ref.rollout.multi_turn.{key}",
                   f"{what} the turns of multi-turn rollouts; set rollout.multi_turn.enable=True, or unset it")

@@ -75,3 +75,12 @@ def test_what_multi_turn_cannot_run_with_is_refused_at_load_time(override, key):
                       recipe="cpu_tiny_grpo")
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate_config(cfg)
+
+
+def test_a_tool_file_without_multi_turn_is_refused(tmp_path):
+    """Single-turn rollouts call no tool: a tool file there would be silently unused (verl ignores it)."""
+    (tmp_path / "tools.yaml").write_text(TOOLS)
+    key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+    cfg = load_config([f"{key}={tmp_path / 'tools.yaml'}"], recipe="cpu_tiny_grpo")
+    with pytest.raises(ConfigError, match=r"multi_turn\.tool_config_path.*multi_turn\.enable=True"):
+        validate_config(cfg)
