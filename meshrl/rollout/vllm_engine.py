@@ -229,7 +229,7 @@ class VLLMEngine(RolloutEngine):
         if not self._cuda:  # vLLM-cpu's MLA kernel would fail at the first decode step
             from transformers import AutoConfig
 
-            from meshrl.rollout.engines import vllm_cpu_mla_problem
+            from meshrl.rollout.serving_limits import vllm_cpu_mla_problem
 
             if problem := vllm_cpu_mla_problem(AutoConfig.from_pretrained(self.model_path)):
                 raise ValueError(problem)

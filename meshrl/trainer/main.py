@@ -211,8 +211,8 @@ def preflight(cfg):
     from meshrl.config import ConfigError
     from meshrl.config.validate import validate_against_model, validate_config
     from meshrl.models.families import model_spec
-    from meshrl.rollout.engines import (engine_window_problems, hf_engine_moe_problem, unsupported_rollout_features,
-                                        vllm_cpu_mla_problem)
+    from meshrl.rollout.engines import unsupported_rollout_features
+    from meshrl.rollout.serving_limits import engine_window_problems, hf_engine_moe_problem, vllm_cpu_mla_problem
     from meshrl.trainer.checkpoint import hf_export_roles
     from meshrl.workers.cluster import ray_init_kwargs
 

@@ -120,7 +120,7 @@ def test_the_expert_bias_step_is_read_for_deepseek_and_refused_without_an_expert
 
 def test_what_vllm_on_cpu_or_lora_cannot_serve_is_refused_before_the_run() -> None:
     from meshrl.config import ConfigError, load_config
-    from meshrl.rollout.engines import vllm_cpu_mla_problem
+    from meshrl.rollout.serving_limits import vllm_cpu_mla_problem
     from meshrl.trainer.main import preflight
 
     assert vllm_cpu_mla_problem(config()) is None  # kv_lora_rank 512 + qk_rope_head_dim 64

@@ -9,7 +9,7 @@ from transformers import AutoConfig
 from meshrl.models.families import checkpoint_shapes, model_spec
 from meshrl.models.tiny import tiny_config, tiny_model_dir, tiny_spec
 from meshrl.parallel.hf_conversion import FusedHFReader, HFCheckpointReader
-from meshrl.rollout.engines import engine_window_problems
+from meshrl.rollout.serving_limits import engine_window_problems
 
 
 def test_a_part_reads_its_rows_of_the_fused_tensor_and_its_tp_shard():

@@ -278,7 +278,7 @@ class Family:
     # head_dim is hidden_size / num_attention_heads by construction (the HF config has no head_dim field)
     derives_head_dim: bool = False
     # vLLM attends to the whole sequence where the HF model slides its window (it reads windows from layer_types,
-    # which this family's config lacks): meshrl.rollout.engines.engine_window_problems
+    # which this family's config lacks): meshrl.rollout.serving_limits.engine_window_problems
     engine_ignores_window: bool = False
     lifts: tuple[str, ...] = ()  # fields of COMMON_REFUSALS the family implements itself (GLM-4's partial rotary)
     tiny_shape: dict[str, Any] = field(default_factory=dict)  # TinySpec fields of ``tiny:<model_type>``

