@@ -18,8 +18,9 @@ into one JSON:
   micro-batches), MFU = model FLOPs / time / FLOP/s, peak device memory; with the defaults (the fused output
   layer, ``model.use_fused_kernels=True``, eager layers). ``update_unfused`` runs the same with
   ``use_fused_kernels=False`` (the ``[response tokens, V]`` fp32 logits of each micro-batch exist, and are kept
-  for backward), ``update_chunk4096`` with the fused layer's chunks of 4096 tokens instead of 512, and ``update_compiled`` with ``actor.use_torch_compile=True`` (norms, SwiGLU and rotary through
-  inductor's Triton kernels): issue 24's before/after, each in its own process. Each records its first update's
+  for backward), ``update_chunk4096`` with the fused layer's chunks of 4096 tokens instead of 512, and
+  ``update_compiled`` with ``actor.use_torch_compile=True`` (norms, SwiGLU and rotary through inductor's Triton
+  kernels): issue 24's before/after, each in its own process. Each records its first update's
   wall time (allocator warm-up, and the compilation where there is one) and that update's loss and grad norm
   (the same weights and batch in every variant, so they must agree to bf16 rounding).
 - ``offload``: the policy's parameters, gradients and optimizer state to host memory and back: device
@@ -57,10 +58,13 @@ import torch
 
 SECTIONS = ("machine", "parity", "rl_step", "rl_step_padded", "update_mfu", "update_unfused", "update_chunk4096",
             "update_compiled", "offload", "checkpoint", "profile")
-# The update sections: config overrides of each variant (module docstring).
-UPDATE_VARIANTS = {"update_mfu": (), "update_unfused": ("actor_rollout_ref.model.use_fused_kernels=False",),
-                   "update_chunk4096": ("actor_rollout_ref.model.fused_kernel_options.chunk_size=4096",),
-                   "update_compiled": ("actor_rollout_ref.actor.use_torch_compile=True",)}
+# The update sections (module docstring): each variant's plot label and config overrides.
+UPDATE_VARIANTS = {
+    "update_mfu": ("fused output (default)", ()),
+    "update_unfused": ("unfused output", ("actor_rollout_ref.model.use_fused_kernels=False",)),
+    "update_chunk4096": ("fused, 4096-token chunks", ("actor_rollout_ref.model.fused_kernel_options.chunk_size=4096",)),
+    "update_compiled": ("fused + compiled", ("actor_rollout_ref.actor.use_torch_compile=True",)),
+}
 DATASHEET_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
 # Qwen2.5-1.5B's published config (shapes only; weights are random here).
 QWEN25_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -321,9 +325,9 @@ def section_update_mfu(args, overrides: tuple[str, ...] = ()) -> dict:
         worker.plan = build_run_plan(cfg)  # the worker's micro-batching comes from the run plan
         norm = GlobalNorm.from_mask(mask, max_len=response)
         torch.cuda.reset_peak_memory_stats()
-        first: list[dict] = []
+        metrics: list[dict] = []  # each update's; the first is compared across variants
         try:
-            seconds = cuda_timed(lambda: first.append(worker.update([(batch, norm)], on_policy=True)[0]),
+            seconds = cuda_timed(lambda: metrics.append(worker.update([(batch, norm)], on_policy=True)[0]),
                                  args.mfu_repeats + 1)
         except torch.OutOfMemoryError as error:
             results.append({"rows": rows, "seq": seq, "token_budget": budget, "error": repr(error)[:300]})
@@ -333,7 +337,7 @@ def section_update_mfu(args, overrides: tuple[str, ...] = ()) -> dict:
         warmup_s, seconds = seconds[0], seconds[1:]
         best, median = min(seconds), statistics.median(seconds)
         results.append({"rows": rows, "seq": seq, "token_budget": budget, "seconds": seconds, "first_s": warmup_s,
-                        "first_loss": first[0]["actor/loss"], "first_grad_norm": first[0]["actor/grad_norm"],
+                        "first_loss": metrics[0]["actor/loss"], "first_grad_norm": metrics[0]["actor/grad_norm"],
                         "tokens_per_s": rows * seq / median, "achieved_flops_median": flops / median,
                         "achieved_flops_best": flops / best,
                         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30})
@@ -504,7 +508,7 @@ def run_section(name: str, args) -> None:
     configure_environment()
     try:
         if name in UPDATE_VARIANTS:
-            result = {"ok": True, **section_update_mfu(args, UPDATE_VARIANTS[name])}
+            result = {"ok": True, **section_update_mfu(args, UPDATE_VARIANTS[name][1])}
         else:
             result = {"ok": True, **globals()[f"section_{name}"](args)}
     except Exception as error:  # recorded, so that one failing check does not hide the others
@@ -598,8 +602,7 @@ def plot(result: dict, path: Path) -> None:
     for offset, name in enumerate(variants):
         by_shape = {(s["rows"], s["seq"], s["token_budget"]): s for s in result[name]["shapes"] if "error" not in s}
         xs = [i + offset * width for i, key in enumerate(shapes) if key in by_shape]
-        label = {"update_mfu": "fused output (default)", "update_unfused": "unfused output",
-                 "update_chunk4096": "fused, 4096-token chunks", "update_compiled": "fused + compiled"}[name]
+        label = UPDATE_VARIANTS[name][0]
         if peak:
             bars = middle.bar(xs, [by_shape[k]["achieved_flops_median"] / peak for k in shapes if k in by_shape],
                               width, label=label)

@@ -98,6 +98,8 @@ def step_limits(step: dict, shape: ModelShape, *, rows: int, n: int, flops_per_s
     roofline_decode = max(decode_flops / flops_per_s, (decode_bytes + kv_bytes) / read_bytes_per_s)
     roofline = train_floor + roofline_decode + prefill_flops / flops_per_s
     update_s, gen_s, wall = phases.get("update_actor", 0.0), step["gen_s"], step["wall_s"]
+    # generation's weight products alone at this decode batch, timed on this machine (None: not measured)
+    decode_matmuls = decode_steps * decode_step_matmul_s if decode_step_matmul_s else None
     return {
         "step": step["step"], "wall_s": wall, "training_tokens": tokens, "mean_seq_len": seq,
         "training_flops": train_flops, "decode_steps": decode_steps, "decode_weight_bytes": decode_bytes,
@@ -110,9 +112,9 @@ def step_limits(step: dict, shape: ModelShape, *, rows: int, n: int, flops_per_s
         "gen_s": gen_s,
         "decode_fraction_of_bandwidth": decode_bytes / gen_s / read_bytes_per_s if gen_s > 0 else None,
         "decode_fraction_of_matmul_flops": decode_flops / gen_s / flops_per_s if gen_s > 0 else None,
-        "decode_matmuls_s": decode_steps * decode_step_matmul_s if decode_step_matmul_s else None,
-        "matmul_floor_s": train_floor + decode_steps * decode_step_matmul_s if decode_step_matmul_s else None,
-        "gen_over_decode_matmuls": gen_s / (decode_steps * decode_step_matmul_s) if decode_step_matmul_s else None,
+        "decode_matmuls_s": decode_matmuls,
+        "matmul_floor_s": train_floor + decode_matmuls if decode_matmuls else None,
+        "gen_over_decode_matmuls": gen_s / decode_matmuls if decode_matmuls else None,
         # Where the step's time goes relative to the floor's two terms.
         "above_floor_s": {"generation": gen_s - decode_floor, "update_actor": update_s - train_floor,
                           "old_log_prob": phases.get("old_log_prob", 0.0), "sync": phases.get("sync", 0.0),

@@ -380,8 +380,7 @@ class VLLMEngine(RolloutEngine):
             self._mark_weights_invalid(f"loading a LoRA adapter failed: {error!r}")
             raise
         # Cached KV blocks of the old adapter's requests will not be asked for again (another adapter id).
-        if not self._llm.reset_prefix_cache():
-            raise EngineStateError("vLLM refused to reset its prefix cache (requests still running?)")
+        self._reset_prefix_cache()
         return stats
 
     def begin_weight_update(self) -> None:
@@ -403,7 +402,9 @@ class VLLMEngine(RolloutEngine):
 
     def _finish_weight_update(self) -> None:
         self._llm.collective_rpc("meshrl_finish_weight_update")
-        # Cached KV blocks were computed with the old weights.
+        self._reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def _reset_prefix_cache(self) -> None:
         if not self._llm.reset_prefix_cache():
             raise EngineStateError("vLLM refused to reset its prefix cache (requests still running?)")
 
@@ -417,8 +418,7 @@ class VLLMEngine(RolloutEngine):
             if self.config.sleep_level == 2:
                 self._mark_weights_invalid("the engine slept at level 2, which discards its weights")
         elif not self._kv_cache_released:
-            if not self._llm.reset_prefix_cache():  # its cached blocks are about to lose their contents
-                raise EngineStateError("vLLM refused to reset its prefix cache before sleeping (requests still running?)")
+            self._reset_prefix_cache()  # its cached blocks are about to lose their contents
             self._llm.collective_rpc("meshrl_release_kv_cache")
             self._kv_cache_released = True
 
