@@ -45,6 +45,10 @@ folders and logs under ``.cache/bench/vs_trl/<dtype>/``.
     python -m bench.vs_trl --dtype fp32                    (from the repo root, in meshrl's .venv)
     python -m bench.vs_trl --dtype bf16
     python -m bench.vs_trl --steps 1 --prompts 2 --n 2 --response-length 16 --results-dir /tmp/smoke   (smoke)
+
+A/B runs of meshrl's side alone: ``--sides meshrl`` with ``--meshrl-override KEY=VALUE`` (a trainer override after
+the job's own) and ``--meshrl-env NAME=VALUE`` (e.g. ``MESHRL_MALLOC_MMAP_THRESHOLD=dynamic``); both repeatable, both
+recorded in ``settings``.
 """
 
 from __future__ import annotations
@@ -96,6 +100,10 @@ class Settings:
     seed: int = 1
     trl_bf16_mode: str = "autocast"
     kv_cache_bytes: int = 1 << 30
+    # A/B runs of meshrl's side from the repo: overrides appended after the job's own (later wins),
+    # and environment variables for its processes (e.g. allocator settings); both recorded in the JSON.
+    meshrl_extra_overrides: list[str] = field(default_factory=list)
+    meshrl_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -356,8 +364,9 @@ def run_meshrl(s: Settings, work: Path, data_file: Path, micro_batch_tokens: int
     run_dir = work / "meshrl-run"
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [sys.executable, "-m", "meshrl.trainer.main", "--config-name", "cpu_smollm2_grpo",
-               *meshrl_overrides(s, data_file, run_dir, micro_batch_tokens)]
-    child = Child("meshrl", command, base_env(s.threads), work / "meshrl.log", re.compile(r"^step \d+/\d+ \|"))
+               *meshrl_overrides(s, data_file, run_dir, micro_batch_tokens), *s.meshrl_extra_overrides]
+    env = {**base_env(s.threads), **s.meshrl_env}
+    child = Child("meshrl", command, env, work / "meshrl.log", re.compile(r"^step \d+/\d+ \|"))
     load_before = _load()
     code, sampler = child.run()
     side = _side_common(child, code, sampler, load_before, command)
@@ -609,11 +618,20 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--trl-bf16-mode", choices=("autocast", "weights"), default=d.trl_bf16_mode)
     p.add_argument("--sides", default="meshrl,trl", help="comma list: which sides to run (both for ratios)")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--meshrl-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra trainer override for meshrl's side, after the job's own (repeatable)")
+    p.add_argument("--meshrl-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for meshrl's processes (repeatable)")
     a = p.parse_args(argv)
+    for item in a.meshrl_override + a.meshrl_env:
+        if "=" not in item:
+            p.error(f"{item!r}: expected KEY=VALUE")
     s = Settings(dtype=a.dtype, steps=a.steps, prompts=a.prompts, n=a.n, response_length=a.response_length,
                  max_prompt_length=a.max_prompt_length, lr=a.lr, micro_batch=a.micro_batch,
                  meshrl_micro_batch_tokens=a.meshrl_micro_batch_tokens, gradient_checkpointing=a.gradient_checkpointing,
-                 threads=a.threads, seed=a.seed, trl_bf16_mode=a.trl_bf16_mode)
+                 threads=a.threads, seed=a.seed, trl_bf16_mode=a.trl_bf16_mode,
+                 meshrl_extra_overrides=list(a.meshrl_override),
+                 meshrl_env=dict(item.split("=", 1) for item in a.meshrl_env))
     # A micro-batch cannot be larger than the step (smoke runs); it must split the step evenly (TRL's rule).
     s.micro_batch = min(s.micro_batch, s.rows)
     if s.rows % s.micro_batch:

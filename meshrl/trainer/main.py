@@ -211,6 +211,7 @@ def preflight(cfg):
     from meshrl.config import ConfigError
     from meshrl.config.validate import validate_against_model, validate_config
     from meshrl.models.families import model_spec
+    from meshrl.process_memory import mmap_threshold_setting
     from meshrl.rollout.engines import unsupported_rollout_features
     from meshrl.rollout.serving_limits import engine_window_problems, hf_engine_moe_problem, vllm_cpu_mla_problem
     from meshrl.trainer.checkpoint import hf_export_roles
@@ -247,6 +248,10 @@ def preflight(cfg):
         raise ConfigError("invalid rollout configuration ({} problem(s)):\n  - {}".format(
             len(problems), "\n  - ".join(problems)), [line.split(":")[0] for line in problems])
     ray_init_kwargs(cfg)  # ray_kwargs that cannot map are refused before any model loads
+    try:
+        mmap_threshold_setting()  # the workers' allocator setting (meshrl.process_memory)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     check_reward_function(cfg)
     return plan
 

@@ -67,7 +67,8 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
 - vLLM (colocated, ``gpu_memory_utilization`` of the whole GPU while generating): bf16 weights split
   over the rollout TP, a profiled activation peak (``max_num_batched_tokens`` through one layer and
   ``max_num_seqs`` fp32 logit rows), and the KV cache in what is left. It sleeps while training
-  (``free_cache_engine``: on CPU it keeps its weights then); otherwise it holds its budget in every phase.
+  (``free_cache_engine``: weights and KV cache released, at sleep level 2; on CPU with LoRA adapter syncs, level 1,
+  it keeps its weights); otherwise it holds its budget in every phase.
 - Offload flags (``megatron.param_offload`` / ``grad_offload`` / ``optimizer_offload``, and verl's
   ``fsdp_config`` twins) keep a tensor on the host except in the phases that use it.
 - A fixed runtime overhead (CUDA context, NCCL communicators, allocator slack) per process: one per role
@@ -528,10 +529,12 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
         if reward_model is not None:  # forward-only: parameters only, its fullest stage
             resident["reward model params"] = max(map(reward_model.params, range(reward_model.pp))) * rm_dtype["param"]
             offloaded["reward model params"] = reward_model.param_offload
-        # Asleep (free_cache_engine), vLLM holds nothing on a GPU (weights offloaded or dropped) and its weights on
-        # CPU, where only its KV cache is released (vllm_engine) and a forward's activations are freed after it.
-        sleeping_vllm = (vllm["components"] if not rollout.free_cache_engine else {} if device == "cuda"
-                         else {"vLLM weights": vllm["components"]["vLLM weights"]})
+        # Asleep (free_cache_engine), vLLM holds nothing on a GPU (weights offloaded or dropped), nor on CPU, where it
+        # releases its KV cache and drops its weights (sleep level 2, vllm_engine), except with LoRA adapter syncs:
+        # level 1 there, the weights stay. A forward's activations are freed after it.
+        keeps_weights = device != "cuda" and run.lora is not None and not run.lora.merge
+        sleeping_vllm = (vllm["components"] if not rollout.free_cache_engine
+                         else {"vLLM weights": vllm["components"]["vLLM weights"]} if keeps_weights else {})
 
         def phase(name: str, used: set[str], extra: dict[str, float], with_vllm: bool = False) -> Phase:
             items = {k: v for k, v in resident.items() if k in used or not offloaded[k]}

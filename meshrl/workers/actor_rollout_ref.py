@@ -18,9 +18,11 @@ from typing import Any
 
 from meshrl.parallel import router_replay
 from meshrl.parallel.router_replay import ROUTES
+from meshrl.process_memory import trims_heap
 from meshrl.protocol import Batch
 from meshrl.workers.dispatch import DispatchGroup
 from meshrl.workers.engine import MICRO_INDEX, NonFinitePolicy, TrainingEngine
+from meshrl.workers.memory_metrics import update_memory
 from meshrl.workers.objectives import ActorObjective
 from meshrl.workers.rank import RankWorker
 from meshrl.workers.routes import routes_in_row_order
@@ -161,9 +163,12 @@ class ActorRolloutRefWorker(RankWorker):
         self.response_length = self.plan.response_length
         # LoRA: the engine serves the adapters (vLLM's adapter path) or is sent merged weights
         self.adapter_sync = self.plan.lora is not None and not self.plan.lora.merge
+        # verl's sleep levels: 2 (drop the weights while training; the policy's come back at the next sync), but 1
+        # (keep them) when only adapters are synced, which leaves the base weights alone.
         engine_cfg = EngineConfig.from_rollout(
             rollout, max_model_len=self.plan.prompt_length + self.response_length,
-            generation_threads=threads, max_lora_rank=self.plan.lora.rank if self.adapter_sync else 0)
+            generation_threads=threads, max_lora_rank=self.plan.lora.rank if self.adapter_sync else 0,
+            sleep_level=1 if self.adapter_sync else 2)
         self.replica = self.rank // rollout.tensor_model_parallel_size
         self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)
         self.bucket_bytes = engine_cfg.bucket_bytes
@@ -177,13 +182,14 @@ class ActorRolloutRefWorker(RankWorker):
         self.async_engine = async_engine_for(rollout, self.engine)
         # rollout.multi_turn: conversations with tools, turn by turn on this engine (None: single-turn).
         self.agent_loop = agent_loop_for(rollout, self.engine, tokenizer, self.response_length, self.async_engine)
-        # The engine sleeps between rollouts (releases its GPU memory; on CPU, vLLM's KV cache).
+        # The engine sleeps between rollouts (releases its GPU memory; on CPU its KV cache, and at level 2 its weights).
         self.engine.sleep()
         return {**self.layout_dict(), "replica": self.replica,
                 "replica_leader": self.rank % rollout.tensor_model_parallel_size == 0,
                 "num_replicas": self.world_size // rollout.tensor_model_parallel_size}
 
     # ---------------------------------------------------------------------------------- rollout
+    @trims_heap
     def generate(self, prompts: Batch, mode: str) -> Batch | None:
         """``rollout.n`` responses per prompt (``mode``: train | greedy | val); rows prompt-major. With
         ``rollout.multi_turn.enable`` each is a conversation with tools (and interactions, which read the prompts'
@@ -192,6 +198,8 @@ class ActorRolloutRefWorker(RankWorker):
         from meshrl.rollout.weight_sync import colocated_rollout
 
         sampling = self.sampling[mode]
+        if self.engine.weights_dropped:  # a level-2 sleep with no update since (start-up, validation): sync first
+            self.sync_weights()
         offload, onload = self._offload_hooks()
         with colocated_rollout(self.engine, offload_trainer=offload, onload_trainer=onload):
             if self.agent_loop is None:
@@ -222,6 +230,7 @@ class ActorRolloutRefWorker(RankWorker):
                 lambda: held.pop().restore())
 
     # ---------------------------------------------------------------------------------- log-probs
+    @trims_heap
     def compute_log_probs(self, shard: Batch, model: str) -> Batch | None:
         """Per-token log-probs of the responses under the policy (``old_log_probs``) or the reference
         (``ref_log_probs``); forward-only, micro-batches of the ``rollout.log_prob_*`` / ``ref.log_prob_*``
@@ -281,6 +290,7 @@ class ActorRolloutRefWorker(RankWorker):
                                          buffers=self.host_buffers)
 
     # ---------------------------------------------------------------------------------- update
+    @trims_heap
     def update(self, updates: list[tuple[Batch, Any]], on_policy: bool = False
                ) -> tuple[dict[str, float], Batch | None]:
         """One optimizer step per (mini-batch shard, its global normaliser), one LR-schedule step per call
@@ -310,8 +320,11 @@ class ActorRolloutRefWorker(RankWorker):
             entropy = response_part(outputs["entropy"], micro) if request.entropy else None
             return self.objective(log_probs, entropy, micro, norm)
 
-        metrics, splits = self.train_engine.train(updates, self.plan.micro_batching["actor_update"], request,
-                                                  loss_fn, fields)
+        memory: dict[str, float] = {}
+        with update_memory(memory):
+            metrics, splits = self.train_engine.train(updates, self.plan.micro_batching["actor_update"], request,
+                                                      loss_fn, fields)
+        metrics.update(memory)
         if self.replay_routes:
             metrics.update(self._replay_metrics())
         if not (on_policy and self.layout.collect):
@@ -337,6 +350,7 @@ class ActorRolloutRefWorker(RankWorker):
         return {"actor/replayed_route_changes": changed / replayed} if replayed else {}
 
     # ---------------------------------------------------------------------------------- weights
+    @trims_heap
     def sync_weights(self) -> dict[str, float]:
         """Stream the policy's weights into the engine (resharding layer); every MP rank takes part. With LoRA
         (``RunPlan.lora.merge``) either the adapters alone (vLLM's adapter path; the frozen base first if the

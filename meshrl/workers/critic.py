@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from meshrl.process_memory import trims_heap
 from meshrl.protocol import Batch
 from meshrl.workers.actor_rollout_ref import load_initial_weights, optimizer_config, transformer_overrides
 from meshrl.workers.dispatch import DispatchGroup
@@ -97,12 +98,14 @@ class CriticWorker(RankWorker):
             self._offload(training)
 
     # ---------------------------------------------------------------------------------- phases
+    @trims_heap
     def compute_values(self, shard: Batch) -> Batch | None:
         with self._on_device(training=False):
             values = self.train_engine.forward(shard, self.plan.micro_batching["critic_values"], self.request,
                                                "values", self.response_length)
         return Batch(tensors={"values": values}) if self.layout.collect else None
 
+    @trims_heap
     def update(self, updates: list[tuple[Batch, Any]]) -> dict[str, float]:
         """One optimizer step per (mini-batch shard, its normaliser) of ``critic``'s own schedule, one
         LR-schedule step per call (``meshrl.workers.engine``)."""

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from meshrl.config.run_plan import RunPlan
 from meshrl.config.validate import world_size
 from meshrl.data.dynamic_batching import balance_batch
+from meshrl.process_memory import allocator_environment
 from meshrl.protocol import Batch
 from meshrl.workers.sequences import sequence_lengths
 
@@ -66,7 +67,7 @@ class DispatchGroup:
             worker_cls, world, name=worker_cls.SECTION, num_cpus_per_worker=1,
             num_gpus_per_worker=1 / groups_per_device if cuda else 0,
             timeout_s=cfg.trainer.worker_timeout_s,
-            env_vars={"OMP_NUM_THREADS": str(threads), "MESHRL_THREADS": str(threads),
+            env_vars={"OMP_NUM_THREADS": str(threads), "MESHRL_THREADS": str(threads), **allocator_environment(),
                       **{k: v for k, v in os.environ.items() if k.startswith(("MESHRL_", "VLLM_", "TORCHDYNAMO"))}},
             init_kwargs={"section": OmegaConf.to_container(cfg[worker_cls.SECTION], resolve=True),
                          "model_dir": str(model_dir), "plan": plan},

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from meshrl.config.run_plan import RunPlan
 from meshrl.logs import logs_dir, route_worker_output, worker_log_name
+from meshrl.process_memory import limit_heap_growth
 from meshrl.runtime import configure_environment
 
 
@@ -46,6 +47,7 @@ class RankWorker:
 
     def __init__(self, rank: int, world_size: int, section: dict, model_dir: str, plan: RunPlan) -> None:
         configure_environment()
+        limit_heap_growth()  # before any model is allocated: freed activations go back to the system
         if not plan.workers.verbose and _in_ray_actor():
             # Before the rank imports its libraries (in setup): their output goes to the run's logs folder.
             route_worker_output(logs_dir(plan.workers.run_dir), worker_log_name(type(self).__name__, rank))

@@ -81,6 +81,8 @@ def test_two_steps(train, tmp_path, name):
     for step in (first, second):
         assert not non_finite(step), non_finite(step)
         assert step["dynamic_batch/num_oversized"] == 0
+        # the update's memory: the worker's peak, in GiB, within the machine's used memory
+        assert 0.1 < step["perf/max_rss_gb"] < step["perf/cpu_memory_used_gb"]
     assert "val/score" in second and "val/score" in steps[0]
     if name == "ppo":
         assert first["critic/grad_norm"] > 0 and "critic/vf_loss" in second

@@ -294,3 +294,18 @@ def test_a_generative_reward_model_holds_its_server_through_every_phase():
     gpu = plan(load_config([*judge, "trainer.device=cuda", "reward_model.rollout.gpu_memory_utilization=0.25"],
                            recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
     assert all(p.items[key] == 0.25 * 80 * GIB for p in gpu.phases)
+
+
+def test_the_cpu_engine_sleeps_without_its_weights_unless_adapters_are_synced():
+    """Sleep level 2 (vllm_engine): vLLM's weights only in the rollout; with LoRA adapter syncs (level 1) in every
+    phase, on CPU where its weights are host memory."""
+    def holding(result):
+        return [p.name for p in result.phases if "vLLM weights" in p.items]
+
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=all-linear"]
+    full = plan(load_config([], recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
+    adapters = plan(load_config(lora, recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
+    merged = plan(load_config([*lora, "actor_rollout_ref.model.lora.merge=True"], recipe="cpu_tiny_grpo"),
+                  gpu_memory_gib=80)
+    assert holding(full) == holding(merged) == ["rollout"]
+    assert holding(adapters) == [p.name for p in adapters.phases] and len(adapters.phases) > 1

@@ -135,6 +135,15 @@ def test_selecting_vllm_without_vllm_names_the_fallback(monkeypatch, tmp_path):
         EngineConfig(name="sglang")
 
 
+def test_sleep_level_2_is_refused_with_lora_adapters():
+    """Level 2 drops the base weights, which an adapter sync never resends (the worker picks 1 for adapters)."""
+    assert EngineConfig(sleep_level=2).sleep_level == 2 and EngineConfig(sleep_level=1, max_lora_rank=8)
+    with pytest.raises(ValueError, match="sleep_level=2 drops the base weights.*sleep_level=1"):
+        EngineConfig(sleep_level=2, max_lora_rank=8)
+    with pytest.raises(ValueError, match="sleep_level must be 1 or 2"):
+        EngineConfig(sleep_level=3)
+
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="checks vLLM's EngineArgs")
 ROLLOUT = "actor_rollout_ref.rollout."
 

@@ -293,6 +293,44 @@ def test_sleep_frees_the_kv_cache_and_waking_serves_the_same_tokens(engine):
     assert [(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, GREEDY)] == before
 
 
+def _weight_memory(worker) -> tuple[int, int, int]:
+    """In the engine's worker: (bytes under the model's parameters, layers with a CPU kernel, of them dropped)."""
+    from meshrl.rollout.vllm_worker import _dropped_linear, _parameter_storages
+
+    model = worker.model_runner.get_model()
+    kernels = [m.cpu_linear for m in model.modules() if getattr(m, "cpu_linear", None) is not None]
+    return (sum(s.nbytes() for s in _parameter_storages(model)), len(kernels),
+            sum(kernel is _dropped_linear for kernel in kernels))
+
+
+def test_level_2_sleep_drops_the_weights_and_the_next_sync_serves_the_policy(engine, policy, monkeypatch):
+    """sleep_level=2 on CPU (verl's level, the trainer's unless only adapters are synced): the parameters' memory
+    and the CPU kernels' packed weights go with the KV cache; waking gives the memory back zeroed and generating
+    is refused until a full sync, which the trainer makes while the engine sleeps; then the policy's tokens and
+    log-probs, exactly."""
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, sleep_level=2))
+    perturb(policy, seed=3)
+    engine.load_weights(policy.named_parameters())
+    before = [(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, GREEDY)]
+    (held, kernels, dropped), = engine.llm.collective_rpc(_weight_memory)
+    assert held > 0 and kernels > 12 and dropped == 0
+    engine.sleep()
+    assert engine.weights_dropped and not engine.weights_complete
+    assert engine.llm.collective_rpc(_weight_memory) == [(0, kernels, kernels)]
+    engine.wake_up()
+    assert engine.llm.collective_rpc(_weight_memory) == [(held, kernels, kernels)]
+    with pytest.raises(EngineStateError, match="slept at level 2, which drops its weights"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.sleep()
+    engine.load_weights(policy.named_parameters())  # wakes the weights, then fills them
+    assert engine.weights_complete and not engine.weights_dropped
+    with pytest.raises(EngineStateError, match="asleep"):  # the KV cache still is
+        engine.generate(PROMPTS, GREEDY)
+    engine.wake_up(("kv_cache",))
+    assert engine.llm.collective_rpc(_weight_memory) == [(held, kernels, 0)]
+    assert [(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, GREEDY)] == before
+
+
 def test_engine_arg_names_are_vllms_engine_args_fields():
     from vllm.engine.arg_utils import EngineArgs
 
