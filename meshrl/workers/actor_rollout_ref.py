@@ -163,8 +163,9 @@ class ActorRolloutRefWorker(RankWorker):
         self.response_length = self.plan.response_length
         # LoRA: the engine serves the adapters (vLLM's adapter path) or is sent merged weights
         self.adapter_sync = self.plan.lora is not None and not self.plan.lora.merge
-        # verl's sleep levels: 2 (drop the weights while training; the policy's come back at the next sync), but 1
-        # (keep them) when only adapters are synced, which leaves the base weights alone.
+        # verl's sleep level 2 (vLLM >= 0.8.5: drop the weights while training; the policy's come back at the next
+        # sync), but 1 (keep them) when only adapters are synced: verl resends the base with the adapters after a
+        # level-2 sleep, meshrl keeps the base and sends the adapters alone.
         engine_cfg = EngineConfig.from_rollout(
             rollout, max_model_len=self.plan.prompt_length + self.response_length,
             generation_threads=threads, max_lora_rank=self.plan.lora.rank if self.adapter_sync else 0,
