@@ -138,3 +138,16 @@ def test_the_tunable_makes_mmapped_tensors_fault_in_huge_pages():
     without = run_python(code, GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
     assert with_thp["huge_kib"] >= 32 << 10 and without["huge_kib"] == 0
     assert without["faults"] > 8000 and with_thp["faults"] < without["faults"] / 4
+
+
+def test_a_bad_threshold_stops_the_run_at_preflight(monkeypatch):
+    """Checked before any worker starts (each worker would raise it at start, after Ray and the models loaded)."""
+    from meshrl.config import ConfigError, load_config
+    from meshrl.trainer.main import preflight
+
+    cfg = load_config([], recipe="cpu_tiny_grpo")
+    monkeypatch.setenv(process_memory.ENV_MMAP_THRESHOLD, "1M")
+    with pytest.raises(ConfigError, match="MESHRL_MALLOC_MMAP_THRESHOLD='1M': give a byte count"):
+        preflight(cfg)
+    monkeypatch.setenv(process_memory.ENV_MMAP_THRESHOLD, "dynamic")
+    preflight(cfg)
