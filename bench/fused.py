@@ -37,22 +37,11 @@ import torch
 
 from bench.machine import ServedVariant, load_average, timed
 from bench.packing import rl_micro_batch
+from meshrl import process_memory
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("fused", "unfused")
 ENTROPY_COEFF = 0.01
-
-
-def _status_bytes(field: str) -> int:
-    """``VmRSS`` (resident now) or ``VmHWM`` (its peak since the last reset) of this process."""
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear_refs:  # Linux: "5" resets VmHWM to VmRSS
-        clear_refs.write("5")
 
 
 def serve(variant: str, args: argparse.Namespace) -> None:
@@ -88,11 +77,11 @@ def serve(variant: str, args: argparse.Namespace) -> None:
     for line in sys.stdin:
         if line.strip() != "step":
             break
-        _reset_peak()
-        before = _status_bytes("VmRSS")
+        process_memory.reset_peak_rss()
+        before = process_memory.rss_bytes()
         seconds = timed(lambda: optimizer.train_step(chunks, opt, sched, micro_batches, loss_fn, request))
         print(json.dumps({"seconds": seconds, "rss_before_bytes": before,
-                          "peak_above_bytes": _status_bytes("VmHWM") - before}), flush=True)
+                          "peak_above_bytes": process_memory.peak_rss_bytes() - before}), flush=True)
     print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
     state.destroy()
 

@@ -37,6 +37,8 @@ import threading
 import time
 from pathlib import Path
 
+from meshrl import process_memory
+
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = dict(prompts=64, n=4, max_tokens=256)
 QUICK = dict(prompts=16, n=4, max_tokens=128)
@@ -62,7 +64,7 @@ class PeakRSS:
             time.sleep(self._interval)
 
     def __enter__(self) -> PeakRSS:
-        release_free_heap()
+        process_memory.trim_heap()
         self.start = self.peak = self._process.memory_info().rss
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -81,13 +83,6 @@ def return_freed_memory_to_the_os() -> None:
 
     m_mmap_threshold = -3
     ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 64 << 10)
-
-
-def release_free_heap() -> None:
-    """glibc: hand every free heap page back to the OS, so an RSS baseline holds only live memory."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def gsm8k_prompts(model_dir: Path, count: int) -> list[list[int]]:

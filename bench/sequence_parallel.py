@@ -40,7 +40,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from bench.fused import _reset_peak, _status_bytes
+    from meshrl import process_memory
     from bench.packing import rl_micro_batch
     from meshrl.models.embedded import smollm2_hf_dir
     from meshrl.parallel import hf_conversion, model_builder, schedule, state
@@ -72,13 +72,13 @@ def rank_main(args: argparse.Namespace) -> None:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    _reset_peak()
-    before = _status_bytes("VmRSS")
+    process_memory.reset_peak_rss()
+    before = process_memory.rss_bytes()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         seconds = timed(lambda: schedule.forward_backward(chunks, [micro], loss_fn, request))
     spec = model_builder.model_spec(hf_config)
     tokens = args.prompt + args.response
-    figures = {"saved_activation_bytes": sum(storages.values()), "update_peak_bytes": _status_bytes("VmHWM") - before,
+    figures = {"saved_activation_bytes": sum(storages.values()), "update_peak_bytes": process_memory.peak_rss_bytes() - before,
                "rss_before_bytes": before, "seconds": seconds,
                "planned_activation_bytes": activation_bytes_per_token(spec, TP, 4, args.sequence_parallel)
                * spec.num_layers * tokens}

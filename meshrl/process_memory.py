@@ -142,6 +142,7 @@ def trims_heap(phase: Callable[P, R]) -> Callable[P, R]:
     return run
 
 
+@functools.cache  # find_library runs ldconfig: once per process, not once per phase
 def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
