@@ -3,8 +3,9 @@
 What vLLM 0.32 creates while a colocated engine starts, and why it leaked and collided:
 
 - the CPU backend's TP/PP communicator (``vllm/distributed/device_communicators/cpu_communicator.py``,
-  C++ ``SHMManager``): one segment per rank, ``{ident}-{group}-[{ranks}]-cpushm_{rank}``, created with
-  ``O_EXCL``. ``ident`` comes from ``VLLM_DIST_IDENT``, which vLLM's CPU worker sets from the
+  C++ ``SHMManager``, in vLLM's AVX-512 kernels only; on a CPU without AVX-512 the group talks through
+  torch.distributed and creates none): one segment per rank, ``{ident}-{group}-[{ranks}]-cpushm_{rank}``,
+  created with ``O_EXCL``. ``ident`` comes from ``VLLM_DIST_IDENT``, which vLLM's CPU worker sets from the
   distributed init method: always ``env://`` with the external launcher, so every run on a machine
   used the same names (``-tp:0-[0-1]-cpushm_0``, the leading slashes dropped by ``shm_open``). They are
   unlinked only by the C++ destructor of a process-wide singleton, which a killed or ``os._exit``-ed

@@ -30,6 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 PROMPTS = [[1, 9690, 198, 2683, 359], list(range(300, 320))]
 
 
+def cpu_shm_communicator() -> bool:
+    """Whether this vLLM build has the CPU backend's shared-memory TP communicator (the ``cpushm_<rank>``
+    segments): its AVX-512 kernels do, the AVX2 ones (CPUs without AVX-512) do not, and vLLM then talks
+    through torch.distributed. Meaningful once the engine has imported its kernels."""
+    return hasattr(torch.ops._C, "init_shm_manager")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -51,7 +58,8 @@ def main() -> None:
     if args.end == "kill-while-starting":
         def die(segments_of_engine: EngineSegments, started: bool) -> None:
             tag = segments_of_engine.tag
-            out.write_text(json.dumps({"pid": os.getpid(), "tag": tag, "started": started, "names": segments(tag)}))
+            out.write_text(json.dumps({"pid": os.getpid(), "tag": tag, "started": started, "names": segments(tag),
+                                       "cpu_shm": cpu_shm_communicator()}))
             os.kill(os.getpid(), signal.SIGKILL)
 
         EngineSegments.release = die
