@@ -1,12 +1,13 @@
 # The two commands a fresh machine needs (see README): `make run` and `make test`.
-.PHONY: setup run test test-unit test-heavy
+.PHONY: setup run test test-unit test-heavy test-extended
 
 PY := .venv/bin/python
 # vLLM torch.compiles its sampler on first use (~20 s cold on CPU); eager gives identical outputs.
 export TORCHDYNAMO_DISABLE ?= 1
-# Heavy tests: multi-process (gloo), real vLLM engines and end-to-end runs; budgeted to stay within
-# ~20 minutes on 2 cores together with the unit tests.
-HEAVY := multiproc or vllm or e2e or slow
+# Heavy tests: multi-process (gloo), real vLLM engines and end-to-end runs. `make test` runs those not
+# marked `extended` (heavy tests whose path another heavy test runs): budgeted to stay within ~35 minutes
+# on 2 cores together with the unit tests. `make test-extended` runs the extended ones.
+HEAVY := (multiproc or vllm or e2e or slow) and not extended
 
 setup:
 	@bash scripts/setup.sh
@@ -23,3 +24,6 @@ test-unit: setup
 
 test-heavy: setup
 	$(PY) -m pytest -q --timeout=900 -m "$(HEAVY)"
+
+test-extended: setup
+	$(PY) -m pytest -q --timeout=900 -m extended

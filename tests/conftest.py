@@ -32,3 +32,18 @@ def tiny_qwen2_dir():
     from meshrl.models.tiny import TinySpec, tiny_model_dir
 
     return tiny_model_dir(TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One Ray session for a module's in-process trainings (``meshrl.trainer.main.run`` uses a Ray its caller
+    started and leaves it running): saves Ray's start and stop per training, ~10 s each on 2 cores. Eight
+    logical CPUs: more than any test run places (2 ranks x policy, critic and reward model)."""
+    import ray
+
+    from meshrl.config import load_config
+    from meshrl.workers.cluster import start_ray
+
+    start_ray(load_config(["trainer.n_gpus_per_node=1", "trainer.nnodes=1", "ray_kwargs.ray_init.num_cpus=8"]))
+    yield
+    ray.shutdown()

@@ -2,16 +2,19 @@
 
 On one machine: loopback only, no dashboard, temp files in the project cache, a small object store,
 and logical CPUs = one per worker process plus room for the driver. With ``RAY_ADDRESS`` set (a
-cluster started by ``launch/``), join it instead.
+cluster started by ``launch/``), join it instead; in a process that already runs Ray (a notebook, a test
+running several trainings), use that.
 
 verl's ``ray_kwargs.ray_init`` applies where it maps onto this start (``ray_init_kwargs``):
 ``num_cpus`` sizes a Ray meshrl starts, ``runtime_env.env_vars`` and ``runtime_env.py_executable``
-reach every worker. Anything else is refused with a ``ConfigError`` that names the key and says why.
+reach every worker (also in a Ray meshrl did not start: each worker's actor options carry them). Anything
+else is refused with a ``ConfigError`` that names the key and says why.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +24,8 @@ from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import build_run_plan
 from meshrl.config.validate import world_size
 from meshrl.runtime import configure_environment, prune_ray_sessions
-from meshrl.workers.dispatch import groups_per_rank
+from meshrl.workers.dispatch import groups_per_rank, worker_runtime_env
 
-# runtime_env fields meshrl passes to Ray. The others (pip, conda, uv, working_dir, py_modules,
-# container, ...) would give the workers another environment than the driver's, which meshrl's workers
-# do not support: they import meshrl and its engines from the driver's virtualenv.
-RUNTIME_ENV_FIELDS = ("env_vars", "py_executable")
 _DRIVER_CPUS = 2  # logical CPUs left for the driver's own Ray tasks
 
 
@@ -35,32 +34,22 @@ def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         ConfigError: a ``ray_kwargs.ray_init`` key that cannot map: a runtime_env field other than
-            ``RUNTIME_ENV_FIELDS``, ``num_cpus`` below the run's worker processes, or ``num_cpus``
-            while joining a running cluster (``RAY_ADDRESS``), whose ``ray start`` sets its CPUs.
+            ``RUNTIME_ENV_FIELDS`` (``worker_runtime_env``), ``num_cpus`` below the run's worker processes, or
+            ``num_cpus`` while joining a running cluster (``RAY_ADDRESS``) or a Ray this process already runs,
+            whose start set its CPUs.
     """
     configure_environment()
     ray_init = cfg.ray_kwargs.ray_init
     prefix = "ray_kwargs.ray_init"
-    runtime_env = OmegaConf.to_container(ray_init.runtime_env, resolve=True)
-    refused = sorted(set(runtime_env) - set(RUNTIME_ENV_FIELDS))
-    if refused:
-        raise ConfigError(
-            f"{prefix}.runtime_env.{refused[0]}: meshrl's Ray workers run in the driver's Python environment "
-            f"and take only {', '.join(RUNTIME_ENV_FIELDS)} from runtime_env; install what the run needs "
-            "into meshrl's virtualenv and drop the key.", [f"{prefix}.runtime_env.{key}" for key in refused])
-    env: dict[str, Any] = {}
-    env_vars = runtime_env.get("env_vars") or {}
-    if not isinstance(env_vars, dict):
-        raise ConfigError(f"{prefix}.runtime_env.env_vars must map names to values, got {env_vars!r}",
-                          [f"{prefix}.runtime_env.env_vars"])
-    if env_vars:
-        # Overrides parse values as YAML: `X=true` arrives as a bool, and is meant as the text "true".
-        env["env_vars"] = {str(name): str(value).lower() if isinstance(value, bool) else str(value)
-                           for name, value in env_vars.items()}
-    if runtime_env.get("py_executable") is not None:
-        env["py_executable"] = str(runtime_env["py_executable"])
+    env = worker_runtime_env(cfg)
     runtime = {"runtime_env": env} if env else {}
 
+    if _ray_running_here():
+        if ray_init.num_cpus is not None:
+            raise ConfigError(f"{prefix}.num_cpus sizes a Ray that meshrl starts, but this process already runs Ray "
+                              "(its caller started it, with its own CPUs); drop the key, or size that ray.init.",
+                              [f"{prefix}.num_cpus"])
+        return {}  # nothing to start
     if os.environ.get("RAY_ADDRESS"):
         if ray_init.num_cpus is not None:
             raise ConfigError(f"{prefix}.num_cpus sizes a Ray that meshrl starts, but RAY_ADDRESS joins a running "
@@ -85,8 +74,15 @@ def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def _ray_running_here() -> bool:
+    """Whether this process already runs Ray (a notebook's, or a test's shared session): never imports Ray."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 def start_ray(cfg: DictConfig) -> None:
-    """Start Ray for ``cfg`` (or join ``RAY_ADDRESS``) unless this process already runs it."""
+    """Start Ray for ``cfg`` (or join ``RAY_ADDRESS``) unless this process already runs it. The workers get the
+    run's ``runtime_env`` from their own actor options (``meshrl.workers.dispatch``) either way."""
     kwargs = ray_init_kwargs(cfg)
     import ray
 

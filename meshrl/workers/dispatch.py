@@ -21,12 +21,47 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import RunPlan
 from meshrl.config.validate import world_size
 from meshrl.data.dynamic_batching import balance_batch
 from meshrl.process_memory import allocator_environment
 from meshrl.protocol import Batch
 from meshrl.workers.sequences import sequence_lengths
+
+
+# runtime_env fields meshrl passes to Ray. The others (pip, conda, uv, working_dir, py_modules,
+# container, ...) would give the workers another environment than the driver's, which meshrl's workers
+# do not support: they import meshrl and its engines from the driver's virtualenv.
+RUNTIME_ENV_FIELDS = ("env_vars", "py_executable")
+
+
+def worker_runtime_env(cfg: DictConfig) -> dict[str, Any]:
+    """The Ray ``runtime_env`` every worker of the run gets from verl's ``ray_kwargs.ray_init.runtime_env``: its
+    ``env_vars`` (values as text) and ``py_executable``; empty when it sets neither.
+
+    Raises:
+        ConfigError: a field other than ``RUNTIME_ENV_FIELDS``, or ``env_vars`` that is not a mapping.
+    """
+    prefix = "ray_kwargs.ray_init.runtime_env"
+    runtime_env = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env, resolve=True)
+    refused = sorted(set(runtime_env) - set(RUNTIME_ENV_FIELDS))
+    if refused:
+        raise ConfigError(
+            f"{prefix}.{refused[0]}: meshrl's Ray workers run in the driver's Python environment and take only "
+            f"{', '.join(RUNTIME_ENV_FIELDS)} from runtime_env; install what the run needs into meshrl's virtualenv "
+            "and drop the key.", [f"{prefix}.{key}" for key in refused])
+    env: dict[str, Any] = {}
+    env_vars = runtime_env.get("env_vars") or {}
+    if not isinstance(env_vars, dict):
+        raise ConfigError(f"{prefix}.env_vars must map names to values, got {env_vars!r}", [f"{prefix}.env_vars"])
+    if env_vars:
+        # Overrides parse values as YAML: `X=true` arrives as a bool, and is meant as the text "true".
+        env["env_vars"] = {str(name): str(value).lower() if isinstance(value, bool) else str(value)
+                           for name, value in env_vars.items()}
+    if runtime_env.get("py_executable") is not None:
+        env["py_executable"] = str(runtime_env["py_executable"])
+    return env
 
 
 def groups_per_rank(plan: RunPlan) -> int:
@@ -63,12 +98,16 @@ class DispatchGroup:
         threads = max(1, (os.cpu_count() or 1) // world) if not cuda else 4
         # The critic and reward-model groups share each device with the policy group (colocated, a share each).
         groups_per_device = groups_per_rank(plan)
+        # The run's runtime_env in the actors' own options: it then applies in a Ray this run did not start too.
+        run_env = worker_runtime_env(cfg)
         self.group = WorkerGroup(
             worker_cls, world, name=worker_cls.SECTION, num_cpus_per_worker=1,
             num_gpus_per_worker=1 / groups_per_device if cuda else 0,
             timeout_s=cfg.trainer.worker_timeout_s,
             env_vars={"OMP_NUM_THREADS": str(threads), "MESHRL_THREADS": str(threads), **allocator_environment(),
-                      **{k: v for k, v in os.environ.items() if k.startswith(("MESHRL_", "VLLM_", "TORCHDYNAMO"))}},
+                      **{k: v for k, v in os.environ.items() if k.startswith(("MESHRL_", "VLLM_", "TORCHDYNAMO"))},
+                      **run_env.get("env_vars", {})},
+            py_executable=run_env.get("py_executable"),
             init_kwargs={"section": OmegaConf.to_container(cfg[worker_cls.SECTION], resolve=True),
                          "model_dir": str(model_dir), "plan": plan},
         )

@@ -49,6 +49,7 @@ class WorkerGroup:
         num_gpus_per_worker: float = 0,
         timeout_s: float = 600.0,
         env_vars: dict[str, str] | None = None,
+        py_executable: str | None = None,
         init_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
@@ -67,13 +68,17 @@ class WorkerGroup:
                 f"{name}: could not place {world_size} workers of {bundle} within {timeout_s:.0f} s; the cluster "
                 f"has {ray.cluster_resources()}. Lower trainer.n_gpus_per_node / trainer.nnodes or add resources."
             ) from None
+        # Ray merges an actor's env_vars with the job's (its other fields replace the job's).
+        runtime_env: dict[str, Any] = {"env_vars": dict(env_vars or {})}
+        if py_executable is not None:
+            runtime_env["py_executable"] = py_executable
         remote_cls = ray.remote(worker_cls)
         self.workers = [
             remote_cls.options(
                 num_cpus=num_cpus_per_worker,
                 num_gpus=num_gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": dict(env_vars or {})},
+                runtime_env=runtime_env,
                 name=f"{name}-{rank}-{id(self):x}",
                 max_concurrency=1,
             ).remote(rank=rank, world_size=world_size, **(init_kwargs or {}))

@@ -10,7 +10,7 @@ import json
 import pytest
 from e2e_checks import non_finite
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_session")]
 
 # One mini-batch per step (ppo_mini_batch_size = train_batch_size) so the step-1 KL is measured
 # before any optimizer step.
@@ -92,6 +92,7 @@ def test_two_steps(train, tmp_path, name):
         assert "greedy_score/mean" in first
 
 
+@pytest.mark.extended  # the same claim on one worker, without the driver: tests/workers/test_worker_inprocess.py
 def test_on_policy_step_skips_the_old_log_prob_pass(train, tmp_path):
     """One optimizer step per RL step: the step without the old-log-prob pass has the loss, gradient norm
     and diagnostics of the step with it (same weights, same samples; fp32 rounding apart)."""

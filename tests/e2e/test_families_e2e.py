@@ -5,7 +5,7 @@ the trainer holds): ``rollout/log_prob_max_abs_diff`` < 1e-3 (the run's alarm al
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_session")]
 
 TP2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
        "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",

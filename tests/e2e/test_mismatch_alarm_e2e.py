@@ -5,7 +5,8 @@ way into the engine, and the run stops at step 1 with the alarm's message.
 The fault is injected by the test alone: a ``sitecustomize`` module on the policy workers' ``PYTHONPATH``
 (``ray_kwargs.ray_init.runtime_env.env_vars``, a key meshrl honours) wraps the weight sync the rollout
 engines call (``meshrl.rollout.base.sync_weights``) when the worker process starts. Nothing in meshrl knows
-about it."""
+about it. The run uses a Ray the test started (``ray_session``), so the key reaches the workers through their
+actor options, not through a ``ray.init`` of meshrl's."""
 
 import os
 import re
@@ -17,7 +18,7 @@ from meshrl.config.validate import validate_config
 from meshrl.trainer.alarms import LogProbMismatchError
 from meshrl.trainer.failures import RunFailed
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_session")]
 
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"
 SITECUSTOMIZE = """

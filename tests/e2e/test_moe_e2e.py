@@ -18,7 +18,7 @@ from test_verl_scripts import swapped, vendored_args
 from meshrl.config import load_config
 from meshrl.trainer.main import parse_args, preflight
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.usefixtures("ray_session")]
 
 SCRIPT = ("volcengine/verl", "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh")
 MODEL = "tiny:qwen2_moe"

@@ -5,7 +5,7 @@ finite, loadable checkpoints."""
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.usefixtures("ray_session")]
 
 COMMON = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True",
           "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive", "trainer.save_freq=2",

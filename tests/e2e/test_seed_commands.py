@@ -20,7 +20,7 @@ from seed_commands import ALGORITHM_SWAPS, SEED_COMMANDS, example_1_as, override
 
 from meshrl.config import load_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_session")]
 
 PATH_AND_GPU_SWAPS = {
     "data.train_files": "embedded:gsm8k/train",
@@ -45,6 +45,10 @@ TOKEN_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 
 COMMANDS = {f"seed_example_{i + 1}": command for i, command in enumerate(SEED_COMMANDS)}
 COMMANDS.update({f"example_1_{name}": example_1_as(name) for name in ALGORITHM_SWAPS})
+# `make test-extended` (see the Makefile): at CPU scale example 2 is example 1 validated on the default test file,
+# example 5 is example 4 with another token budget, and example 1's GRPO / GPG / PPO runs train as
+# tests/e2e/test_algorithms_e2e.py's do.
+EXTENDED = {"seed_example_2", "seed_example_5", *(f"example_1_{name}" for name in ALGORITHM_SWAPS)}
 
 
 def tiny_model_for(seed_path: str | None) -> str:
@@ -64,18 +68,8 @@ def cpu_command(command: str) -> tuple[dict[str, str], dict[str, str], list[str]
     return seed, swaps, words
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    """One Ray session for the eight runs (``run`` leaves a session it did not start running): saves Ray's
-    start and stop per run. Sized for PPO, whose critic adds a second worker process per rank."""
-    from meshrl.workers.cluster import start_ray
-
-    start_ray(load_config(["algorithm.adv_estimator=gae", "trainer.n_gpus_per_node=1", "trainer.nnodes=1"]))
-    yield
-    ray.shutdown()
-
-
-@pytest.mark.parametrize("name", list(COMMANDS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED else [])
+                                  for name in COMMANDS])
 def test_seed_command_runs_one_step_on_cpu(train, name):
     seed, swaps, words = cpu_command(COMMANDS[name])
     cfg = load_config(words)

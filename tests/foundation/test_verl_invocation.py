@@ -6,7 +6,9 @@ loading must load, and the others may fail only on keys the table records for th
 """
 
 import json
+import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -136,6 +138,16 @@ def test_ray_kwargs_that_cannot_map_are_refused(monkeypatch, overrides, address,
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ConfigError, match=message):
         ray_init_kwargs(load_config(overrides))
+
+
+def test_a_ray_the_caller_runs_is_used_and_num_cpus_cannot_size_it(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(is_initialized=lambda: True))
+    assert ray_init_kwargs(load_config(["ray_kwargs.ray_init.runtime_env.env_vars.A=1"])) == {}  # nothing to start
+    with pytest.raises(ConfigError, match="this process already runs Ray"):
+        ray_init_kwargs(load_config(["ray_kwargs.ray_init.num_cpus=8"]))
+    with pytest.raises(ConfigError, match="runtime_env.pip"):  # refused whoever started Ray
+        ray_init_kwargs(load_config(["ray_kwargs.ray_init.runtime_env.pip=[numpy]"]))
 
 
 def test_main_refuses_before_training(monkeypatch, capsys):
