@@ -87,7 +87,8 @@ def test_a_killed_worker_stops_the_run_keeps_the_checkpoint_and_leaves_nothing(s
 
 # Everything a resumed run must reproduce (timings are the only metrics allowed to differ).
 COMPARED = ("score/mean", "actor/pg_loss", "actor/grad_norm", "actor/lr", "response_length/mean",
-            "critic/advantages/mean", "training/epoch")
+            "critic/advantages/mean", "training/epoch", "actor/kl_loss", "actor/ref_kl_k1", "actor/reward_kl_coef",
+            "val/score")
 
 
 def test_the_driver_killed_while_saving_resumes_like_an_uninterrupted_run_at_tp2(sandbox, tmp_path):
@@ -97,7 +98,10 @@ def test_the_driver_killed_while_saving_resumes_like_an_uninterrupted_run_at_tp2
     layout = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
               "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2", "trainer.save_freq=1",
               "trainer.total_training_steps=3", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,"
-              "extra,hf_model]"]  # the HF export keeps the save open long enough to be caught in it
+              "extra,hf_model]",  # the HF export keeps the save open long enough to be caught in it
+              # state a resume must restore beyond the weights: the adaptive KL controller, the reference, validation
+              "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive",
+              "actor_rollout_ref.actor.use_kl_loss=True", "trainer.test_freq=3"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert run_main(sandbox, *TINY, *layout, f"trainer.default_local_dir={straight}", log=tmp_path / "a.txt") == 0
 
@@ -120,6 +124,7 @@ def test_the_driver_killed_while_saving_resumes_like_an_uninterrupted_run_at_tp2
     assert not list(killed.glob("*.tmp-*"))  # the interrupted save's temporary folder is gone, and the killed
     # driver's temporary folder (the resume's start removed it: sandbox.assert_clean below)
     expected, resumed = steps_of(straight), steps_of(killed)
+    assert {"actor/reward_kl_coef", "actor/kl_loss", "val/score"} <= set(expected[3])
     for step in (2, 3):
         for key in COMPARED:
             if key in expected[step]:
