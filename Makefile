@@ -6,7 +6,8 @@ PY := .venv/bin/python
 export TORCHDYNAMO_DISABLE ?= 1
 # Heavy tests: multi-process (gloo), real vLLM engines and end-to-end runs. `make test` runs those not
 # marked `extended` (heavy tests whose path another heavy test runs): budgeted to stay within ~35 minutes
-# on 2 cores together with the unit tests. `make test-extended` runs the extended ones.
+# on a fast 2-core machine together with the unit tests (~75 on a slow one, where CI allows 90).
+# `make test-extended` runs the extended ones.
 HEAVY := (multiproc or vllm or e2e or slow) and not extended
 
 setup:
