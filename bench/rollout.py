@@ -79,10 +79,7 @@ class PeakRSS:
 def return_freed_memory_to_the_os() -> None:
     """glibc: serve allocations >= 64 KiB with mmap (its adaptive default keeps freed tensors of up to
     32 MiB in the heap, which would hide the difference between bucket sizes in RSS)."""
-    import ctypes
-
-    m_mmap_threshold = -3
-    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 64 << 10)
+    process_memory.set_mmap_threshold(64 << 10)
 
 
 def gsm8k_prompts(model_dir: Path, count: int) -> list[list[int]]:

@@ -40,8 +40,8 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from meshrl import process_memory
     from bench.packing import rl_micro_batch
+    from meshrl import process_memory
     from meshrl.models.embedded import smollm2_hf_dir
     from meshrl.parallel import hf_conversion, model_builder, schedule, state
     from meshrl.parallel.forward import OutputRequest
@@ -78,8 +78,8 @@ def rank_main(args: argparse.Namespace) -> None:
         seconds = timed(lambda: schedule.forward_backward(chunks, [micro], loss_fn, request))
     spec = model_builder.model_spec(hf_config)
     tokens = args.prompt + args.response
-    figures = {"saved_activation_bytes": sum(storages.values()), "update_peak_bytes": process_memory.peak_rss_bytes() - before,
-               "rss_before_bytes": before, "seconds": seconds,
+    figures = {"saved_activation_bytes": sum(storages.values()),
+               "update_peak_bytes": process_memory.peak_rss_bytes() - before, "rss_before_bytes": before, "seconds": seconds,
                "planned_activation_bytes": activation_bytes_per_token(spec, TP, 4, args.sequence_parallel)
                * spec.num_layers * tokens}
     ranks: list = [None] * dist.get_world_size()

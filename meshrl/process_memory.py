@@ -102,14 +102,23 @@ def limit_heap_growth() -> int | None:
         OSError: glibc refused the value.
     """
     threshold = mmap_threshold_setting()
-    if threshold is None:
+    if threshold is None or not set_mmap_threshold(threshold):
         return None
+    return threshold
+
+
+def set_mmap_threshold(threshold: int) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes for this process; False where this is not glibc.
+
+    Raises:
+        OSError: glibc refused the value.
+    """
     libc = _glibc()
     if libc is None:
-        return None
+        return False
     if libc.mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
         raise OSError(f"glibc's mallopt(M_MMAP_THRESHOLD, {threshold}) failed")
-    return threshold
+    return True
 
 
 def allocator_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

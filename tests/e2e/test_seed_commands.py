@@ -14,7 +14,7 @@ The checks read each expectation from the command (or the resolved config), neve
 
 import pytest
 import ray
-from e2e_checks import non_finite
+from e2e_checks import non_finite, with_extended
 from omegaconf import OmegaConf
 from seed_commands import ALGORITHM_SWAPS, SEED_COMMANDS, example_1_as, overrides
 
@@ -68,8 +68,7 @@ def cpu_command(command: str) -> tuple[dict[str, str], dict[str, str], list[str]
     return seed, swaps, words
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED else [])
-                                  for name in COMMANDS])
+@pytest.mark.parametrize("name", with_extended(COMMANDS, EXTENDED))
 def test_seed_command_runs_one_step_on_cpu(train, name):
     seed, swaps, words = cpu_command(COMMANDS[name])
     cfg = load_config(words)

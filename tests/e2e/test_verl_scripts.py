@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from e2e_checks import with_extended
 
 from meshrl.config import load_config
 from meshrl.trainer.main import parse_args, preflight
@@ -74,8 +75,7 @@ def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = D
                   "trainer.logger=[console,jsonl]"]
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED else [])
-                                  for name in SCRIPTS])
+@pytest.mark.parametrize("name", with_extended(SCRIPTS, EXTENDED))
 def test_verl_script_trains_one_cpu_step(name, tmp_path):
     from meshrl.trainer.main import run
 

@@ -607,12 +607,12 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
         # the other layouts add does not depend on the family: Llama and Qwen2 (tied and untied output layers,
         # with and without QKV bias) cover TP2xPP2 (both at once; world 4, two processes per core on 2 cores),
         # DP2 (TP1 replicas) and the critic's value head on the last PP2 stage.
-        every_family = name in ("tp2", "pp2")
-        for tag in tuple(FAMILIES) if every_family else ("llama", "qwen2"):
+        representative = ("llama", "qwen2")
+        for tag in tuple(FAMILIES) if name in ("tp2", "pp2") else representative:
             path, critic, temperature = tiny_model_dir(FAMILIES[tag]), workdir / f"critic-{tag}", TEMPERATURE[tag]
             rec.run(f"parity.{tag}", lambda: check_parity(path, False, temperature=temperature))
             rec.run(f"roundtrip.{tag}", lambda: check_roundtrip(path, workdir, f"{name}-{tag}"))
-            if name == "tp2" or tag in ("llama", "qwen2"):
+            if name == "tp2" or tag in representative:
                 rec.run(f"parity.{tag}_critic", lambda: check_parity(critic, True))  # values ignore the temperature
                 rec.run(f"roundtrip.{tag}_critic", lambda: check_roundtrip(critic, workdir, f"{name}-{tag}c", True))
         rec.run("invariance", lambda: check_invariance(llama))
