@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from meshrl.runtime import configure_environment, use_run_temp_dir
+from meshrl.trainer.startup import StartupClock, process_age_s
 
 if TYPE_CHECKING:
     from meshrl.data.dataset import RLDataset
@@ -101,10 +103,11 @@ def load_inputs(cfg) -> RunInputs:
     return RunInputs(model_dir, tokenizer, train_data, val_data)
 
 
-def run(cfg, plan, inputs: RunInputs | None = None) -> dict[str, float]:
+def run(cfg, plan, inputs: RunInputs | None = None, clock: StartupClock | None = None) -> dict[str, float]:
     """Train with a loaded config, its run plan (``preflight(cfg)``) and its inputs (``load_inputs(cfg)``, loaded
     here when not given); returns the final step's metrics. The libraries' output goes to the run folder's
-    ``logs/`` meanwhile, unless ``trainer.verbose`` (``meshrl.logs``).
+    ``logs/`` meanwhile, unless ``trainer.verbose`` (``meshrl.logs``). ``clock`` times the start-up from the
+    caller's origin (``meshrl.trainer.startup``; default: from this call).
 
     Raises:
         Interrupted: SIGINT or SIGTERM stopped the run (``meshrl.trainer.interrupts``), after the workers stopped.
@@ -116,10 +119,10 @@ def run(cfg, plan, inputs: RunInputs | None = None) -> dict[str, float]:
     from meshrl.logs import driver_output, logs_dir
 
     with driver_output(logs_dir(cfg.trainer.default_local_dir), verbose=cfg.trainer.verbose):
-        return _run(cfg, plan, inputs)
+        return _run(cfg, plan, inputs, clock or StartupClock())
 
 
-def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
+def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, float]:
     import ray
 
     from meshrl.models.resolve import resolve_model_path
@@ -141,7 +144,8 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     for warning in plan.warnings:
         print(f"meshrl: note: {warning}", file=sys.stderr)
     if inputs is None:
-        inputs = load_inputs(cfg)
+        with clock.phase("data"):
+            inputs = load_inputs(cfg)
     total_steps = total_training_steps(cfg, len(inputs.train_data))
     OmegaConf.update(cfg, "actor_rollout_ref.actor.optim.total_training_steps", total_steps)
     OmegaConf.update(cfg, "critic.optim.total_training_steps", total_steps)
@@ -151,35 +155,46 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
     # A caller that already runs Ray (a notebook, a test running several trainings) keeps its session:
     # only a session this call started is shut down at the end.
     owns_ray = not ray.is_initialized()
-    start_ray(cfg)
+    with clock.phase("ray"):
+        start_ray(cfg)
     policy = critic = reward_model = trainer = reward = None
+    curves = None  # the closing plot, drawn on a thread while the workers (and a Ray this run started) shut down
     sandbox = contextlib.ExitStack()  # the local code sandbox and the judge's server, when this run starts them
     failure = None
     # Installed after ray.init, which sets a SIGTERM handler of its own.
     with Interrupts(cfg.trainer.save_on_preempt) as interrupts:
         try:
-            reward = RewardPool(reward_spec(cfg, sandbox.enter_context(code_sandbox(cfg, inputs)),
-                                            sandbox.enter_context(reward_judge(cfg, plan, run_dir))),
-                                num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
-                                on_nonfinite_score=cfg.reward_model.on_nonfinite_score,
-                                max_failed_batches=cfg.reward_model.max_failed_batches)
-            policy = ActorRolloutRefGroup(cfg, plan, inputs.model_dir)
+            with clock.phase("rewards"):
+                reward = RewardPool(reward_spec(cfg, sandbox.enter_context(code_sandbox(cfg, inputs)),
+                                                sandbox.enter_context(reward_judge(cfg, plan, run_dir))),
+                                    num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
+                                    on_nonfinite_score=cfg.reward_model.on_nonfinite_score,
+                                    max_failed_batches=cfg.reward_model.max_failed_batches)
+            with clock.phase("actor_rollout_ref"):
+                policy = ActorRolloutRefGroup(cfg, plan, inputs.model_dir)
+            clock.group_started("actor_rollout_ref", policy.startup)
             if plan.use_critic:
-                critic = CriticGroup(cfg, plan, resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path
-                                     else inputs.model_dir)
+                with clock.phase("critic"):
+                    critic = CriticGroup(cfg, plan, resolve_model_path(cfg.critic.model.path)
+                                         if cfg.critic.model.path else inputs.model_dir)
             if plan.use_reward_model:
-                reward_model = RewardModelGroup(cfg, plan, resolve_model_path(cfg.reward_model.model.path))
+                with clock.phase("reward_model"):
+                    reward_model = RewardModelGroup(cfg, plan, resolve_model_path(cfg.reward_model.model.path))
+            print(f"meshrl: {clock.line()}", file=sys.stderr)
             with Tracker(list(cfg.trainer.logger), run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                          OmegaConf.to_container(cfg), total_steps) as tracker:
                 trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=inputs.tokenizer,
                                     train_data=inputs.train_data, val_data=inputs.val_data, reward=reward,
                                     tracker=tracker, checkpoints=checkpoints,
-                                    stop_requested=interrupts.stop_requested, reward_model=reward_model)
+                                    stop_requested=interrupts.stop_requested, reward_model=reward_model,
+                                    startup=clock)
                 final = trainer.fit()
             if not interrupts.stop_requested():
                 if cfg.ray_kwargs.timeline_json_file:
                     ray.timeline(filename=cfg.ray_kwargs.timeline_json_file)
-                print(plot_finished_run(run_dir))
+                drawing = ThreadPoolExecutor(1, thread_name_prefix="meshrl-plot")
+                curves = drawing.submit(plot_finished_run, run_dir)
+                drawing.shutdown(wait=False)  # the thread still draws; the line is printed below, once it is done
                 return final
         except KeyboardInterrupt:
             pass  # the workers stop below; then the line that says where the run stopped
@@ -197,6 +212,8 @@ def _run(cfg, plan, inputs: RunInputs | None) -> dict[str, float]:
                 ray.shutdown()
             # Shared-memory names of engines whose worker was killed while they started (their pid is dead).
             remove_stale_segments()
+            if curves is not None:
+                print(curves.result())
     step = trainer.step if trainer is not None else 0
     if failure is not None:
         log_file = None if cfg.trainer.verbose else logs_dir(run_dir) / DRIVER_LOG
@@ -378,10 +395,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from meshrl.trainer.interrupts import Interrupted
 
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    clock = StartupClock(process_age_s())  # time to the first step, from the command's start
     try:
-        cfg = load_config(overrides, recipe=recipe)
-        plan = preflight(cfg)
-        run(cfg, plan, load_inputs(cfg))
+        with clock.phase("checks"):
+            cfg = load_config(overrides, recipe=recipe)
+            plan = preflight(cfg)
+        with clock.phase("data"):
+            inputs = load_inputs(cfg)
+        run(cfg, plan, inputs, clock)
     except ConfigError as exc:
         print(f"meshrl: {exc}", file=sys.stderr)
         return 2

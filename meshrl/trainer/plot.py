@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from meshrl.trainer.startup import PREFIX as STARTUP
 from meshrl.trainer.tracking import METRICS_FILE, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -79,13 +80,14 @@ def panel_for(key: str) -> str:
 def collect_series(records: Sequence[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{key: (steps, values)}`` from metric records, merged by step (a later record wins per key).
 
-    Null and non-finite values become NaN; keys that never hold a finite number are left out.
+    Null and non-finite values become NaN; keys that never hold a finite number are left out, and so are the
+    start-up's (``startup/*``: one number per run, not a curve).
     """
     by_step: dict[int, dict[str, Any]] = defaultdict(dict)
     for record in records:
         by_step[record["step"]].update(record)
     steps = sorted(by_step)
-    keys = sorted({k for values in by_step.values() for k in values if k != "step"})
+    keys = sorted({k for values in by_step.values() for k in values if k != "step" and not k.startswith(STARTUP)})
     series = {}
     for key in keys:
         points = [(s, _as_float(by_step[s][key])) for s in steps if key in by_step[s]]

@@ -44,6 +44,7 @@ from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, 
 from meshrl.trainer.alarms import MismatchAlarm
 from meshrl.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager, hf_export_roles
 from meshrl.trainer.dumps import GenerationDumps, decode_responses, set_reward_extras
+from meshrl.trainer.startup import StartupClock
 from meshrl.trainer.tracking import Timer, Tracker
 from meshrl.workers.sequences import attended
 
@@ -63,7 +64,7 @@ class RLTrainer:
     def __init__(self, cfg: DictConfig, plan: RunPlan, *, policy, critic, tokenizer, train_data: RLDataset,
                  val_data: RLDataset | None, reward: RewardPool, tracker: Tracker,
                  checkpoints: CheckpointManager, stop_requested: Callable[[], bool] = lambda: False,
-                 reward_model=None) -> None:
+                 reward_model=None, startup: StartupClock | None = None) -> None:
         self.cfg = cfg
         self.plan = plan  # roles, methods, widths, schedules: decided once (meshrl.config.run_plan)
         self.policy = policy  # ActorRolloutRefGroup: generate / log-probs / update / sync / save
@@ -85,6 +86,7 @@ class RLTrainer:
         self.tracker = tracker
         self.checkpoints = checkpoints
         self.stop_requested = stop_requested  # a SIGTERM under trainer.save_on_preempt (meshrl.trainer.interrupts)
+        self.startup = startup  # logged with this process's first training step (meshrl.trainer.startup)
         algo = cfg.algorithm
         self.sampler = PromptSampler(len(train_data), cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                      seed=cfg.data.seed)
@@ -115,6 +117,7 @@ class RLTrainer:
         while self.step < self.total_steps:
             self.step += 1
             last = self.train_step()
+            last.update(self.startup_metrics())
             if self.val_data is not None and trainer.test_freq > 0 and (
                     self.step % trainer.test_freq == 0 or self.step == self.total_steps):
                 last.update(self.validate())
@@ -125,6 +128,13 @@ class RLTrainer:
             if stop:
                 break
         return last
+
+    def startup_metrics(self) -> dict[str, float]:
+        """At this process's first training step, where the time before its end went (``startup/*``); then {}."""
+        if self.startup is None:
+            return {}
+        clock, self.startup = self.startup, None
+        return {**clock.metrics(), "startup/first_step_s": clock.elapsed_s()}
 
     def train_step(self) -> dict[str, float]:
         cfg, plan = self.cfg, self.plan

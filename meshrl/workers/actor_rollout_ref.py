@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,9 @@ class ActorRolloutRefWorker(RankWorker):
 
     # ---------------------------------------------------------------------------------- set-up
     def setup(self, address: tuple[str, int]) -> dict[str, Any]:
+        """Join the process group, build the policy (and reference) and the rollout engine; returns the rank's
+        layout, with ``startup``: seconds spent on the imports below, the models and the engine."""
+        started = time.monotonic()  # before the imports: the libraries' import is most of a start on CPU
         from transformers import AutoConfig, AutoTokenizer
 
         from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
@@ -115,6 +119,7 @@ class ActorRolloutRefWorker(RankWorker):
         arr = self.section
         actor = arr.actor
         threads = int(os.environ.get("MESHRL_THREADS", "1"))
+        imported = time.monotonic()
         layout = self._init_distributed(address, actor.megatron, threads)
         trust = {"trust_remote_code": arr.model.trust_remote_code}
         self.hf_config = AutoConfig.from_pretrained(self.model_dir, **trust)
@@ -171,6 +176,7 @@ class ActorRolloutRefWorker(RankWorker):
             generation_threads=threads, max_lora_rank=self.plan.lora.rank if self.adapter_sync else 0,
             sleep_level=1 if self.adapter_sync else 2)
         self.replica = self.rank // rollout.tensor_model_parallel_size
+        built = time.monotonic()
         self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)
         self.bucket_bytes = engine_cfg.bucket_bytes
         if not self.engine.weights_complete:  # rollout.load_format=dummy: random weights until the policy's arrive
@@ -187,7 +193,9 @@ class ActorRolloutRefWorker(RankWorker):
         self.engine.sleep()
         return {**self.layout_dict(), "replica": self.replica,
                 "replica_leader": self.rank % rollout.tensor_model_parallel_size == 0,
-                "num_replicas": self.world_size // rollout.tensor_model_parallel_size}
+                "num_replicas": self.world_size // rollout.tensor_model_parallel_size,
+                "startup": {"imports": imported - started, "models": built - imported,
+                            "engine": time.monotonic() - built}}
 
     # ---------------------------------------------------------------------------------- rollout
     @trims_heap

@@ -117,6 +117,8 @@ class DispatchGroup:
         except BaseException:
             self.group.shutdown()
             raise
+        # rank 0's own start-up phases, when its role reports them (seconds by phase: meshrl.trainer.startup)
+        self.startup: dict[str, float] = self.layouts[0].get("startup", {})
         self.dp_size = self.layouts[0]["dp_size"]
         self.num_replicas = self.layouts[0].get("num_replicas", self.dp_size)
 

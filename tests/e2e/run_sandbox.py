@@ -3,13 +3,15 @@
 Each run gets its own temporary folder as ``TMPDIR`` and ``RAY_TMPDIR`` (Ray's session goes there): the run's processes are
 the ones whose environment carries that ``TMPDIR`` or a folder in it (every process it starts inherits it, and
 a daemon that outlives a killed driver still has it), its temporary files are that folder's contents, and its shared-memory
-segments are the entries of ``/dev/shm`` that appeared while it ran. Ray keeps a folder per session under
+segments are the entries of ``/dev/shm`` that appeared while it ran, less those of engines that a live process outside
+the sandbox leads (``meshrl-<pid>-...``: ``make test`` runs another test file beside this one). Ray keeps a folder per session under
 ``RAY_TMPDIR`` on purpose (logs, the post-mortem of a failed run; ``meshrl.runtime`` prunes old ones): not counted.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,11 +29,18 @@ SHM = Path("/dev/shm")
 
 # The tiny recipe, short: what every reliability run shares (the test adds its own overrides).
 TINY = ["--config-name", "cpu_tiny_grpo", "trainer.device=cpu", "trainer.val_before_train=False",
-        "trainer.test_freq=-1"]
+        "trainer.test_freq=-1", "data.train_max_samples=64"]
 
 
 def _shm_entries() -> set[str]:
     return set(os.listdir(SHM)) if SHM.is_dir() else set()
+
+
+def _held_elsewhere(name: str, sandbox_pids: set[int]) -> bool:
+    """Whether ``name`` is a meshrl engine's segment (``meshrl.rollout.vllm_shm``: ``meshrl-<pid>-...``) whose
+    leader is alive outside the sandbox: an engine of a test running beside this one."""
+    match = re.match(r"meshrl-(\d+)-", name)
+    return match is not None and int(match[1]) not in sandbox_pids and psutil.pid_exists(int(match[1]))
 
 
 @dataclass
@@ -71,8 +80,10 @@ class RunSandbox:
             if path.is_dir() or relative.parts[0] == "ray":
                 continue  # Ray's session folders: its post-mortem archive (meshrl prunes the old ones)
             files.append(str(relative))
+        ours = {p.pid for p in alive}
         return {"processes": [" ".join(p.cmdline())[:120] for p in alive if p.is_running()],
-                "files": files, "shm": sorted(_shm_entries() - self.shm_before)}
+                "files": files, "shm": sorted(name for name in _shm_entries() - self.shm_before
+                                              if not _held_elsewhere(name, ours))}
 
     def assert_clean(self, files: bool = True) -> None:
         """Nothing left; ``files=False`` after a ``kill -9`` of the driver, whose temporary folder the next start

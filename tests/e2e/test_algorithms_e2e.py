@@ -8,7 +8,7 @@ trainer's recomputation. After one update the policy has moved (KL > 0, non-zero
 import json
 
 import pytest
-from e2e_checks import non_finite
+from e2e_checks import non_finite, with_extended
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_session")]
 
@@ -33,6 +33,10 @@ CASES = {
             "critic.shuffle=True", "actor_rollout_ref.actor.use_dynamic_bsz=False",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
 }
+# `make test-extended`: RLOO's step is GRPO's with another advantage function (checked against verl's in
+# tests/algorithms/test_verl_reference.py); its KL in the reward under the adaptive controller trains in
+# tests/e2e/test_reliability_e2e.py's resume test, which compares the controller's coefficient after a resume.
+EXTENDED = {"rloo"}
 # |engine - trainer| log-probs of the sampled tokens; the bf16 actor's (gpg) against the engine's fp32 computation
 # from its bf16-rounded weights
 ROLLOUT_TOLERANCE = {"gpg": 0.1}
@@ -68,7 +72,7 @@ def check_verl_trainer_keys(tmp_path):
     assert [line["step"] for line in logged] == [0, 0, 2, 2]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", with_extended(CASES, EXTENDED))
 def test_two_steps(train, tmp_path, name):
     _, steps = train(*ONE_MINI_BATCH, *CASES[name], *(verl_trainer_keys(tmp_path) if name == "ppo" else []))
     first, second = steps[1], steps[2]

@@ -37,7 +37,8 @@ engines.sync_weights = _corrupting
 """.replace("CORRUPTED", repr(CORRUPTED))
 ONE_STEP = ["trainer.total_training_steps=1", "trainer.val_before_train=False", "trainer.test_freq=-1",
             "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.rollout.name=hf"]  # the HF engine starts fastest; it copies the synced tensors too
+            "actor_rollout_ref.rollout.name=hf",  # the HF engine starts fastest; it copies the synced tensors too
+            "data.train_max_samples=64"]  # of GSM8K's 7,473 prompts: only these are tokenized at load
 
 
 def test_a_corrupted_sync_stops_the_run_at_step_1(tmp_path):

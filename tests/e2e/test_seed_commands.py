@@ -38,6 +38,7 @@ CPU_SCALE = {
     "actor_rollout_ref.actor.ppo_mini_batch_size": "2",
     "data.max_response_length": "8",  # data.max_prompt_length stays (512 by default, 1024 in example 4)
     "data.val_max_samples": "2",  # validation runs before training (val_before_train), on 2 prompts
+    "data.train_max_samples": "16",  # only these are tokenized at load (all 7,473 take ~2 s)
     "actor_rollout_ref.rollout.kv_cache_memory_bytes": "268435456",  # as the CPU recipes (default: 1 GiB)
 }
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
@@ -45,10 +46,13 @@ TOKEN_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 
 COMMANDS = {f"seed_example_{i + 1}": command for i, command in enumerate(SEED_COMMANDS)}
 COMMANDS.update({f"example_1_{name}": example_1_as(name) for name in ALGORITHM_SWAPS})
-# `make test-extended` (see the Makefile): at CPU scale example 2 is example 1 validated on the default test file,
-# example 5 is example 4 with another token budget, and example 1's GRPO / GPG / PPO runs train as
-# tests/e2e/test_algorithms_e2e.py's do.
-EXTENDED = {"seed_example_2", "seed_example_5", *(f"example_1_{name}" for name in ALGORITHM_SWAPS)}
+# `make test-extended` (see the Makefile): at CPU scale every example is example 1's ReMax path with other sizes
+# (its sizes, parallel layouts and lengths are swapped for CPU ones; that every key reaches the config as written
+# is tests/foundation/test_config.py's check of all five): example 2 is example 1 validated on the default test
+# file; 3 is example 1 at its own lr (its rollout TP4 is swapped for 1); 4 and 5 are example 1 with other token
+# budgets. Example 1's GRPO / GPG / PPO runs train as test_algorithms_e2e's do.
+EXTENDED = {"seed_example_2", "seed_example_3", "seed_example_4", "seed_example_5",
+            *(f"example_1_{name}" for name in ALGORITHM_SWAPS)}
 
 
 def tiny_model_for(seed_path: str | None) -> str:

@@ -3,7 +3,7 @@
 The argument lines are vendored (``tests/verl_scripts/arguments.json``, extracted from both verl mirrors by
 ``extract.py``). Swapped: the model and data paths (the tiny Llama, the packaged GSM8K), the hardware sizes
 (one CPU process, parallel sizes 1), the batch sizes, lengths and token budgets the script sets (CPU-sized),
-the run length (one step, no validation, no checkpoint), where the run writes, and the logger (``wandb``
+the run length (one step, no validation, no checkpoint; 16 training prompts loaded), where the run writes, and the logger (``wandb``
 is not installed here; console and jsonl instead). Everything else is the script's.
 """
 
@@ -37,10 +37,13 @@ SCRIPTS = {
     "lora_fsdp": ("volcengine/verl", "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh"),
     "lora_megatron": ("volcengine/verl", "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh"),
 }
-# `make test-extended` (see the Makefile): Qwen3 trains end to end in tests/e2e/test_families_e2e.py (at TP2),
-# and LoRA with verl's FSDP keys trains the adapters as lora_megatron does (the two key sets are mapped in
-# tests/parallel/test_lora_keys.py).
-EXTENDED = {"qwen3_grpo", "lora_fsdp"}
+# `make test-extended` (see the Makefile); every script's arguments load and validate in the unit tests
+# (tests/foundation/test_verl_features.py, test_verl_invocation.py for --config-path / --config-name). Qwen3 trains
+# end to end in tests/e2e/test_families_e2e.py (at TP2); LoRA with verl's FSDP keys trains the adapters as
+# lora_megatron does (the two key sets are mapped in tests/parallel/test_lora_keys.py); Megatron PPO's critic path
+# is gemma2_ppo's and test_algorithms_e2e.py's PPO case's; CISPO's step is GRPO's with the loss checked against
+# verl's in tests/algorithms/test_verl_reference.py, and the FSDP keys' warnings are the key-policy unit tests'.
+EXTENDED = {"qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
 # conflict with its deprecated twin, e.g. ppo_micro_batch_size vs ppo_micro_batch_size_per_gpu).
@@ -72,7 +75,7 @@ def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = D
         out.append(arg if replacement is None else f"{key}={replacement}")
     return out + ["trainer.total_training_steps=1", "trainer.val_before_train=False", "trainer.test_freq=-1",
                   "trainer.save_freq=-1", "trainer.device=cpu", f"trainer.default_local_dir={run_dir}",
-                  "trainer.logger=[console,jsonl]"]
+                  "trainer.logger=[console,jsonl]", "data.train_max_samples=16"]
 
 
 @pytest.mark.parametrize("name", with_extended(SCRIPTS, EXTENDED))

@@ -1,0 +1,76 @@
+"""Where a run's time to its first step goes: the driver's phases (config checks, data, Ray, each worker group)
+and, inside a group's start, its rank 0's own (imports, models, engine).
+
+A run prints them in one line once its workers are ready (``meshrl: ready in 31.2 s (...)``) and logs them with its
+first training step as ``startup/<phase>_s``, with ``startup/first_step_s``: from the start of the process (the
+command; for ``meshrl.trainer.main.run`` called in a process that was already running, from that call) to the end of
+that step. The plot leaves them out: they are one number per run, not curves.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+PREFIX = "startup/"
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (its interpreter's start, before any import)."""
+    import psutil
+
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
+class StartupClock:
+    """Phases measured from an origin: ``origin_age_s`` seconds before the clock was made (0: now)."""
+
+    def __init__(self, origin_age_s: float = 0.0) -> None:
+        self._origin = time.monotonic() - origin_age_s
+        self._mark = time.monotonic()
+        self.phases: dict[str, float] = {}
+        # a group's phases inside its start, by group: {"actor_rollout_ref": {"imports": 7.1, ...}}
+        self.inside: dict[str, dict[str, float]] = {}
+        if origin_age_s:  # the interpreter and the imports before the clock existed
+            self.phases["python"] = origin_age_s
+
+    def lap(self, phase: str) -> None:
+        """``phase`` took the time since the previous lap (or the clock's creation)."""
+        now = time.monotonic()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._mark
+        self._mark = now
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as ``name`` (what ran since the last lap is not counted in it)."""
+        self._mark = time.monotonic()
+        try:
+            yield
+        finally:
+            self.lap(name)
+
+    def group_started(self, group: str, inner: dict[str, float]) -> None:
+        """The phases rank 0 of ``group`` reported from inside its start (``phase(group)`` timed the whole start);
+        the rest of that time is ``start``: placing the workers, starting their processes, importing the role."""
+        if inner:
+            self.inside[group] = {"start": max(0.0, self.phases[group] - sum(inner.values())), **inner}
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._origin
+
+    def line(self) -> str:
+        """``ready in T s (phase t, ..., group t: inner t, ...)``."""
+        parts = []
+        for name, seconds in self.phases.items():
+            inner = self.inside.get(name)
+            detail = ": " + ", ".join(f"{k} {v:.1f}" for k, v in inner.items()) if inner else ""
+            parts.append(f"{name} {seconds:.1f}{detail}")
+        return f"ready in {self.elapsed_s():.1f} s ({'; '.join(parts)})"
+
+    def metrics(self) -> dict[str, float]:
+        """``startup/<phase>_s`` for every phase and group-inner phase (``startup/<group>/<phase>_s``)."""
+        out = {f"{PREFIX}{name}_s": seconds for name, seconds in self.phases.items()}
+        for group, inner in self.inside.items():
+            out.update({f"{PREFIX}{group}/{name}_s": seconds for name, seconds in inner.items()})
+        return out
