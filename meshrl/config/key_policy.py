@@ -57,6 +57,12 @@ RM_POOL = ("meshrl colocates the reward model with the training ranks (one more 
 
 INERT = {
     "data.filter_overlong_prompts_workers": "meshrl filters prompts in one process; the result is the same",
+    "data.tokenizer": "verl's trainer reads it nowhere either: prompts and responses use the policy's tokenizer "
+                      "(actor_rollout_ref.model.tokenizer_path, else the model folder's)",
+    "reward_model.rollout.free_cache_engine": "the judge's vLLM server holds its memory for the whole run (it does not "
+                                              "sleep between steps as verl's colocated one does)",
+    "reward.reward_model.rollout.free_cache_engine": "the judge's vLLM server holds its memory for the whole run (it "
+                                                     "does not sleep between steps as verl's colocated one does)",
     "data.dataloader_num_workers": "meshrl's sampler reads prompts from memory, with no DataLoader workers",
     "actor_rollout_ref.model.use_shm": "meshrl reads the model folder where it is",
     "reward_model.n_gpus_per_node": "it sizes verl's separate reward-model pool (enable_resource_pool)",
@@ -162,6 +168,10 @@ REFUSED = {
                                                          "is not read); replay is the actor's: leave it disabled",
     "critic.megatron.router_replay.mode": "router replay is the policy's (verl replays in the actor's passes only); "
                                           "leave it disabled",
+    "reward_model.megatron.router_replay.mode": "router replay is the policy's (verl replays in the actor's passes "
+                                                "only); leave it disabled",
+    "reward_model.megatron.dist_checkpointing_path": "the reward model loads its HF folder (reward_model.model.path); "
+                                                     "reward_model.megatron.use_dist_checkpointing is refused too",
     "*.megatron.override_transformer_config.moe_*": MOE,  # but READ_ENTRIES
     "actor_rollout_ref.rollout.expert_parallel_size": MOE,
     "actor_rollout_ref.rollout.moe_tensor_parallel_size": MOE,

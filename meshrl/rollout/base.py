@@ -98,8 +98,8 @@ OWNED_VLLM_ARGS = {
     "enable_sleep_mode": _INSTEAD.format("free_cache_engine"),
     "load_format": _INSTEAD.format("load_format"),
     "disable_log_stats": _INSTEAD.format("disable_log_stats"),
-    "enable_chunked_prefill": "off on CPU (seeded sampling cannot resume a split prompt there), vLLM's default on "
-                              "CUDA; remove it",
+    "enable_chunked_prefill": _INSTEAD.format("enable_chunked_prefill") + " (always off on CPU: seeded sampling "
+                              "cannot resume a split prompt there)",
     "distributed_executor_backend": "one engine worker runs in each training rank; remove it",
     "worker_cls": "meshrl's weight sync needs vLLM's default worker; remove it",
     "worker_extension_cls": "meshrl's weight sync is the worker extension; remove it",
@@ -203,6 +203,8 @@ class EngineConfig:
       on CPU prompts are never split across steps, see ``vllm_engine``).
     - ``kv_cache_memory_bytes`` (CPU; None = 1 GiB) / ``gpu_memory_utilization`` (CUDA).
     - ``enforce_eager``: None = True on CPU (the only exact mode there), False (CUDA graphs) on CUDA.
+    - ``enable_chunked_prefill``: vLLM's, on CUDA; on CPU always off (seeded sampling cannot resume a prompt split
+      across engine steps there, see ``vllm_engine``), whatever the key says.
     - ``logprobs_mode``: ``processed_logprobs`` (default; the distribution sampled from, after
       temperature, top-k and top-p) or ``raw_logprobs`` (the policy at temperature 1); see the module doc.
     - ``in_process``: vLLM's engine core in this process (colocation; required when
@@ -234,6 +236,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool | None = None
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     logprobs_mode: str = "processed_logprobs"
     in_process: bool = True
     free_cache_engine: bool = True

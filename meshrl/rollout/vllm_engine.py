@@ -264,7 +264,8 @@ class VLLMEngine(RolloutEngine):
         )
         if self._cuda:
             kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,
-                          enable_sleep_mode=config.free_cache_engine)
+                          enable_sleep_mode=config.free_cache_engine,
+                          enable_chunked_prefill=config.enable_chunked_prefill)
         else:
             kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or _DEFAULT_CPU_KV_CACHE_BYTES
             # See the module docstring: seeded sampling and chunked prefill cannot mix on CPU (hence

