@@ -42,8 +42,8 @@ SCRIPTS = {
                                                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
 }
 # `make test-extended` (see the Makefile); every script's arguments load and validate in the unit tests
-# (tests/foundation/test_verl_features.py, test_verl_invocation.py for --config-path / --config-name). Qwen3 trains
-# end to end in tests/e2e/test_families_e2e.py (at TP2); LoRA with verl's FSDP keys trains the adapters as
+# (tests/foundation/test_verl_features.py, test_verl_invocation.py for --config-path / --config-name). Qwen3's
+# layers match HF at TP2 and PP2 (tests/parallel/test_parallel_multiproc.py) and reach vLLM (test_family_vllm.py); LoRA with verl's FSDP keys trains the adapters as
 # lora_megatron does (the two key sets are mapped in tests/parallel/test_lora_keys.py); Megatron PPO's critic path
 # is gemma2_ppo's and test_algorithms_e2e.py's PPO case's; CISPO's step is GRPO's with the loss checked against
 # verl's in tests/algorithms/test_verl_reference.py, and the FSDP keys' warnings are the key-policy unit tests'.
