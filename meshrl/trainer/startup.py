@@ -28,27 +28,20 @@ class StartupClock:
 
     def __init__(self, origin_age_s: float = 0.0) -> None:
         self._origin = time.monotonic() - origin_age_s
-        self._mark = time.monotonic()
         self.phases: dict[str, float] = {}
         # a group's phases inside its start, by group: {"actor_rollout_ref": {"imports": 7.1, ...}}
         self.inside: dict[str, dict[str, float]] = {}
         if origin_age_s:  # the interpreter and the imports before the clock existed
             self.phases["python"] = origin_age_s
 
-    def lap(self, phase: str) -> None:
-        """``phase`` took the time since the previous lap (or the clock's creation)."""
-        now = time.monotonic()
-        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._mark
-        self._mark = now
-
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time the block as ``name`` (what ran since the last lap is not counted in it)."""
-        self._mark = time.monotonic()
+        """Time the block as ``name`` (added to an earlier block of that name)."""
+        started = time.monotonic()
         try:
             yield
         finally:
-            self.lap(name)
+            self.phases[name] = self.phases.get(name, 0.0) + time.monotonic() - started
 
     def group_started(self, group: str, inner: dict[str, float]) -> None:
         """The phases rank 0 of ``group`` reported from inside its start (``phase(group)`` timed the whole start);

@@ -37,10 +37,11 @@ SCRIPTS = {
     "lora_fsdp": ("volcengine/verl", "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh"),
     "lora_megatron": ("volcengine/verl", "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh"),
     # the same at inference TP2 (two ranks, one engine across them): vLLM slices the synced adapters per TP rank
-    "lora_megatron_rollout_tp2": ("volcengine/verl", "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh",
-                                  "tiny:llama", ["trainer.n_gpus_per_node=2",
-                                                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
+    "lora_megatron_rollout_tp2": ("volcengine/verl", "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh"),
 }
+# Swaps appended after the CPU sizes, by script name.
+AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
+                                       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]}
 # `make test-extended` (see the Makefile); every script's arguments load and validate in the unit tests
 # (tests/foundation/test_verl_features.py, test_verl_invocation.py for --config-path / --config-name). Qwen3's
 # layers match HF at TP2 and PP2 (tests/parallel/test_parallel_multiproc.py) and reach vLLM (test_family_vllm.py); LoRA with verl's FSDP keys trains the adapters as
@@ -89,9 +90,9 @@ def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = D
 def test_verl_script_trains_one_cpu_step(name, tmp_path):
     from meshrl.trainer.main import run
 
-    mirror, path, *rest = SCRIPTS[name]
-    model, after = (rest + ["tiny:llama"])[0], (rest[1] if len(rest) > 1 else [])  # after: more swaps, appended
-    recipe, overrides = parse_args(swapped(vendored_args(mirror, path), tmp_path, model) + after)
+    mirror, path, *model = SCRIPTS[name]
+    script = swapped(vendored_args(mirror, path), tmp_path, model[0] if model else "tiny:llama") + AFTER.get(name, [])
+    recipe, overrides = parse_args(script)
     cfg = load_config(overrides, recipe=recipe)
     plan = preflight(cfg)
     final = run(cfg, plan)
