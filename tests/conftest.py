@@ -34,11 +34,13 @@ def tiny_qwen2_dir():
     return tiny_model_dir(TinySpec(arch="qwen2", hidden_size=256, tie_word_embeddings=False))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_session():
-    """One Ray session for a module's in-process trainings (``meshrl.trainer.main.run`` uses a Ray its caller
-    started and leaves it running): saves Ray's start and stop per training, ~10 s each on 2 cores. Eight
-    logical CPUs: more than any test run places (2 ranks x policy, critic and reward model)."""
+    """One Ray session per test process for the in-process trainings and worker groups of every module that asks
+    (``meshrl.trainer.main.run`` uses a Ray its caller started and leaves it running; a run's ``runtime_env``
+    reaches its workers through their actor options either way): saves Ray's start and stop per module, ~5-10 s
+    each on 2 cores. Eight logical CPUs: more than any test run places (2 ranks x policy, critic and reward
+    model)."""
     import ray
 
     from meshrl.config import load_config

@@ -43,10 +43,18 @@ TEMPERATURE = {"llama": 1.0, "qwen2": 0.7, "qwen3": 0.7, "mistral": 1.0, "gemma"
                "gemma3_text": 0.7, "phi3": 1.0, "glm4": 0.7}
 TIMEOUT_S = 120.0
 
+# The families whose policy runs at PP2 in `make test`. Splitting into stages is the same for every family except
+# where a family depends on a layer's global index or on what sits at a stage's ends: Gemma's scaled embedding and
+# (1 + w) final norm, Gemma 2's alternating sliding windows and final soft-capping, Gemma 3's local/global layer
+# pattern and rotary bases; Llama and Qwen2 bring the tied and untied output layers. The Llama-like rest (Qwen3's
+# q/k norms, Mistral, Phi-3's fused projections, GLM-4's extra norms) differ only inside a layer, which their TP2
+# parity checks, and run at PP2 in `make test-extended` (the "pp2_families" phase of suite "w2x").
+PP2_FAMILIES = ("llama", "qwen2", "gemma", "gemma2", "gemma3_text")
 SUITES = {
     "w1": [("tp1", {})],
     "w2": [("tp2", dict(tensor_parallel=2)), ("pp2", dict(pipeline_parallel=2)),
            ("vpp2", dict(pipeline_parallel=2, virtual_pipeline=2)), ("dp2", {})],
+    "w2x": [("pp2_families", dict(pipeline_parallel=2))],
     "w4": [("tp2pp2", dict(tensor_parallel=2, pipeline_parallel=2))],
 }
 # Adam's update g / (sqrt(v) + eps) turns fp32 rounding of near-zero gradients into O(lr) differences
@@ -595,6 +603,11 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
     if name == "tp1":
         rec.run("smollm2", check_smollm2)
         rec.run("convert_cli", lambda: check_convert_cli(workdir))
+    elif name == "pp2_families":
+        for tag in (tag for tag in FAMILIES if tag not in PP2_FAMILIES):
+            path, temperature = tiny_model_dir(FAMILIES[tag]), TEMPERATURE[tag]
+            rec.run(f"parity.{tag}", lambda: check_parity(path, False, temperature=temperature))
+            rec.run(f"roundtrip.{tag}", lambda: check_roundtrip(path, workdir, f"{name}-{tag}"))
     elif name == "vpp2":
         rec.run("parity.llama4", lambda: check_parity(llama4, False))
         rec.run("parity.llama4_critic", lambda: check_parity(workdir / "critic-llama4", True))
@@ -603,12 +616,13 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
         rec.run("checkpoint_roundtrip", lambda: check_checkpoint_roundtrip(llama4, workdir, name, False))
         rec.run("forward_only_model", lambda: check_forward_only_model(llama4))
     else:
-        # Every family's policy at TP2 and PP2 (its layers sharded; split into stages) and its critic at TP2. What
+        # Every family's policy and critic at TP2 (its layers sharded), PP2_FAMILIES' policies at PP2. What
         # the other layouts add does not depend on the family: Llama and Qwen2 (tied and untied output layers,
         # with and without QKV bias) cover TP2xPP2 (both at once; world 4, two processes per core on 2 cores),
         # DP2 (TP1 replicas) and the critic's value head on the last PP2 stage.
         representative = ("llama", "qwen2")
-        for tag in tuple(FAMILIES) if name in ("tp2", "pp2") else representative:
+        tags = tuple(FAMILIES) if name == "tp2" else PP2_FAMILIES if name == "pp2" else representative
+        for tag in tags:
             path, critic, temperature = tiny_model_dir(FAMILIES[tag]), workdir / f"critic-{tag}", TEMPERATURE[tag]
             rec.run(f"parity.{tag}", lambda: check_parity(path, False, temperature=temperature))
             rec.run(f"roundtrip.{tag}", lambda: check_roundtrip(path, workdir, f"{name}-{tag}"))
@@ -672,7 +686,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     if dist.get_rank() == 0:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        make_critic_dirs(args.workdir)
+        if args.suite in ("w2", "w4"):  # the suites with critics
+            make_critic_dirs(args.workdir)
     dist.barrier()
     wanted = set(args.phases.split(",")) if args.phases else None
     results: dict[str, dict] = {}

@@ -1,7 +1,7 @@
 """Mixture-of-experts models under expert parallelism on CPU/gloo: one 4-rank torchrun launch of
 ``moe_worker.py`` (EP2, EP2 x TP2, EP2 x PP2: Qwen2-MoE and DeepSeek-V3 (multi-latent attention, a dense first
-layer, sigmoid grouped routing with the expert bias) at each, Qwen3-MoE and Mixtral at EP2 x TP2; EP4 loads the
-checkpoint), and the
+layer, sigmoid grouped routing with the expert bias) at each; EP4 loads the checkpoint; Qwen3-MoE and Mixtral at
+EP2 x TP2 in ``make test-extended``), and the
 same checks in process at TP1 / EP1 for every MoE family. Against each family's transformers class in fp32:
 log-probs and entropies (row and packed layouts), the loss and every gradient of a packed forward-backward
 (HF runs all micro-batches in one process, so the gradients equal a single-rank run's), and the weights read
@@ -16,7 +16,7 @@ launch on 2 quiet cores (144 s at load 40).
 from __future__ import annotations
 
 import pytest
-from moe_worker import MOE_FAMILIES, PHASES, REPLAY_FAMILY, SOFTMAX_FAMILIES, SP_FAMILY, check_family
+from moe_worker import EXTENDED_PHASES, MOE_FAMILIES, PHASES, REPLAY_FAMILY, SOFTMAX_FAMILIES, SP_FAMILY, check_family
 from torchrun_launch import launch
 
 from meshrl.models.tiny import tiny_model_dir, tiny_spec
@@ -77,6 +77,19 @@ def test_expert_parallel_layouts_match_hf(results: dict, phase: str, model_type:
     assert phase in results, results["_log"]
     failures = _failures(results[phase], model_type, aux, replay=model_type == REPLAY_FAMILY)
     assert not failures, failures
+
+
+@pytest.mark.multiproc
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+def test_qwen3_moe_and_mixtral_match_hf_at_ep2_tp2(tmp_path) -> None:
+    """``moe_worker.EXTENDED_PHASES``: the softmax-routed families without a shared expert at EP2 x TP2."""
+    results = launch("moe_worker.py", 4, tmp_path, "moe-x", 800, "--workdir", str(tmp_path), "--extended")
+    for phase, _, families, aux, _ in EXTENDED_PHASES:
+        assert phase in results, results["_log"]
+        for model_type in families:
+            failures = _failures(results[phase], model_type, aux, replay=model_type == REPLAY_FAMILY)
+            assert not failures, (model_type, failures)
 
 
 @pytest.mark.multiproc

@@ -3,8 +3,9 @@
 Two torchrun launches run every layout (``mp_worker.py``): world 2 runs TP2, PP2, PP2 x virtual PP2
 and DP2 (each DP replica is TP1), world 4 runs TP2 x PP2. The tests below only read their results.
 The TP2 phase saves the checkpoint that the other layouts load, so the world-4 launch follows the
-world-2 one. Parity and export run for every registered dense family (``mp_worker.FAMILIES``) at TP2 and
-PP2, critics at TP2; TP2 x PP2, DP2 and the PP2 critic keep to Llama and Qwen2 (``mp_worker.run_phase`` says
+world-2 one. Parity and export run for every registered dense family (``mp_worker.FAMILIES``) at TP2, critics
+at TP2; at PP2 the families whose stages differ (``mp_worker.PP2_FAMILIES`` says which and why), the others in
+``make test-extended``; TP2 x PP2, DP2 and the PP2 critic keep to Llama and Qwen2 (``mp_worker.run_phase`` says
 why). Budget on 2 cores: ~150 s for both launches on a fast machine.
 """
 
@@ -103,6 +104,20 @@ def _check(value, op: str, bound: float) -> bool:
     return {"<=": value <= bound, ">=": value >= bound, "==": value == bound}[op]
 
 
+def _failures(values: dict) -> list[str]:
+    """The recorded values outside their ``EXPECT`` bound; a value without one fails (``grad_scale`` aside)."""
+    failures = []
+    for key, value in values.items():
+        rules = [rule for pattern, rule in EXPECT.items() if fnmatch.fnmatch(key, pattern)]
+        if not rules and key.endswith(".grad_scale"):
+            continue
+        assert rules, f"no expectation for {key}"
+        op, bound = rules[0]
+        if not _check(value, op, bound):
+            failures.append(f"{key} = {value} (expected {op} {bound})")
+    return failures
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(1600)  # the first case also starts the two launches (the module's fixture)
 @pytest.mark.parametrize("phase,group", CASES, ids=[f"{p}-{g}" for p, g in CASES])
@@ -113,16 +128,25 @@ def test_layout(results: dict, phase: str, group: str) -> None:
     errors = {k: v for k, v in mine.items() if k.endswith(".error")}
     assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
     assert mine, f"no {group} results in phase {phase}: {sorted(values)}"
-    failures = []
-    for key, value in mine.items():
-        rules = [rule for pattern, rule in EXPECT.items() if fnmatch.fnmatch(key, pattern)]
-        if not rules and key.endswith(".grad_scale"):
-            continue
-        assert rules, f"no expectation for {key}"
-        op, bound = rules[0]
-        if not _check(value, op, bound):
-            failures.append(f"{key} = {value} (expected {op} {bound})")
+    failures = _failures(mine)
     assert not failures, f"{phase}/{group}: " + "; ".join(failures)
+
+
+@pytest.mark.multiproc
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+def test_the_llama_like_families_match_hf_at_pp2(tmp_path: Path) -> None:
+    """Qwen3, Mistral, Phi-3 and GLM-4 split into two pipeline stages: parity with HF and the export, bit for bit
+    (``make test`` runs them at TP2 and the families whose stages differ at PP2)."""
+    values = launch("mp_worker.py", 2, tmp_path, "w2x", 500, "--suite", "w2x", "--workdir", str(tmp_path))
+    assert "pp2_families" in values, values["_log"]
+    checked = values["pp2_families"]
+    errors = {k: v for k, v in checked.items() if k.endswith(".error")}
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+    tags = {key.split(".")[1] for key in checked if key.startswith("parity.")}
+    assert tags == {"qwen3", "mistral", "phi3", "glm4"}, sorted(checked)
+    failures = _failures(checked)
+    assert not failures, "; ".join(failures)
 
 
 @pytest.mark.multiproc

@@ -56,16 +56,6 @@ def _rank_class():
     return Rank
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=WORLD + 1, include_dashboard=False, _node_ip_address="127.0.0.1",
-             _temp_dir=os.environ["RAY_TMPDIR"], object_store_memory=128 * 1024**2, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _started_group():
     import ray
 
@@ -88,7 +78,7 @@ def _alive(pids: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("how,message", [("raise", r"toy rank 1 failed in step: ValueError: bad batch"),
                                          ("exit", r"toy rank 1 died during step")])
-def test_a_failing_rank_fails_the_call_and_its_blocked_peers_are_killed(ray_cluster, how, message):
+def test_a_failing_rank_fails_the_call_and_its_blocked_peers_are_killed(ray_session, how, message):
     group, pids = _started_group()
     try:
         start = time.monotonic()
