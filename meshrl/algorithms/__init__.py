@@ -7,15 +7,19 @@ Methods are looked up by the names verl users already type (`get_advantage_estim
 from meshrl.algorithms.advantages import (
     AdvantageOutput,
     gae,
+    gdpo,
     gpg,
     gpg_alpha,
     grpo,
     grpo_passk,
     opo,
+    optimal_token_baseline,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     remax,
     rloo,
+    rloo_vectorized,
+    tir_optimal_token_baseline,
 )
 from meshrl.algorithms.aggregation import LOSS_AGG_MODES, GlobalNorm, aggregate_loss
 from meshrl.algorithms.kl import (
@@ -29,9 +33,16 @@ from meshrl.algorithms.kl import (
 from meshrl.algorithms.policy_loss import (
     TokenLoss,
     cispo,
+    clip_cov,
+    dppo_kl,
+    dppo_tv,
+    dro,
     entropy_from_logits,
+    geo_mean,
     gspo,
+    kl_cov,
     policy_gradient,
+    sapo,
     value_loss,
     vanilla,
 )
@@ -45,6 +56,7 @@ from meshrl.algorithms.registry import (
     register_kl_penalty,
     register_policy_loss,
 )
+from meshrl.algorithms.rollout_correction import RolloutCorrectionSettings, bypass_mode
 
 get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
 get_policy_loss = POLICY_LOSSES.get
@@ -60,13 +72,21 @@ __all__ = [
     "GlobalNorm",
     "KLController",
     "Registry",
+    "RolloutCorrectionSettings",
     "TokenLoss",
     "aggregate_loss",
     "apply_kl_penalty",
+    "bypass_mode",
     "call_with_available",
     "cispo",
+    "clip_cov",
+    "dppo_kl",
+    "dppo_tv",
+    "dro",
     "entropy_from_logits",
     "gae",
+    "gdpo",
+    "geo_mean",
     "get_advantage_estimator",
     "get_policy_loss",
     "gpg",
@@ -74,9 +94,11 @@ __all__ = [
     "grpo",
     "grpo_passk",
     "gspo",
+    "kl_cov",
     "kl_penalty",
     "make_kl_controller",
     "opo",
+    "optimal_token_baseline",
     "policy_gradient",
     "register_advantage",
     "register_kl_penalty",
@@ -85,6 +107,9 @@ __all__ = [
     "reinforce_plus_plus_baseline",
     "remax",
     "rloo",
+    "rloo_vectorized",
+    "sapo",
+    "tir_optimal_token_baseline",
     "value_loss",
     "vanilla",
 ]

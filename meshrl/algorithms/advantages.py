@@ -12,8 +12,9 @@ hold. Call one by name with `registry.call_with_available(ADVANTAGE_ESTIMATORS.g
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -88,7 +89,7 @@ def gae(
     return AdvantageOutput(advantages=masked_whiten(raw_advantages, mask), returns=returns)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", "grpo_vectorized")
 @torch.no_grad()
 def grpo(
     token_rewards: Tensor,
@@ -102,6 +103,9 @@ def grpo(
 
         A_i = (s_i − mean_g) / (std_g + ε)          broadcast over the tokens of response i
         A_i = s_i − mean_g                          norm_adv_by_std_in_grpo=False (Dr.GRPO, arXiv 2503.20783)
+
+    Also registered as ``grpo_vectorized``, verl's scatter-based implementation of the same formula (in fp32
+    there; the values agree up to that rounding).
     """
     mask, rewards = _prepare(token_rewards, response_mask)
     scores = rewards.sum(-1)
@@ -124,6 +128,22 @@ def rloo(token_rewards: Tensor, response_mask: Tensor, *, uid: Tensor) -> Advant
     scores = rewards.sum(-1)
     stats = group_stats(scores, uid)
     per_response = stats.size / (stats.size - 1).clamp(min=1) * (scores - stats.mean)
+    return AdvantageOutput(advantages=_broadcast(per_response, mask))
+
+
+@register_advantage("rloo_vectorized")
+@torch.no_grad()
+def rloo_vectorized(token_rewards: Tensor, response_mask: Tensor, *, uid: Tensor) -> AdvantageOutput:
+    """verl's vectorised RLOO: `rloo`'s formula, but a group of one gets A_i = 0 (`rloo`: s_i).
+
+        A_i = (n_g·s_i − Σ_{j in g} s_j) / (n_g − 1)   for n_g > 1,   0 for n_g = 1
+
+    Not an alias of `rloo`: the two differ exactly on groups of one (as verl's two functions do).
+    """
+    mask, rewards = _prepare(token_rewards, response_mask)
+    scores = rewards.sum(-1)
+    stats = group_stats(scores, uid)
+    per_response = torch.where(stats.size > 1, stats.size / (stats.size - 1).clamp(min=1) * (scores - stats.mean), 0.0)
     return AdvantageOutput(advantages=_broadcast(per_response, mask))
 
 
@@ -291,3 +311,195 @@ def grpo_passk(
     if norm_adv_by_std_in_grpo:
         gap = gap / (stats.std + epsilon)
     return AdvantageOutput(advantages=_broadcast(torch.where(is_best, gap, 0.0), mask))
+
+
+def reward_component(name: str, values: Sequence[Any], like: Tensor) -> Tensor:
+    """One per-response reward component (a reward function's extra output ``name``) as a (B,) tensor in the
+    dtype of ``like``; a response without it (its reward call failed: scored 0) counts 0."""
+    if len(values) != like.shape[0]:
+        raise ValueError(f"reward component {name!r} has {len(values)} values for {like.shape[0]} responses")
+    try:
+        numbers = [0.0 if v is None else float(v) for v in values]
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"reward component {name!r} must be a number per response ({error})") from error
+    out = torch.tensor(numbers, dtype=like.dtype, device=like.device)
+    check_finite(f"reward component {name!r}", out)
+    return out
+
+
+@register_advantage("gdpo")
+@torch.no_grad()
+def gdpo(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    uid: Tensor,
+    reward_extras: Mapping[str, Sequence[Any]] | None = None,
+    gdpo_reward_keys: Sequence[str] | None = None,
+    gdpo_reward_weights: Sequence[float] | None = None,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> AdvantageOutput:
+    """GDPO, group reward-decoupled normalisation (arXiv 2601.05242): each reward component normalised in its
+    group on its own, so that a large component does not drown the others, then summed and whitened.
+
+        c_{i,k} = component k of response i: the reward function's extra output `gdpo_reward_keys[k]`
+        A_{i,k} = (c_{i,k} − mean_g(c_k)) / (std_g(c_k) + ε)      each component's GRPO advantage
+                  (c_{i,k} − mean_g(c_k) with norm_adv_by_std_in_grpo=False)
+        A_i     = Σ_k w_k · A_{i,k}                                w = gdpo_reward_weights (default all 1)
+        A       = whiten(A_i broadcast over the tokens)            over the valid tokens of the batch
+
+    `reward_extras` holds the reward function's extra outputs by name (the entries of its returned dict other
+    than "score"), one value per response; a response without one counts 0 (its reward call failed). Without
+    `gdpo_reward_keys` the one component is the outcome score s_i (verl's function called without a config;
+    verl's trainer requires the keys, and so does meshrl's config check).
+
+    verl's trainer hands gdpo no `norm_adv_by_std_in_grpo` (its default True applies whatever the config says);
+    meshrl passes the config's, as it does to `grpo_passk`. The default is verl's.
+    """
+    mask, rewards = _prepare(token_rewards, response_mask)
+    check_has_valid_token(mask)
+    scores = rewards.sum(-1)
+    if gdpo_reward_keys:
+        extras = reward_extras or {}
+        missing = [key for key in gdpo_reward_keys if key not in extras]
+        if missing:
+            raise ValueError(f"gdpo: reward component(s) {missing} (algorithm.gdpo_reward_keys) are not among the "
+                             f"reward function's extra outputs {sorted(extras)}; its returned dict must hold them "
+                             "beside 'score'")
+        components = [reward_component(key, extras[key], scores) for key in gdpo_reward_keys]
+    else:
+        components = [scores]
+    weights = [1.0] * len(components) if gdpo_reward_weights is None else [float(w) for w in gdpo_reward_weights]
+    if len(weights) != len(components):
+        raise ValueError(f"gdpo: {len(weights)} gdpo_reward_weights for {len(components)} reward components")
+    total = torch.zeros_like(scores)
+    for component, weight in zip(components, weights):
+        stats = group_stats(component, uid)
+        centred = component - stats.mean
+        total = total + weight * (centred / (stats.std + epsilon) if norm_adv_by_std_in_grpo else centred)
+    return AdvantageOutput(advantages=masked_whiten(_broadcast(total, mask), mask))
+
+
+def _path_variance(mask: Tensor, old_log_probs: Tensor, sum_pi_squared: Tensor,
+                   rollout_is_weights: Tensor | None) -> Tensor:
+    """W_t = Σ_{j ≤ t, m_j} ρ_j² (1 − 2π_j + Σ_v π_{j,v}²), π_j = exp(old_log_probs_j): (B, T), carried past
+    masked tokens."""
+    check_same_shape("old_log_probs", old_log_probs, "response_mask", mask)
+    check_same_shape("sum_pi_squared", sum_pi_squared, "response_mask", mask)
+    w = 1 - 2 * torch.where(mask, old_log_probs, 0.0).exp() + torch.where(mask, sum_pi_squared, 0.0)
+    if rollout_is_weights is not None:
+        check_same_shape("rollout_is_weights", rollout_is_weights, "response_mask", mask)
+        w = w * torch.where(mask, rollout_is_weights, 0.0).square()
+    w = torch.where(mask, w, 0.0)
+    check_finite("1 - 2π + Σπ² (from old_log_probs and sum_pi_squared)", w, "valid")
+    return w.cumsum(-1)
+
+
+def _token_baseline(returns: Tensor, weights: Tensor, lengths: Tensor, members: Tensor, uid: Tensor,
+                    epsilon: float, handle_zero_tail: bool) -> Tensor:
+    """B_{g,k} = Σ_{i in g} G_{i,k} W_{i,k} / (Σ_{i in g} W_{i,k} + ε) per column k, read back per response (B, T).
+
+    `returns` G and `weights` W are 0 where a response has no token. A group counts its `members` (B,) only,
+    and one of fewer than two members gets B = 0. With `handle_zero_tail`, a group's unique longest member (by
+    `lengths`) gets B = 0 from column L₂ on, L₂ the longest length among the group's other members.
+    """
+    index = uid.long()
+    groups = num_groups(uid, returns.shape[0])
+    size = group_sum(members.to(returns.dtype), index, groups)[index]
+    numerator = returns.new_zeros(groups, returns.shape[1]).index_add_(0, index, returns * weights)
+    denominator = returns.new_zeros(groups, returns.shape[1]).index_add_(0, index, weights) + epsilon
+    baseline = torch.where((size > 1).unsqueeze(-1), (numerator / denominator)[index], 0.0)
+    if not handle_zero_tail:
+        return baseline
+    length = torch.where(members, lengths.to(returns.dtype), -1.0)
+    is_longest = members & (length == group_amax(length, index, groups)[index])
+    unique = group_sum(is_longest.to(returns.dtype), index, groups)[index] == 1
+    second = group_amax(torch.where(is_longest, -1.0, length), index, groups)[index]
+    tail = (is_longest & unique & (size > 1)).unsqueeze(-1)
+    columns = torch.arange(returns.shape[1], device=returns.device)
+    return torch.where(tail & (columns >= second.unsqueeze(-1)), 0.0, baseline)
+
+
+def _otb_inputs(token_rewards: Tensor, response_mask: Tensor, old_log_probs: Tensor, sum_pi_squared: Tensor,
+                rollout_is_weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(bool mask, reward-to-go G (B, T) with 0 at masked tokens, W (B, T) of `_path_variance` with 0 there)."""
+    mask, rewards = _prepare(token_rewards, response_mask)
+    check_has_valid_token(mask)
+    returns = torch.where(mask, rewards.flip(-1).cumsum(-1).flip(-1), 0.0)
+    weights = torch.where(mask, _path_variance(mask, old_log_probs, sum_pi_squared, rollout_is_weights), 0.0)
+    return mask, returns, weights
+
+
+@register_advantage("optimal_token_baseline")
+@torch.no_grad()
+def optimal_token_baseline(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    uid: Tensor,
+    old_log_probs: Tensor,
+    sum_pi_squared: Tensor,
+    rollout_is_weights: Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> AdvantageOutput:
+    """Optimal Token Baseline (verl's OTB): a baseline per prompt group and token position, each trajectory
+    weighted by the score-function energy it has accumulated up to that position.
+
+        G_{i,t} = Σ_{t' ≥ t} r_{i,t'}                                   reward-to-go (the returns)
+        w_{i,t} = 1 − 2π_{i,t} + Σ_v π_{i,t,v}²   (× ρ_{i,t}² with rollout IS weights ρ)
+                  π_{i,t} = exp(old_log_probs), Σπ² = `sum_pi_squared` (actor.calculate_sum_pi_squared)
+        W_{i,t} = Σ_{j ≤ t} w_{i,j} m_{i,j}
+        B_{g,t} = Σ_{i in g} G_{i,t} W_{i,t} m_{i,t} / (Σ_{i in g} W_{i,t} m_{i,t} + ε)    per position t
+        A_{i,t} = (G_{i,t} − B_{g,t}) · m_{i,t}                          a group of one: B = 0
+
+    `handle_zero_tail`: in a group whose longest response is unique, that response gets B = 0 from position
+    L₂ on (L₂: the second-longest length, counted in valid tokens, as verl does), where its baseline would be
+    its own return. Positions are columns of the response: a multi-turn response (masked tool output) lines
+    its tokens up with the others' by column; `tir_optimal_token_baseline` lines them up by valid-token count.
+    Every response counts in its group, one without valid tokens too (verl's).
+    """
+    mask, returns, weights = _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                         rollout_is_weights)
+    members = torch.ones_like(mask[:, 0])
+    baseline = _token_baseline(returns, weights, mask.sum(-1), members, uid, epsilon, handle_zero_tail)
+    return AdvantageOutput(advantages=torch.where(mask, returns - baseline, 0.0), returns=returns)
+
+
+@register_advantage("tir_optimal_token_baseline")
+@torch.no_grad()
+def tir_optimal_token_baseline(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    uid: Tensor,
+    old_log_probs: Tensor,
+    sum_pi_squared: Tensor,
+    rollout_is_weights: Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> AdvantageOutput:
+    """`optimal_token_baseline` for multi-turn (tool-integrated) responses: G and W as there, but the baseline
+    runs over each response's k-th valid token instead of its t-th column, so tool outputs (masked) do not
+    shift one response's turns against another's.
+
+        k(i, t) = Σ_{j ≤ t} m_{i,j} − 1                                  the valid-token index of token t
+        B_{g,k} = Σ_{i in g} G_{i,k} W_{i,k} / (Σ_{i in g} W_{i,k} + ε)  over the responses with a k-th token
+        A_{i,t} = (G_{i,t} − B_{g,k(i,t)}) · m_{i,t}
+
+    Groups count the responses with at least one valid token (one with none gets A = 0); `handle_zero_tail`
+    zeroes the unique longest response's B from its L₂-th valid token on. Without gaps in the masks, this is
+    `optimal_token_baseline`.
+    """
+    mask, returns, weights = _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                         rollout_is_weights)
+    lengths = mask.sum(-1)
+    # Each response's valid tokens moved to the front, in order (a stable sort puts the masked ones last).
+    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices
+    packed = torch.arange(mask.shape[1], device=mask.device) < lengths.unsqueeze(-1)
+    packed_returns = torch.where(packed, returns.gather(-1, order), 0.0)
+    packed_weights = torch.where(packed, weights.gather(-1, order), 0.0)
+    baseline = _token_baseline(packed_returns, packed_weights, lengths, lengths > 0, uid, epsilon, handle_zero_tail)
+    advantages = torch.zeros_like(returns).scatter_(-1, order, packed_returns - baseline)
+    return AdvantageOutput(advantages=torch.where(mask, advantages, 0.0), returns=returns)

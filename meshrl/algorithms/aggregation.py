@@ -4,7 +4,8 @@ A mini-batch (one optimizer step) is split into micro-batches on each data-paral
 micro-batch were averaged by its own token or sequence count, and the micro-batch losses then averaged
 equally, the result would depend on the split: that is the dynamic-batch-size bug of verl's legacy
 Megatron actor (verl issues #4021, #4710). Here every mode is a sum of per-token or per-sequence terms
-divided by a constant of the mini-batch (`GlobalNorm`), so the per-micro-batch losses simply add up:
+divided by a constant of the mini-batch (`GlobalNorm`, or by nothing), so the per-micro-batch losses
+simply add up:
 
     Σ_{micro-batches k, ranks r} aggregate_loss(L_kr, m_kr, mode, norm) = aggregate_loss(L, m, mode, norm)
 
@@ -12,6 +13,7 @@ for any split, and so do their gradients (accumulate micro-batch gradients by su
 them across DP ranks, i.e. multiply by dp_size if the DP wrapper averages).
 
     token-mean               Σ_{i,t} L·m / N_tokens
+    token-sum                Σ_{i,t} L·m        (verl's ×dp_size on each rank only undoes DDP's mean of gradients)
     seq-mean-token-sum       Σ_i Σ_t L·m / N_seqs
     seq-mean-token-mean      Σ_i (Σ_t L·m / Σ_t m) / N_seqs
     seq-mean-token-sum-norm  Σ_i Σ_t L·m / (N_seqs · L_max)        (Dr.GRPO, arXiv 2503.20783)
@@ -30,7 +32,9 @@ from torch import Tensor
 from meshrl.algorithms.masked import masked_sum
 from meshrl.algorithms.validation import check_has_valid_token, check_same_shape, response_mask_as_bool
 
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
 
@@ -70,6 +74,8 @@ def aggregate_loss(token_loss: Tensor, response_mask: Tensor, loss_agg_mode: str
     check_same_shape("token_loss", token_loss, "response_mask", response_mask)
     if loss_agg_mode == "token-mean":
         return masked_sum(token_loss, mask) / norm.num_tokens
+    if loss_agg_mode == "token-sum":
+        return masked_sum(token_loss, mask)
     if loss_agg_mode == "seq-mean-token-sum":
         return masked_sum(token_loss, mask) / norm.num_seqs
     if loss_agg_mode == "seq-mean-token-mean":

@@ -109,8 +109,9 @@ INERT = {
     "*.profiler.*": PROFILER,
 }
 
-REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' manager (one score per response, dispatched by "
-                  "data source; reward_model.reward_manager takes either); other managers and their reward_kwargs "
+REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' / 'gdpo' manager (one score per response, "
+                  "dispatched by data source; reward.reward_manager.name or reward_model.reward_manager takes any of "
+                  "them); other managers, custom manager modules and their reward_kwargs "
                   "(e.g. DAPO's overlong buffer) are not built yet")
 MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral / "
        "DeepSeek-V3 with TP / PP / DP / EP, megatron's load-balancing / z-loss (override_transformer_config."
@@ -137,19 +138,11 @@ REFUSED = {
     "reward_model.megatron.use_dist_checkpointing": "the reward model loads from its HF folder "
                                                     "(reward_model.model.path); leave it False",
     "reward_model.reward_kwargs": REWARD_MANAGER,
-    "reward.reward_manager.*": REWARD_MANAGER,
+    "reward.reward_manager.source": REWARD_MANAGER,  # its name is reward_model.reward_manager's (ALIASES)
+    "reward.reward_manager.module.*": REWARD_MANAGER,
     "reward.reward_kwargs": REWARD_MANAGER,
     "algorithm.use_pf_ppo": PF_PPO,
     "algorithm.pf_ppo.*": PF_PPO,
-    "algorithm.rollout_correction.*": "rollout correction (importance sampling and rejection against the rollout "
-                                      "engine's log-probs) is not built yet; leave algorithm.rollout_correction at "
-                                      "its defaults",
-    "actor_rollout_ref.actor.policy_loss.clip_cov_*": "these configure verl's clip_cov / kl_cov policy losses, which "
-                                                      "meshrl does not register; leave them at their defaults",
-    "actor_rollout_ref.actor.policy_loss.kl_cov_ratio": "it configures verl's kl_cov policy loss, which meshrl does "
-                                                        "not register; leave it at its default",
-    "actor_rollout_ref.actor.policy_loss.ppo_kl_coef": "it configures verl's kl_cov policy loss, which meshrl does "
-                                                       "not register; leave it at its default",
     "actor_rollout_ref.hybrid_engine": "meshrl always colocates the rollout engine with the trainer (verl's hybrid "
                                        "engine); set True",
     "actor_rollout_ref.model.external_lib": "meshrl builds its own model families and imports no model code",
@@ -198,6 +191,7 @@ ALIASES = {
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
         "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
     "reward.num_workers": "reward_model.num_workers",
+    "reward.reward_manager.name": "reward_model.reward_manager",
     "reward.custom_reward_function.path": "custom_reward_function.path",
     "reward.custom_reward_function.name": "custom_reward_function.name",
     "reward.sandbox_fusion.url": "reward_model.sandbox_fusion.url",
@@ -205,6 +199,9 @@ ALIASES = {
     "reward.sandbox_fusion.memory_limit_mb": "reward_model.sandbox_fusion.memory_limit_mb",
     "reward.reward_model.enable": "reward_model.enable",
     "reward.reward_model.model_path": "reward_model.model.path",
+    # not verl's newer names: keys verl-project's SAPO scripts add, which verl leaves unread (see PolicyLossConfig)
+    "actor_rollout_ref.actor.policy_loss.tau_pos": "actor_rollout_ref.actor.tau_pos",
+    "actor_rollout_ref.actor.policy_loss.tau_neg": "actor_rollout_ref.actor.tau_neg",
 }
 
 

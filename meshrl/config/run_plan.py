@@ -21,6 +21,12 @@ registries (a typo fails here with a did-you-mean, before Ray, models or a rollo
   engine's log-probs are comparable with the trainer's at all, and the tolerance its precision allows.
 - **LoRA** (``lora``: ``meshrl.config.lora_keys``): the policy's adapters from verl's FSDP or Megatron LoRA keys,
   None when every weight trains.
+- **rollout correction** (``rollout_correction``: ``algorithm.rollout_correction``, checked and parsed): IS weights
+  and rejection against the engine's log-probs (they need the old-log-prob pass before the update), or bypass mode
+  (the engine's log-probs are the old ones: no pass, the ``bypass_mode`` loss, no train/rollout alarm).
+- **Σπ²** (``sum_pi_squared``, ``actor.calculate_sum_pi_squared``, verl's key): the old-log-prob pass also gives
+  each response token's Σ_v π_v² under the policy (``forward.OutputRequest.sum_pi_squared``), which the optimal
+  token baselines read; off, it costs nothing.
 - **the fused output layer** (``fused_chunk_size``): with ``model.use_fused_kernels`` the policy's and the
   reference's log-probs and entropy come from ``meshrl.parallel.fused_output`` in chunks of
   ``model.fused_kernel_options.chunk_size`` tokens; None: from the output layer's logits.
@@ -42,16 +48,22 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, POLICY_LOSSES, Registry
+from meshrl.algorithms.rollout_correction import RolloutCorrectionSettings
 from meshrl.config.loader import ConfigError
 from meshrl.config.lora_keys import LoraPlan, lora_plan
 from meshrl.config.micro_batching import ROLE_SECTIONS, MicroBatching, data_parallel_size, micro_batching
 from meshrl.config.reward_model_kind import DISCRIMINATIVE, GENERATIVE, reward_model_kind, unused_judge_keys
 from meshrl.config.schema import MISMATCH_ACTIONS
 
-# Batch fields the trainer can hand an estimator, and the roles that produce them.
-ESTIMATOR_BATCH_INPUTS = {"uid": None, "values": "critic", "greedy_scores": "greedy_baseline"}
-# Config values the trainer hands every estimator that names them (meshrl.trainer.advantage).
-ESTIMATOR_CONFIG_INPUTS = ("gamma", "lam", "norm_adv_by_std_in_grpo", "norm_by_std", "gpg_alpha_mode")
+# Batch fields the trainer can hand an estimator, and what produces them (meshrl.trainer.advantage).
+ESTIMATOR_BATCH_INPUTS = {"uid": None, "values": "critic", "greedy_scores": "greedy_baseline",
+                          "old_log_probs": "the old-log-prob pass (never skipped for an estimator taking them)",
+                          "sum_pi_squared": "actor_rollout_ref.actor.calculate_sum_pi_squared",
+                          "rollout_is_weights": "algorithm.rollout_correction"}
+# Config values the trainer hands every estimator that names them, and the reward function's extra outputs by
+# name (reward_extras: the entries of its returned dict other than "score").
+ESTIMATOR_CONFIG_INPUTS = ("gamma", "lam", "norm_adv_by_std_in_grpo", "norm_by_std", "gpg_alpha_mode",
+                           "gdpo_reward_keys", "gdpo_reward_weights", "reward_extras")
 # trainer.mismatch_tolerance=None: the token-mean |old_log_probs - rollout_log_probs| a healthy run stays under,
 # by the lower precision of trainer and engine. float32, measured on CPU: tiny Llama with the HF engine 5e-7
 # (max 2e-6), SmolLM2-135M with vLLM at most 7e-5 over the main job's 16 steps (the maximum; the mean is
@@ -135,6 +147,16 @@ class RunPlan:
     fused_chunk_size: int | None = None  # tokens per chunk of the fused output layer; None: unfused
     torch_compile: tuple[str, ...] = ()  # "policy" / "reference": compiled elementwise regions (torch_compile_roles)
     lora: LoraPlan | None = None  # the policy's LoRA adapters; None: every weight trains
+    # actor.calculate_sum_pi_squared: the old-log-prob pass also gives each token's Σ_v π_v² (sum_pi_squared)
+    sum_pi_squared: bool = False
+    # algorithm.rollout_correction, parsed (rollout_correction_check)
+    rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
+
+    @property
+    def old_log_prob_pass(self) -> bool:
+        """The trainer recomputes old_log_probs: not on-policy (the update's forward gives them), nor in bypass mode
+        (the engine's are taken)."""
+        return not self.on_policy and not self.rollout_correction.bypass
 
     @property
     def use_reference(self) -> bool:
@@ -245,12 +267,16 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
     lora, lora_problems, lora_notes = lora_plan(cfg)
     phase_problems += lora_problems
     warnings += lora_notes
+    correction, correction_problems, correction_notes = rollout_correction_check(cfg)
+    phase_problems += correction_problems
+    warnings += correction_notes
     if phase_problems:
         return None, phase_problems
     if note:
         warnings.append(note)
     return RunPlan(
-        adv_estimator=algo.adv_estimator, policy_loss=actor.policy_loss.loss_mode, loss_agg_mode=actor.loss_agg_mode,
+        adv_estimator=algo.adv_estimator, loss_agg_mode=actor.loss_agg_mode,
+        policy_loss="bypass_mode" if correction.bypass else actor.policy_loss.loss_mode,
         kl_in_reward=kl_in_reward, kl_loss=kl_loss, use_critic=use_critic,
         greedy_baseline="greedy_scores" in needs, response_length=int(width),
         prompt_length=int(rollout.prompt_length or data.max_prompt_length), temperature=float(rollout.temperature),
@@ -261,7 +287,9 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
         actor_update=actor_update,
         critic_update=critic_update, micro_batching=batching, warnings=tuple(warnings),
         fused_chunk_size=fused_chunk_size, torch_compile=torch_compile,
+        sum_pi_squared=bool(actor.calculate_sum_pi_squared),
         mismatch_tolerance=mismatch_tolerance, workers=WorkerSettings.from_config(cfg), lora=lora,
+        rollout_correction=correction,
     ), []
 
 
@@ -295,6 +323,11 @@ def rollout_mismatch_check(cfg: DictConfig) -> tuple[float | None, str | None, l
                         f"{trainer.mismatch_tolerance}")
     if problems or trainer.on_mismatch == "ignore":
         return None, None, problems
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        return None, ("the train/rollout log-prob alarm (trainer.on_mismatch) is off: algorithm.rollout_correction."
+                      "bypass_mode=True takes the engine's log-probs as old_log_probs, the trainer computes none to "
+                      "compare them with (the actor logs rollout_corr/kl, k3_kl, chi2_token of the policy it "
+                      "trains)"), []
     temperature_one = rollout.temperature == 1
     if not rollout.do_sample:
         why = None if temperature_one else (f"a greedy rollout (rollout.do_sample=False) reports log softmax(logits), "
@@ -353,7 +386,11 @@ def on_policy_update(cfg: DictConfig) -> bool:
     very policy that the old log-probs would be recomputed from, so logπ_old = logπ_θ.detach() exactly
     (ratio ρ = 1; every policy loss then has the gradient it has with the recompute, up to rounding).
     Not when KL is in the reward (``algorithm.use_kl_in_reward`` reads the old log-probs before the
-    advantages, hence before the update), nor with ``actor.skip_on_policy_old_log_prob=False``.
+    advantages, hence before the update), nor when the estimator takes ``old_log_probs`` or the pass gives
+    ``sum_pi_squared`` (``actor.calculate_sum_pi_squared``: the optimal token baselines read both before the
+    update), nor when ``algorithm.rollout_correction`` weighs or rejects tokens before the update (its
+    ``rollout_is`` / ``rollout_rs`` read the old log-probs; ``bypass_mode`` takes the engine's instead), nor with
+    ``actor.skip_on_policy_old_log_prob=False``.
 
     The skipped log-probs still exist: the update returns those of its forward pass (the policy before
     the step) as ``old_log_probs``, so the diagnostics that read them are computed as with the recompute;
@@ -362,7 +399,49 @@ def on_policy_update(cfg: DictConfig) -> bool:
     actor = cfg.actor_rollout_ref.actor
     return bool(actor.skip_on_policy_old_log_prob and actor.ppo_epochs == 1
                 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
-                and not cfg.algorithm.use_kl_in_reward)
+                and not cfg.algorithm.use_kl_in_reward and not actor.calculate_sum_pi_squared
+                and "old_log_probs" not in estimator_inputs(cfg.algorithm.adv_estimator)
+                and not rollout_correction_reads_old_log_probs(cfg.algorithm.rollout_correction))
+
+
+def rollout_correction_reads_old_log_probs(section: DictConfig) -> bool:
+    """``algorithm.rollout_correction`` needs the old log-probs before the update (IS weights, rejection) or replaces
+    them (bypass mode): either way the update cannot be the on-policy one."""
+    return section.rollout_is is not None or section.rollout_rs is not None or bool(section.bypass_mode)
+
+
+def rollout_correction_check(cfg: DictConfig) -> tuple[RolloutCorrectionSettings, list[str], list[str]]:
+    """(``algorithm.rollout_correction`` parsed, problems, start-up warnings): invalid values (verl's checks, at load
+    time), ``policy_loss.loss_mode=bypass_mode`` without bypass mode, and keys set to no effect."""
+    section, loss_mode = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    try:
+        settings = RolloutCorrectionSettings.from_config(section)
+    except ValueError as exc:
+        return RolloutCorrectionSettings(), [f"algorithm.rollout_correction: {exc}"], []
+    problems, warnings = [], []
+    if loss_mode == "bypass_mode" and not settings.bypass:
+        problems.append("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode expects old_log_probs to be the "
+                        "engine's: set algorithm.rollout_correction.bypass_mode=True instead (verl's trainer then "
+                        "picks this loss itself)")
+    if settings.bypass and cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:
+        problems.append("algorithm.rollout_correction.bypass_mode=True skips the old-log-prob pass, which computes "
+                        "actor_rollout_ref.actor.calculate_sum_pi_squared's Σπ² (as in verl): set one of them False")
+    if settings.bypass and loss_mode not in ("vanilla", "bypass_mode"):
+        warnings.append(f"algorithm.rollout_correction.bypass_mode=True trains with the bypass_mode loss (loss_type="
+                        f"{settings.loss_type}): actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} is not "
+                        "used, as in verl")
+    if settings.bypass and settings.loss_type == "ppo_clip" and settings.rollout_is is not None:
+        warnings.append("algorithm.rollout_correction: bypass_mode with loss_type=ppo_clip logs the IS weights "
+                        "(rollout_corr/rollout_is_*) but does not apply them, as in verl: PPO's ratio is already "
+                        "π_θ/π_rollout; loss_type=reinforce applies them")
+    unused = [f"{key} ({why})" for key, why, idle in (
+        ("rollout_rs_threshold", "rollout_rs is null", section.rollout_rs is None and section.rollout_rs_threshold
+         is not None),
+        ("rollout_is_batch_normalize", "rollout_is is null", settings.rollout_is is None and settings.batch_normalize),
+        ("loss_type", "bypass_mode is False", not settings.bypass and settings.loss_type != "ppo_clip")) if idle]
+    if unused:
+        warnings.append(f"algorithm.rollout_correction: {', '.join(unused)}: no effect on this run")
+    return settings, problems, warnings
 
 
 def lr_decay_style(optim: DictConfig) -> str:

@@ -24,7 +24,7 @@ from omegaconf import II
 
 # Values a few string keys may take; validate.py checks them and names the alternatives.
 TRUNCATION_MODES = ("error", "left", "right", "middle")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 ROLLOUT_ENGINES = ("vllm", "hf")
 ROLLOUT_MODES = ("sync", "async")
@@ -253,6 +253,7 @@ class FSDPCompatConfig:
     entropy_checkpointing: bool = False
     mixed_precision: Dict[str, Any] = field(default_factory=dict)  # param_dtype / reduce_dtype / buffer_dtype
     turbo_config: Dict[str, Any] = field(default_factory=dict)  # verl's fsdp_turbo settings
+    strategy: str = "fsdp"  # fsdp | fsdp2 (verl's engine config)
 
 
 def _profiler_tool_config() -> Dict[str, Any]:
@@ -281,12 +282,19 @@ class CheckpointContentsConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = "vanilla"  # vanilla | gpg | reinforce | gspo | cispo | a registered name
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
+    # a name registered in meshrl.algorithms.policy_loss (verl's), or "package.module:function"
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002  # clip_cov: at most this fraction of the tokens loses its gradient
+    clip_cov_lb: float = 1.0  # clip_cov: the covariance range of the tokens it may pick
     clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 0.1
+    kl_cov_ratio: float = 0.0002  # kl_cov: the fraction of the tokens (largest covariance) penalised
+    ppo_kl_coef: float = 0.1  # kl_cov: the coefficient of that penalty |logπ − logπ_old|
+    dro_beta: Optional[float] = None  # dro: the quadratic log-ratio penalty; required (> 0) for loss_mode=dro
+    # sapo: verl-project's SAPO scripts set these (+policy_loss.tau_pos / tau_neg), which verl's loss never reads:
+    # it reads actor.tau_pos / tau_neg. meshrl reads the actor's, which follow these unless set themselves
+    # (_actor_section; key_policy.ALIASES refuses the two set apart).
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
 
 
 @dataclass
@@ -306,11 +314,16 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
+    tau_pos: float = 1.0  # sapo: the temperature of the gate for A > 0
+    tau_neg: float = 1.05  # sapo: the temperature of the gate for A <= 0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     ppo_epochs: int = 1
     shuffle: bool = False
+    # verl's key: the old-log-prob pass also gives each response token's Σ_v π_v² (sum_pi_squared), which the
+    # optimal_token_baseline estimators read (they require it); off, it costs nothing (run_plan)
+    calculate_sum_pi_squared: bool = False
     # verl's key (its default True compiles the FSDP entropy): meshrl compiles the layers' norms, SwiGLU and
     # rotary (meshrl.parallel.compiled); off by default, as measured on CPU (bench/compile.py)
     use_torch_compile: bool = False
@@ -477,6 +490,11 @@ class RolloutConfig:
     agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
 
 
+def _actor_section() -> ActorConfig:
+    # SAPO's temperatures follow their policy_loss spelling unless set themselves (see PolicyLossConfig).
+    return ActorConfig(tau_pos=II(".policy_loss.tau_pos"), tau_neg=II(".policy_loss.tau_neg"))
+
+
 def _rollout_section() -> RolloutConfig:
     # The bucket size meshrl reads follows verl's newer name unless set itself (key_policy.ALIASES refuses
     # the two set apart). Here rather than in RolloutConfig's default: that section is also built alone.
@@ -491,7 +509,7 @@ class ActorRolloutRefConfig:
     # waits trainer.worker_timeout_s for each worker call, so a hung step fails after the smaller of the two.
     nccl_timeout: int = 600
     model: ModelConfig = field(default_factory=ModelConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
+    actor: ActorConfig = field(default_factory=_actor_section)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=_rollout_section)
 
@@ -606,7 +624,8 @@ class RewardModelConfig:
     # with custom_reward_function.path the function scores and reads the model's score as extra_info["rm_score"].
     # Follows verl-project's reward.reward_model.enable unless set itself.
     enable: bool = II("reward.reward_model.enable")
-    reward_manager: str = "naive"
+    # naive | prime | gdpo (meshrl's reward pool is each of them); follows verl's reward.reward_manager.name
+    reward_manager: str = II("reward.reward_manager.name")
     # verl's overlap: the reward function scores in the background while the reference / old-log-prob / value
     # passes run (meshrl.trainer.rl_trainer.RLTrainer.start_scoring)
     launch_reward_fn_async: bool = False
@@ -684,7 +703,8 @@ class RewardConfig:
     """verl-project's ``reward`` section, its newer home of the reward keys. ``num_workers`` and
     ``custom_reward_function`` are the older keys' other names (``reward_model.num_workers``,
     ``custom_reward_function.*`` follow them), and so is ``sandbox_fusion`` (``reward_model.sandbox_fusion``);
-    reward managers other than naive and learned reward models are refused."""
+    ``reward_manager.name`` is ``reward_model.reward_manager``'s (naive, prime or gdpo); other reward managers and
+    learned reward models are refused."""
 
     num_workers: int = 2  # meshrl's default (verl's is 8)
     custom_reward_function: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)
@@ -720,15 +740,16 @@ class ReMaxConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """verl's importance sampling / rejection of samples against the rollout engine's log-probs (refused)."""
+    """verl's importance sampling and rejection of tokens against the rollout engine's log-probs, and its bypass
+    mode (``meshrl.algorithms.rollout_correction``; the trainer's side ``meshrl.trainer.rollout_correction``)."""
 
-    rollout_is: Optional[str] = None
-    rollout_is_threshold: Any = 2.0  # a number, or verl's "low_high" string
-    rollout_rs: Optional[str] = None
-    rollout_rs_threshold: Any = None
-    bypass_mode: bool = False
-    loss_type: str = "ppo_clip"
-    rollout_is_batch_normalize: bool = False
+    rollout_is: Optional[str] = None  # null | token | sequence: IS weights on the policy loss
+    rollout_is_threshold: Any = 2.0  # U (truncation), or verl's "L_U" string (IcePop: weights outside [L, U] are 0)
+    rollout_rs: Optional[str] = None  # rejection: token_k1 .. seq_max_k3, several separated by commas
+    rollout_rs_threshold: Any = None  # one for all options or one per option; k1: "L_U" or U (L = 1/U)
+    bypass_mode: bool = False  # old_log_probs := the engine's (no recompute); loss bypass_mode
+    loss_type: str = "ppo_clip"  # bypass mode's loss: ppo_clip | reinforce (−A·logπ·w)
+    rollout_is_batch_normalize: bool = False  # weights / their batch mean
 
 
 @dataclass
@@ -751,6 +772,10 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     gpg: GPGConfig = field(default_factory=GPGConfig)
     remax: ReMaxConfig = field(default_factory=ReMaxConfig)
+    # gdpo: the reward components, by the names of the reward function's returned dict (beside "score"), each
+    # normalised in its group on its own; required with adv_estimator=gdpo (verl's keys and defaults)
+    gdpo_reward_keys: Optional[List[str]] = None
+    gdpo_reward_weights: Optional[List[float]] = None  # one per key; None: all 1
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from meshrl.config.key_policy import ROLLOUT_ROUTING, key_policy
 from meshrl.config.schema import ROUTER_REPLAY_MODES
@@ -21,6 +21,11 @@ from meshrl.config.run_plan import RunPlan, check_run_plan, estimator_inputs
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_DECAY_STYLES, LR_SCHEDULES,
                                   MEGATRON_DTYPES, MOE_BALANCING, NONFINITE_ACTIONS, ROLLOUT_MODES, WD_INCR_STYLES, WSD_DECAY_STYLES,
                                   RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
+
+
+# loss_mode -> its options (keys under actor_rollout_ref.actor) that must be > 0
+LOSS_OPTIONS_ABOVE_ZERO = {"sapo": ("tau_pos", "tau_neg"), "clip_cov": ("policy_loss.clip_cov_ratio",),
+                           "kl_cov": ("policy_loss.kl_cov_ratio",), "dro": ("policy_loss.dro_beta",)}
 
 
 class _Problems:
@@ -147,6 +152,9 @@ def validate_config(cfg: DictConfig) -> RunPlan:
             p.require(value > 0, f"actor_rollout_ref.actor.{key}", f"must be > 0, got {value}")
     p.require(actor.clip_ratio_c > 1, "actor_rollout_ref.actor.clip_ratio_c",
               f"the dual-clip bound must be > 1, got {actor.clip_ratio_c}")
+    # the options a policy loss divides by or cannot do without (dro_beta has no default)
+    for key in LOSS_OPTIONS_ABOVE_ZERO.get(actor.policy_loss.loss_mode, ()):
+        p.positive(OmegaConf.select(actor, key), f"actor_rollout_ref.actor.{key}")
     p.require(actor.kl_loss_coef >= 0, "actor_rollout_ref.actor.kl_loss_coef", f"must be >= 0, got {actor.kl_loss_coef}")
     _check_optim(p, actor.optim, "actor_rollout_ref.actor.optim")
     _check_megatron(p, cfg, actor.megatron, "actor_rollout_ref.actor.megatron")
@@ -175,8 +183,23 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.positive(algo.kl_ctrl.horizon, "algorithm.kl_ctrl.horizon")
     p.positive(algo.kl_ctrl.target_kl, "algorithm.kl_ctrl.target_kl")
     p.choice(algo.gpg.alpha_mode, "algorithm.gpg.alpha_mode", ("paper", "verl"))
-    if plan is not None and "uid" in estimator_inputs(plan.adv_estimator):
-        p.require(rollout.n >= 2, "actor_rollout_ref.rollout.n", _group_size_problem(plan.adv_estimator, rollout.n))
+    if plan is not None and "uid" in estimator_inputs(plan.adv_estimator) and rollout.n < 2:
+        if plan.adv_estimator in SOLO_GROUP_ADVANTAGE:
+            notes.append(f"actor_rollout_ref.rollout.n={rollout.n}: every response is a group of one, whose "
+                         f"{plan.adv_estimator} advantage is {SOLO_GROUP_ADVANTAGE[plan.adv_estimator]}")
+        else:
+            p.require(False, "actor_rollout_ref.rollout.n", _group_size_problem(plan.adv_estimator, rollout.n))
+    if plan is not None and "sum_pi_squared" in estimator_inputs(plan.adv_estimator):
+        p.require(actor.calculate_sum_pi_squared, "actor_rollout_ref.actor.calculate_sum_pi_squared",
+                  f"{plan.adv_estimator} weighs each token by 1 - 2π + Σπ², whose Σπ² (sum_pi_squared) the "
+                  "policy's old-log-prob pass gives only with this key: set it True, as verl requires")
+    p.require(algo.adv_estimator != "gdpo" or bool(algo.gdpo_reward_keys), "algorithm.gdpo_reward_keys",
+              "gdpo normalises each reward component on its own: list their names, the keys of the reward "
+              "function's returned dict beside 'score' (e.g. [accuracy_reward,format_reward]), as verl requires")
+    if algo.gdpo_reward_keys and algo.gdpo_reward_weights is not None:
+        p.require(len(algo.gdpo_reward_weights) == len(algo.gdpo_reward_keys), "algorithm.gdpo_reward_weights",
+                  f"one weight per algorithm.gdpo_reward_keys entry: {len(algo.gdpo_reward_keys)} keys, "
+                  f"{len(algo.gdpo_reward_weights)} weights")
 
     # trainer
     p.choice(trainer.device, "trainer.device", DEVICES)
@@ -225,10 +248,16 @@ def _sequence_parallel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
             if mg["sequence_parallel"] and mg["tensor_model_parallel_size"] == 1]
 
 
+# Group estimators whose advantage for a group of one still carries the reward, as verl computes it: these train at
+# rollout.n=1 (verl's rollout-correction examples run RLOO so), with a note saying what the advantage is.
+SOLO_GROUP_ADVANTAGE = {"rloo": "its raw score (REINFORCE without a baseline, as verl's rloo)"}
+
+
 def _group_size_problem(estimator: str, n: int) -> str:
     """A group estimator (one taking ``uid``) at ``rollout.n`` < 2: one response per prompt is a group with
     nothing to compare against (GRPO's advantages would all be 0, and the run would train on nothing)."""
-    without_groups = [name for name in ADVANTAGE_ESTIMATORS.names() if "uid" not in estimator_inputs(name)]
+    without_groups = [name for name in ADVANTAGE_ESTIMATORS.names()
+                      if "uid" not in estimator_inputs(name) or name in SOLO_GROUP_ADVANTAGE]
     return (f"{estimator} baselines each response against the other responses to the same prompt (its group), so it "
             f"needs at least 2 responses per prompt, got {n}: a group of one has nothing to compare with. Set "
             f"actor_rollout_ref.rollout.n=2 or more, or pick an estimator without groups: {', '.join(without_groups)}")

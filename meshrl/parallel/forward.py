@@ -5,6 +5,8 @@ Alignment convention (every output is ``[batch, seq]``, like the micro-batch's `
 
 - ``log_probs[b, t] = log pi_T(input_ids[b, t] | input_ids[b, <t])``
 - ``entropy[b, t]``  = entropy of that next-token distribution
+- ``sum_pi_squared[b, t]`` = sum_v pi_T(v | input_ids[b, <t])^2 of that distribution (forward only, no
+  gradient: the optimal token baselines' path-variance proxy, verl's ``calculate_sum_pi_squared``)
 - ``values[b, t]``   = critic value of the prefix before token ``t`` (the state that emits it)
 
 where ``pi_T = softmax(logits / T)`` at the request's temperature ``T`` (:class:`OutputRequest`): RL
@@ -98,6 +100,24 @@ def vocab_parallel_entropy(vocab_parallel_logits: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state
 
     return _VocabParallelEntropy.apply(vocab_parallel_logits, parallel_state.get_tensor_model_parallel_group())
+
+
+@torch.no_grad()
+def vocab_parallel_sum_pi_squared(vocab_parallel_logits: torch.Tensor) -> torch.Tensor:
+    """sum_v softmax(logits)_v^2 per position, without a gradient; ``logits[..., V/TP]`` is this rank's shard.
+
+    With m the maximum over the whole vocabulary and e_v = exp(x_v - m): sum_v e_v^2 / (sum_v e_v)^2, both sums
+    reduced over the TP group in one all-reduce. ``logits`` is read, not modified."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    logits = vocab_parallel_logits.float()
+    maximum = logits.max(dim=-1).values
+    dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+    exp = (logits - maximum.unsqueeze(-1)).exp_()
+    sums = torch.stack([exp.sum(dim=-1), exp.square_().sum(dim=-1)])
+    dist.all_reduce(sums, group=group)
+    return sums[1] / sums[0].square()
 
 
 def vocab_parallel_log_probs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -215,13 +235,18 @@ class OutputRequest:
     division (d/dlogits = (1/T) d/d(logits/T)). Pass the temperature the evaluated tokens were sampled
     at (the rollout's). Critic values ignore it.
 
-    ``fused_chunk_size`` N: a policy's log-probs and entropy come from the hidden states through the fused
+    ``sum_pi_squared``: also ``sum_pi_squared = sum_v p_v^2`` per token, from the same (temperature-divided)
+    logits, without a gradient (forward-only passes ask for it: the old-log-prob pass with
+    ``actor.calculate_sum_pi_squared``); off, nothing is computed.
+
+    ``fused_chunk_size`` N: a policy's log-probs and entropy (and Σπ²) come from the hidden states through the fused
     output layer (``meshrl.parallel.fused_output``), N tokens at a time, never holding more than
     ``[N, V/TP]`` logits; None: from the output layer's ``[tokens, V/TP]`` logits. Critic values ignore it.
     """
 
     log_probs: bool = True
     entropy: bool = False
+    sum_pi_squared: bool = False
     temperature: float = 1.0
     remove_padding: bool = False
     fused_chunk_size: int | None = None
@@ -255,11 +280,12 @@ def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: Ou
     if critic:
         return {"values": unpack(model_output.squeeze(-1).float(), inputs)}
     if head is not None:
-        log_probs, entropy = fused_log_probs_entropy(
+        log_probs, entropy, sum_pi_squared = fused_log_probs_entropy(
             model_output, head.weight, _targets(inputs) if request.log_probs else None,
             temperature=request.temperature, softcap=head.softcap, chunk_size=request.fused_chunk_size,
-            entropy=request.entropy)
+            entropy=request.entropy, sum_pi_squared=request.sum_pi_squared)
         return {**({"entropy": unpack(entropy, inputs)} if request.entropy else {}),
+                **({"sum_pi_squared": unpack(sum_pi_squared, inputs)} if request.sum_pi_squared else {}),
                 **({"log_probs": unpack(log_probs, inputs)} if request.log_probs else {})}
     # The log-softmax in fp32 whatever the parameters' dtype: in bf16 it would sum the vocabulary's
     # exponentials and round each log-prob to 8 mantissa bits (±0.03 near -10). Entropy and log-probs
@@ -271,6 +297,8 @@ def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: Ou
         # their own results, not their input).
         logits.div_(request.temperature)
     outputs = {}
+    if request.sum_pi_squared:  # before the log-probs, whose cross entropy modifies the logits in place
+        outputs["sum_pi_squared"] = unpack(vocab_parallel_sum_pi_squared(logits), inputs)
     if request.entropy:
         outputs["entropy"] = unpack(vocab_parallel_entropy(logits), inputs)
     if request.log_probs:

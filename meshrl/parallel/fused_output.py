@@ -10,6 +10,7 @@ model ties them), targets ``y [N]`` (vocabulary ids), temperature ``T`` and the 
     m = max_v x_v,  l = log sum_v exp(x_v - m)        max and sum reduced over the TP group
     log_prob = (x_y - m) - l        x_y from the rank whose shard holds y, summed over the group
     entropy  = -sum_v p_v log p_v,  log p = (x - m) - l,  summed over the group
+    sum_pi_squared = sum_v exp(x_v - m)^2 / exp(l)^2           (asked for only; no gradient)
 
 the same operations, in the same order and precision, as ``forward.vocab_parallel_log_probs`` (megatron's
 vocab-parallel cross entropy) and ``forward.vocab_parallel_entropy`` on the full logits. It runs over chunks of
@@ -67,14 +68,16 @@ def _target_in_shard(target: torch.Tensor, shard: int, group) -> tuple[torch.Ten
 
 
 class _FusedLogProbsEntropy(torch.autograd.Function):
-    """``(log_probs [N], entropy [N])`` from ``hidden [N, H]`` and ``weight [V/TP, H]``; the module docstring's
-    formulas. ``target`` None: no log-probs (an empty tensor comes back); ``entropy`` False: likewise."""
+    """``(log_probs [N], entropy [N], sum_pi_squared [N])`` from ``hidden [N, H]`` and ``weight [V/TP, H]``; the
+    module docstring's formulas. ``target`` None: no log-probs (an empty tensor comes back); ``entropy`` False,
+    ``sum_pi_squared`` False: likewise. Σπ² has no gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, temperature, softcap, chunk_size, entropy, group):
+    def forward(ctx, hidden, weight, target, temperature, softcap, chunk_size, entropy, group, sum_pi_squared=False):
         count, shard = hidden.shape[0], weight.shape[0]
         stats = hidden.new_empty((3, count), dtype=torch.float32)  # m, sum exp(x - m), entropy per token
         log_probs = hidden.new_empty(count if target is not None else 0, dtype=torch.float32)
+        squares = hidden.new_empty(count if sum_pi_squared else 0, dtype=torch.float32)
         for rows in _chunks(count, chunk_size):
             logits, _ = _capped_logits(hidden[rows], weight, softcap)
             if temperature != 1.0:
@@ -85,13 +88,19 @@ class _FusedLogProbsEntropy(torch.autograd.Function):
             if target is not None:
                 local, absent = _target_in_shard(target[rows], shard, group)
                 picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(absent, 0.0)
-            sum_exp = shifted.exp().sum(dim=-1)
-            # one all-reduce for the sum of exponentials and the target's logit
-            reduced = torch.stack([sum_exp, picked]) if target is not None else sum_exp.unsqueeze(0)
+            exp = shifted.exp()
+            sum_exp = exp.sum(dim=-1)
+            # one all-reduce for the sum of exponentials, the target's logit and the sum of squares
+            parts = [sum_exp] + ([picked] if target is not None else []) \
+                + ([exp.square_().sum(dim=-1)] if sum_pi_squared else [])
+            del exp
+            reduced = torch.stack(parts)
             dist.all_reduce(reduced, group=group)
             log_sum = reduced[0].log()
             if target is not None:
                 log_probs[rows] = reduced[1] - log_sum
+            if sum_pi_squared:
+                squares[rows] = reduced[-1] / reduced[0].square()
             stats[0, rows], stats[1, rows] = maximum, reduced[0]
             if entropy:
                 log_p = shifted.sub_(log_sum.unsqueeze(-1))
@@ -100,10 +109,11 @@ class _FusedLogProbsEntropy(torch.autograd.Function):
             dist.all_reduce(stats[2], group=group)
         ctx.save_for_backward(hidden, weight, target if target is not None else hidden.new_empty(0), stats)
         ctx.config = (temperature, softcap, chunk_size, target is not None, entropy, group)
-        return log_probs, stats[2].clone() if entropy else hidden.new_empty(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(squares)
+        return log_probs, stats[2].clone() if entropy else hidden.new_empty(0, dtype=torch.float32), squares
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
+    def backward(ctx, grad_log_probs, grad_entropy, grad_squares):
         hidden, weight, target, stats = ctx.saved_tensors
         temperature, softcap, chunk_size, has_target, has_entropy, group = ctx.config
         want_hidden, want_weight = ctx.needs_input_grad[:2]
@@ -140,14 +150,16 @@ class _FusedLogProbsEntropy(torch.autograd.Function):
             if want_weight:
                 grad_weight.add_(torch.matmul(grad.t(), chunk).float())
         return (grad_hidden, grad_weight.to(weight.dtype) if want_weight else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def fused_log_probs_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor | None, *,
-                            temperature: float, softcap: float | None, chunk_size: int, entropy: bool
-                            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(log_probs, entropy)`` of shape ``hidden.shape[:-1]`` (None where not asked: ``target`` None, or
-    ``entropy`` False) by the module docstring's formulas, differentiable in ``hidden`` and ``weight``.
+                            temperature: float, softcap: float | None, chunk_size: int, entropy: bool,
+                            sum_pi_squared: bool = False
+                            ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(log_probs, entropy, sum_pi_squared)`` of shape ``hidden.shape[:-1]`` (None where not asked: ``target``
+    None, ``entropy`` False, ``sum_pi_squared`` False) by the module docstring's formulas, the first two
+    differentiable in ``hidden`` and ``weight``.
 
     ``hidden [..., H]`` is replicated over the TP group (its gradient is summed over it here); ``weight``
     ``[V/TP, H]`` is this rank's vocabulary shard; ``target`` holds vocabulary ids, shaped like ``hidden[..., 0]``.
@@ -160,11 +172,12 @@ def fused_log_probs_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: 
     group = parallel_state.get_tensor_model_parallel_group()
     shape = hidden.shape[:-1]
     flat = copy_to_tensor_model_parallel_region(hidden).reshape(-1, hidden.shape[-1])
-    log_probs, entropies = _FusedLogProbsEntropy.apply(
+    log_probs, entropies, squares = _FusedLogProbsEntropy.apply(
         flat, weight, target.reshape(-1) if target is not None else None, float(temperature), softcap,
-        int(chunk_size), bool(entropy), group)
+        int(chunk_size), bool(entropy), group, bool(sum_pi_squared))
     return (log_probs.view(shape) if target is not None else None,
-            entropies.view(shape) if entropy else None)
+            entropies.view(shape) if entropy else None,
+            squares.view(shape) if sum_pi_squared else None)
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,10 @@ MATH_SOURCES = frozenset(
     {"DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500", "math", "math500"}
 )
 # verl's reward managers meshrl's pool is: "naive" scores each response with the function, "prime" does
-# the same in parallel processes with a per-call timeout and 0 for a failed call, which the pool does for both.
-REWARD_MANAGERS = ("naive", "prime")
+# the same in parallel processes with a per-call timeout and 0 for a failed call, which the pool does for both;
+# "gdpo" is naive's scoring too, whose dict-valued scores' other entries (the reward components gdpo's
+# estimator normalises, algorithm.gdpo_reward_keys) the pool keeps per response for every manager.
+REWARD_MANAGERS = ("naive", "prime", "gdpo")
 
 
 def default_compute_score(

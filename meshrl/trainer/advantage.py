@@ -2,7 +2,9 @@
 
 Input batch fields: ``token_level_scores`` (B, T) (the outcome score on each response's last valid
 token), ``response_mask`` (B, T), ``uid`` (B,) int group ids; as the method needs: ``old_log_probs``
-and ``ref_log_probs`` (KL in reward), ``values`` (gae), ``greedy_scores`` (remax).
+and ``ref_log_probs`` (KL in reward), ``values`` (gae), ``greedy_scores`` (remax), ``old_log_probs`` and
+``sum_pi_squared`` (the optimal token baselines; ``rollout_is_weights`` when the batch has them), the reward
+function's extra outputs (``meta["reward_extra_keys"]``: gdpo's reward components, handed as ``reward_extras``).
 Output fields: ``token_level_rewards``, ``advantages``, ``returns`` (the critic's target where the
 estimator defines one, else the advantages).
 """
@@ -14,6 +16,9 @@ from omegaconf import DictConfig
 
 from meshrl.algorithms import ADVANTAGE_ESTIMATORS, KLController, apply_kl_penalty, call_with_available
 from meshrl.protocol import Batch
+from meshrl.config.run_plan import ESTIMATOR_BATCH_INPUTS
+from meshrl.trainer.dumps import REWARD_EXTRA_KEYS
+from meshrl.workers.sequences import sampled
 
 
 def outcome_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -57,15 +62,22 @@ def compute_token_rewards(batch: Batch, algo: DictConfig, kl_ctrl: KLController 
 def compute_advantages(batch: Batch, algo: DictConfig) -> dict[str, float]:
     """Run ``algorithm.adv_estimator`` (a registered name or ``module:function``) on the batch."""
     estimator = ADVANTAGE_ESTIMATORS.get(algo.adv_estimator)
-    available = {name: batch[name] for name in ("uid", "values", "greedy_scores") if name in batch}
+    available = {name: batch[name] for name in ESTIMATOR_BATCH_INPUTS if name in batch}
+    extras = {key: batch[key] for key in batch.meta.get(REWARD_EXTRA_KEYS, ())}
+    keys = None if algo.gdpo_reward_keys is None else [str(key) for key in algo.gdpo_reward_keys]
+    weights = None if algo.gdpo_reward_weights is None else [float(w) for w in algo.gdpo_reward_weights]
     available.update(
+        reward_extras=extras,
         gamma=algo.gamma,
         lam=algo.lam,
         norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
         norm_by_std=algo.gpg.norm_by_std,
         gpg_alpha_mode=algo.gpg.alpha_mode,
+        gdpo_reward_keys=keys,
+        gdpo_reward_weights=weights,
     )
-    out = call_with_available(estimator, batch["token_level_rewards"], batch["response_mask"], **available)
+    # every sampled token, rejected ones too (algorithm.rollout_correction.rollout_rs: meshrl.trainer.rollout_correction)
+    out = call_with_available(estimator, batch["token_level_rewards"], sampled(batch), **available)
     batch.set("advantages", out.advantages)
     batch.set("returns", out.returns if out.returns is not None else out.advantages)
     mask = batch["response_mask"].bool()
@@ -73,4 +85,11 @@ def compute_advantages(batch: Batch, algo: DictConfig) -> dict[str, float]:
     metrics = {"critic/advantages/mean": float(valid.mean()), "critic/advantages/max": float(valid.max()),
                "critic/advantages/min": float(valid.min())}
     metrics.update({f"algo/{k}": float(v) for k, v in out.metrics.items()})
+    if algo.adv_estimator == "gdpo":  # verl's per-component statistics (std: the population's, as np.std)
+        for key in keys or ():
+            if key in extras:
+                values = torch.tensor([0.0 if v is None else float(v) for v in extras[key]], dtype=torch.float64)
+                metrics.update({f"gdpo/{key}/mean": float(values.mean()),
+                                f"gdpo/{key}/std": float(values.std(correction=0)),
+                                f"gdpo/{key}/max": float(values.max()), f"gdpo/{key}/min": float(values.min())})
     return metrics

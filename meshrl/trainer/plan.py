@@ -85,8 +85,8 @@ FLOPs per step (upper bound: every sequence at max prompt + max response length)
 token of every sampled sequence (ReMax also decodes one greedy response per prompt), the policy update
 6·N per token per PPO epoch (8·N with recompute; plus 2·h·V with the fused output layer, whose backward
 recomputes the logits), 2·N per token for each forward-only pass (old
-log-probs, which an on-policy update skips: ``run_plan.on_policy_update``; reference; critic values; the
-reward model's scores),
+log-probs, which an on-policy update and rollout correction's bypass mode skip: ``RunPlan.old_log_prob_pass``;
+reference; critic values; the reward model's scores),
 and the critic's own update. N counts the matmul parameters:
 the layers plus the output projection, not the embedding lookup; of an MoE layer, the experts a token runs.
 
@@ -585,7 +585,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     n_policy = matmul_parameters(spec)
     flops = {
         "generation": 2.0 * n_policy * generated * seq_len,
-        "old_log_probs": 0.0 if run.on_policy else 2.0 * n_policy * tokens,
+        "old_log_probs": 2.0 * n_policy * tokens if run.old_log_prob_pass else 0.0,
         "reference": 2.0 * n_policy * tokens if use_ref else 0.0,
         # a frozen (LoRA) base computes no weight gradients: 2·N per token less
         "actor_update": ((8.0 if policy.recompute else 6.0) - (2.0 if run.lora else 0.0)) * n_policy * tokens
@@ -605,7 +605,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     experts = None
     if spec.moe:
         # every MoE pass over the step's tokens: old log-probs, reference, each epoch's forward + backward (+ recompute)
-        passes = (0 if run.on_policy else 1) + use_ref + actor.ppo_epochs * (3 if policy.recompute else 2)
+        passes = int(run.old_log_prob_pass) + use_ref + actor.ppo_epochs * (3 if policy.recompute else 2)
         experts = {"routed": spec.num_experts, "topk": spec.moe_topk, "ep": policy.ep, "etp": policy.etp or policy.tp,
                    "per_rank": spec.num_experts // policy.ep,
                    "bytes_per_gpu": policy.expert_params() * actor_dtype["param"],

@@ -5,9 +5,11 @@
         responses     ← policy.generate(prompts × n)             (+ one greedy response per prompt: ReMax)
         scores        ← reward(responses)                        (rule-based, process pool; or the reward model)
         ref_log_probs ← reference(responses)                     (only when a KL term is used)
-        old_log_probs ← policy(responses)                        (unless on-policy: then the update's own forward)
+        old_log_probs ← policy(responses)                        (unless on-policy: then the update's own forward;
+                                                                  bypass mode: the engine's rollout_log_probs)
         values        ← critic(responses)                        (PPO)
         rewards       ← scores − β·KL                            (algorithm.use_kl_in_reward)
+        is_weights    ← π_old/π_rollout; drop rejected tokens    (algorithm.rollout_correction, verl's)
         advantages    ← estimator(rewards, ...)                  (algorithm.adv_estimator)
         critic.update(returns)                                   (PPO; its own epochs × mini-batches)
         policy.update(advantages)   if step > critic_warmup      (ppo_epochs × mini-batches, each in micro-batches;
@@ -34,6 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms import GlobalNorm, make_kl_controller
+from meshrl.algorithms.rollout_correction import off_policy_metrics
 from meshrl.config.run_plan import RunPlan, UpdateSchedule
 from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
@@ -44,9 +47,10 @@ from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, 
 from meshrl.trainer.alarms import MismatchAlarm
 from meshrl.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager, hf_export_roles
 from meshrl.trainer.dumps import GenerationDumps, decode_responses, set_reward_extras
+from meshrl.trainer.rollout_correction import apply_rollout_correction, use_rollout_log_probs
 from meshrl.trainer.startup import StartupClock
 from meshrl.trainer.tracking import Timer, Tracker
-from meshrl.workers.sequences import attended
+from meshrl.workers.sequences import attended, sampled
 
 
 @dataclass
@@ -154,9 +158,11 @@ class RLTrainer:
             if plan.use_reference:
                 with timer("ref"):
                     batch = self.policy.compute_log_probs(batch, model="ref")
-            if not plan.on_policy:
+            if plan.old_log_prob_pass:
                 with timer("old_log_prob"):
                     batch = self.policy.compute_log_probs(batch, model="actor")
+            elif plan.rollout_correction.bypass:  # verl's bypass mode: logπ_old ← logπ_rollout
+                use_rollout_log_probs(batch)
             if plan.use_critic:
                 with timer("values"):
                     batch = self.critic.compute_values(batch)
@@ -164,6 +170,7 @@ class RLTrainer:
                 metrics.update(self.apply_scores(batch, scoring.result(), prefix="score"))
             with timer("adv"):
                 metrics.update(compute_token_rewards(batch, cfg.algorithm, self.kl_ctrl))
+                metrics.update(apply_rollout_correction(batch, plan.rollout_correction))  # IS weights, rejection
                 metrics.update(compute_advantages(batch, cfg.algorithm))
             if plan.use_critic:
                 with timer("update_critic"):
@@ -181,7 +188,7 @@ class RLTrainer:
         metrics.update(batch_metrics(batch, plan))
         metrics.update(self.mismatch.check(self.step, metrics))
         metrics.update(timer.metrics())
-        metrics["perf/tokens_per_s"] = float(batch["response_mask"].sum() + sum(map(len, batch["prompt_ids"]))) \
+        metrics["perf/tokens_per_s"] = float(sampled(batch).sum() + sum(map(len, batch["prompt_ids"]))) \
             / max(timer.total("step"), 1e-9)
         metrics["training/epoch"] = float(self.sampler.epoch)
         return metrics
@@ -358,8 +365,8 @@ def total_training_steps(cfg: DictConfig, num_prompts: int) -> int:
 def batch_metrics(batch: Batch, plan: RunPlan) -> dict[str, float]:
     """Response-length and log-prob diagnostics of a trained batch (those of ``old_log_probs`` when it has them),
     and a multi-turn rollout's ``agent/*`` and ``tool/*`` metrics. A response's length counts its tool outputs
-    (verl's); the log-prob diagnostics cover the sampled tokens."""
-    mask = batch["response_mask"].bool()
+    (verl's); the log-prob diagnostics cover the sampled tokens (rejected ones too: ``rollout_correction``)."""
+    mask = sampled(batch).bool()
     lengths = attended(batch).sum(-1).float()
     width = mask.shape[-1]
     out = {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
@@ -369,10 +376,12 @@ def batch_metrics(batch: Batch, plan: RunPlan) -> dict[str, float]:
         diff = (batch["old_log_probs"] - batch["ref_log_probs"])[mask]
         out["actor/ref_kl_k1"] = float(diff.mean())
         out["actor/ref_log_prob_max_abs_diff"] = float(diff.abs().max())
-    if "rollout_log_probs" in batch and "old_log_probs" in batch:  # the engine's vs the trainer's (trainer.alarms)
+    if "rollout_log_probs" in batch and "old_log_probs" in batch and not plan.rollout_correction.bypass:
+        # the engine's vs the trainer's (trainer.alarms; and verl's rollout_corr/* off-policy diagnostics)
         gap = (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs()
         out["rollout/log_prob_max_abs_diff"] = float(gap.max())
         out["rollout/log_prob_mean_abs_diff"] = float(gap.mean())
+        out.update(off_policy_metrics(batch["old_log_probs"], batch["rollout_log_probs"], mask))
     if plan.use_critic:
         out["critic/values/mean"] = float(batch["values"][mask].mean())
     if AGENT_STATS in batch:

@@ -160,7 +160,7 @@ class ActorRolloutRefWorker(RankWorker):
             if arr.ref.megatron.param_offload or arr.ref.fsdp_config.param_offload:
                 self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False,
                                             buffers=self.host_buffers)
-        self.objective = ActorObjective.from_config(actor)
+        self.objective = ActorObjective.from_config(actor, self.plan.rollout_correction)
         # Policy and reference run packed THD micro-batches (no compute on padding) unless the key says no
         # or the device has no fast variable-length attention (model_builder.packed_sequences).
         self.remove_padding = packed_sequences(arr.model.use_remove_padding)
@@ -243,7 +243,8 @@ class ActorRolloutRefWorker(RankWorker):
     def compute_log_probs(self, shard: Batch, model: str) -> Batch | None:
         """Per-token log-probs of the responses under the policy (``old_log_probs``) or the reference
         (``ref_log_probs``); forward-only, micro-batches of the ``rollout.log_prob_*`` / ``ref.log_prob_*``
-        keys (``meshrl.config.micro_batching``)."""
+        keys (``meshrl.config.micro_batching``). The policy's pass also gives ``sum_pi_squared`` (each token's
+        Σ_v π_v²) with ``actor.calculate_sum_pi_squared`` (``run_plan``)."""
         from meshrl.parallel.forward import OutputRequest
         from meshrl.parallel.lora import adapters_disabled
 
@@ -256,16 +257,21 @@ class ActorRolloutRefWorker(RankWorker):
             raise RuntimeError("compute_log_probs(model='ref') without a reference model: "
                                "enable algorithm.use_kl_in_reward or actor.use_kl_loss")
         # The samples came from softmax(logits / T): the reference and the policy are evaluated at T too (verl).
+        squares = model == "actor" and self.plan.sum_pi_squared
         request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding,
-                                fused_chunk_size=self.plan.fused_chunk_size)
+                                fused_chunk_size=self.plan.fused_chunk_size, sum_pi_squared=squares)
         out = {}
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext(), \
                 adapters_disabled(chunks) if base_of_policy else contextlib.nullcontext(), \
                 self._recording_routes(model, out):
-            log_probs = self.train_engine.forward(shard, self.plan.micro_batching[phase], request, "log_probs",
-                                                  self.response_length, chunks=chunks, on_split=out.get("on_split"))
+            got = self.train_engine.forward_outputs(
+                shard, self.plan.micro_batching[phase], request,
+                ("log_probs", "sum_pi_squared") if squares else ("log_probs",), self.response_length, chunks=chunks,
+                on_split=out.get("on_split"))
         out = {ROUTES: out[ROUTES]} if ROUTES in out else {}
-        return Batch(tensors={field: log_probs, **out}) if self.layout.collect else None
+        if squares:
+            out["sum_pi_squared"] = got["sum_pi_squared"]
+        return Batch(tensors={field: got["log_probs"], **out}) if self.layout.collect else None
 
     @contextlib.contextmanager
     def _recording_routes(self, model: str, out: dict):
@@ -316,7 +322,8 @@ class ActorRolloutRefWorker(RankWorker):
         if on_policy and len(updates) != 1:
             raise ValueError(f"an on-policy update is one optimizer step, got {len(updates)} mini-batches")
         fields = ("advantages",) + (() if on_policy else ("old_log_probs",)) \
-            + (("ref_log_probs",) if self.plan.kl_loss is not None else ())
+            + (("ref_log_probs",) if self.plan.kl_loss is not None else ()) \
+            + (("rollout_is_weights",) if "rollout_is_weights" in updates[0][0] else ())  # rollout_correction
         request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy, temperature=self.plan.temperature,
                                 remove_padding=self.remove_padding, fused_chunk_size=self.plan.fused_chunk_size)
         seen = {}
@@ -441,6 +448,8 @@ class ActorRolloutRefGroup(DispatchGroup):
             fields.append(ROUTES)
         if self.plan.kl_loss is not None:
             fields.append("ref_log_probs")
+        if "rollout_is_weights" in updates[0][0]:  # algorithm.rollout_correction.rollout_is
+            fields.append("rollout_is_weights")
         per_dp: list[list[tuple[Batch, Any]]] = [[] for _ in range(self.dp_size)]
         splits = []
         for mini, norm in updates:

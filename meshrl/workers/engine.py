@@ -112,13 +112,20 @@ class TrainingEngine:
         """Forward-only ``output`` (``log_probs`` / ``values``) of the shard's responses, (B, ``width``: the
         run's response width), row order; ``chunks`` runs another model on the same split (the reference);
         ``on_split`` is given the split after the pass (what was recorded during it is per micro-batch)."""
+        return self.forward_outputs(shard, batching, request, (output,), width, chunks, on_split)[output]
+
+    def forward_outputs(self, shard: Batch, batching: MicroBatching, request, outputs: tuple[str, ...], width: int,
+                        chunks: list[torch.nn.Module] | None = None,
+                        on_split: Callable[[MiniBatchSplit], None] | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`forward` of several outputs of one pass (``log_probs`` and ``sum_pi_squared``), by name."""
         from meshrl.parallel.schedule import forward_only
 
         split = self.split(shard, batching)
-        outputs = forward_only(chunks if chunks is not None else self.chunks, split.micros, request)
+        results = forward_only(chunks if chunks is not None else self.chunks, split.micros, request)
         if on_split is not None:
             on_split(split)
-        return split.gather([response_part(o[output], m) for o, m in zip(outputs, split.micros)], width)
+        return {name: split.gather([response_part(r[name], m) for r, m in zip(results, split.micros)], width)
+                for name in outputs}
 
     def train(self, updates: list[tuple[Batch, Any]], batching: MicroBatching, request, loss_fn: RoleLoss,
               response_fields: tuple[str, ...]) -> tuple[dict[str, float], list[MiniBatchSplit]]:

@@ -33,12 +33,20 @@ from meshrl.protocol import Batch
 
 RESPONSE_START = "response_start"
 ATTENTION_MASK = "response_attention_mask"
+# The response mask before rejection sampling removed tokens from it (algorithm.rollout_correction.rollout_rs,
+# meshrl.trainer.rollout_correction): every token the policy sampled; absent when nothing was rejected.
+SAMPLED_MASK = "sampled_mask"
 SEQUENCE_FIELDS = ("prompt_ids", "responses", "response_mask")
 
 
 def attended(batch: Batch) -> torch.Tensor:
     """(B, R) 1 on every response token the model reads: ``response_attention_mask``, else ``response_mask``."""
     return batch[ATTENTION_MASK] if ATTENTION_MASK in batch else batch["response_mask"]
+
+
+def sampled(batch: Batch) -> torch.Tensor:
+    """(B, R) 1 on every token the policy sampled: ``response_mask`` before any rejection (``SAMPLED_MASK``)."""
+    return batch[SAMPLED_MASK] if SAMPLED_MASK in batch else batch["response_mask"]
 
 
 def sequence_fields(batch: Batch) -> list[str]:

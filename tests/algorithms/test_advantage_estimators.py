@@ -18,10 +18,12 @@ from meshrl.algorithms import (
     grpo,
     grpo_passk,
     opo,
+    optimal_token_baseline,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     remax,
     rloo,
+    tir_optimal_token_baseline,
 )
 
 
@@ -235,6 +237,24 @@ def test_rloo_equals_explicit_leave_one_out(sizes: list[int], seed: int) -> None
         assert float(advantages[i]) == pytest.approx(float(scores[i] - scores[others].mean()), abs=1e-5)
 
 
+def test_the_optimal_token_baselines_agree_on_responses_without_gaps() -> None:
+    """tir_optimal_token_baseline lines tokens up by valid-token count, optimal_token_baseline by column: the same
+    thing when no response has a masked token inside it. A group's lone longest response keeps its own return
+    past the others' length (the zero tail), where the baseline would otherwise be that very return."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = [2, 5, 3, 3, 4, 1]
+    mask = torch.arange(6) < torch.tensor(lengths).unsqueeze(-1)
+    inputs = dict(uid=torch.tensor([0, 0, 0, 1, 1, 2]), old_log_probs=-torch.rand(6, 6, generator=generator),
+                  sum_pi_squared=0.3 + 0.5 * torch.rand(6, 6, generator=generator))
+    rewards = torch.where(mask, torch.randn(6, 6, generator=generator), 0.0)
+    column = optimal_token_baseline(rewards, mask, **inputs)
+    counted = tir_optimal_token_baseline(rewards, mask, **inputs)
+    torch.testing.assert_close(column.advantages, counted.advantages)
+    assert torch.equal(column.returns, counted.returns)
+    assert torch.equal(column.advantages[1, 3:5], column.returns[1, 3:5])  # response 1: 5 tokens, the others <= 3
+    assert torch.equal(column.advantages[5], column.returns[5])  # a group of one: no baseline
+
+
 ALL_INPUTS_RNG = torch.Generator().manual_seed(0)
 
 
@@ -249,6 +269,9 @@ def random_batch(batch: int, width: int, groups: int) -> dict[str, torch.Tensor]
         "uid": torch.arange(batch) % groups,
         "values": torch.randn(batch, width, generator=ALL_INPUTS_RNG),
         "greedy_scores": torch.randn(batch, generator=ALL_INPUTS_RNG),
+        # the optimal token baselines': the sampled token's log-prob and Σπ² (>= π²)
+        "old_log_probs": -torch.rand(batch, width, generator=ALL_INPUTS_RNG),
+        "sum_pi_squared": 0.4 + 0.6 * torch.rand(batch, width, generator=ALL_INPUTS_RNG),
     }
 
 
@@ -261,6 +284,8 @@ def test_masked_tokens_never_change_a_result(name: str) -> None:
     garbage = dict(inputs)
     garbage["token_rewards"] = inputs["token_rewards"].masked_fill(padded, float("nan"))
     garbage["values"] = inputs["values"].masked_fill(padded, float("inf"))
+    garbage["old_log_probs"] = inputs["old_log_probs"].masked_fill(padded, float("nan"))
+    garbage["sum_pi_squared"] = inputs["sum_pi_squared"].masked_fill(padded, float("inf"))
     dirty = call_with_available(estimator, **garbage, gamma=0.9, lam=0.95)
     assert torch.equal(clean.advantages, dirty.advantages)
     assert torch.all(clean.advantages[padded] == 0)

@@ -35,7 +35,7 @@ def test_unknown_name_lists_available_and_suggests() -> None:
         get_advantage_estimator("grop")
     message = str(error.value)
     assert "Did you mean 'grpo'" in message
-    assert "gae, gpg, grpo" in message
+    assert "gae, gdpo, gpg, grpo" in message
     with pytest.raises(ValueError, match="Did you mean 'vanilla'"):
         get_policy_loss("vanila")
 

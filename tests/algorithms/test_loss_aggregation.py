@@ -22,6 +22,7 @@ def test_global_norm_from_mask() -> None:
     ("mode", "expected"),
     [
         ("token-mean", (1 + 2 + 3 + 4) / 4),
+        ("token-sum", 1 + 2 + 3 + 4),
         ("seq-mean-token-sum", (6 + 4) / 2),
         ("seq-mean-token-mean", (2 + 4) / 2),
         ("seq-mean-token-sum-norm", 10 / (2 * 3)),

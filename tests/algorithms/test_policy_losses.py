@@ -12,9 +12,16 @@ from meshrl.algorithms import (
     GlobalNorm,
     aggregate_loss,
     cispo,
+    clip_cov,
+    dppo_kl,
+    dppo_tv,
+    dro,
     entropy_from_logits,
+    geo_mean,
     gspo,
+    kl_cov,
     policy_gradient,
+    sapo,
     value_loss,
     vanilla,
 )
@@ -144,6 +151,163 @@ def test_gspo_sequence_ratio_ignores_masked_tokens() -> None:
     old_log_prob = torch.tensor([[-1.1, -0.9, -9.0]])  # the masked token's huge log-ratio must not count
     out = gspo(log_prob, old_log_prob, -torch.ones(1, 3), torch.tensor([[1, 1, 0]]))
     assert out.loss[0, :2].tolist() == pytest.approx([1.0, 1.0])
+
+
+def test_dppo_tv_masks_moves_of_the_probability_beyond_the_threshold() -> None:
+    # p_old = 0.5 everywhere. Token 0: p 0.6 (+0.1, A > 0) outside δ_high = 0.08: no loss, no gradient.
+    # Token 1: p 0.55 inside, ρ = 1.1. Token 2: p 0.3 (−0.2, A < 0) outside δ_low = 0.05. Token 3: p 0.3 with
+    # A > 0: only a rise is limited, kept. Token 4: A = 0 takes the A < 0 rule, p 0.52 kept (its loss is 0).
+    probs = [0.6, 0.55, 0.3, 0.3, 0.52]
+    log_prob = leaf([math.log(p) for p in probs])
+    old_log_prob = torch.full((1, 5), math.log(0.5))
+    advantages = torch.tensor([[1.0, 2.0, -1.0, 1.0, 0.0]])
+    out = dppo_tv(log_prob, old_log_prob, advantages, torch.ones(1, 5), clip_ratio_low=0.05, clip_ratio_high=0.08,
+                  clip_ratio_c=20.0)
+    assert out.metrics["clipfrac"][0].tolist() == [True, False, True, False, False]
+    # L = −A·sg(ρ)·logπ: the gradient is −A·ρ where kept.
+    assert out.loss[0].tolist() == pytest.approx([0.0, -2 * 1.1 * math.log(0.55), 0.0, -0.6 * math.log(0.3), 0.0])
+    assert gradient(out.loss, log_prob) == pytest.approx([0.0, -2.2, 0.0, -0.6, 0.0])
+
+
+def test_dppo_truncates_the_importance_weight_at_clip_ratio_c() -> None:
+    # ρ = 4 with A < 0: a rise of the probability is never masked for A < 0 (the update lowers it), in either
+    # variant. The weight is min(ρ, C) = 3, and no gradient flows through it.
+    log_prob = leaf([math.log(4e-3)])
+    old_log_prob = torch.tensor([[math.log(1e-3)]])
+    for loss in (dppo_tv, dppo_kl):
+        out = loss(log_prob, old_log_prob, torch.tensor([[-1.0]]), torch.ones(1, 1), clip_ratio_c=3.0)
+        assert out.metrics["clipfrac_lower"][0].tolist() == [True]
+        assert out.loss[0].tolist() == pytest.approx([3.0 * math.log(4e-3)])
+        assert gradient(out.loss, log_prob) == pytest.approx([3.0])
+
+
+def test_dppo_kl_limits_only_moves_in_the_direction_of_the_advantage() -> None:
+    # p_old = 0.5 → p = 0.1: binary KL ≈ 0.51, far beyond δ = 0.02. Against A < 0 this fall is masked; with
+    # A > 0 (the update would raise p back) it is kept.
+    log_prob = leaf([math.log(0.1), math.log(0.1)])
+    old_log_prob = torch.full((1, 2), math.log(0.5))
+    out = dppo_kl(log_prob, old_log_prob, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2), clip_ratio_low=0.02,
+                  clip_ratio_high=0.02)
+    assert out.metrics["clipfrac"][0].tolist() == [True, False]
+    assert gradient(out.loss, log_prob) == pytest.approx([0.0, -0.2])
+
+
+def test_sapo_is_the_policy_gradient_on_policy_and_fades_off_policy() -> None:
+    log_prob = leaf([-1.0, -1.0, -1.0])
+    advantages = torch.tensor([[2.0, -2.0, 2.0]])
+    on_policy = sapo(log_prob, log_prob.detach(), advantages, torch.ones(1, 3), tau_pos=1.0, tau_neg=1.05)
+    assert on_policy.agg_mode == "seq-mean-token-mean"
+    # f(1) = σ(0)·4/τ = 2/τ, f'(1) = 1: the value is −A·2/τ, the gradient −A.
+    assert on_policy.loss[0].tolist() == pytest.approx([-4.0, 4 / 1.05, -4.0])
+    assert gradient(on_policy.loss, log_prob) == pytest.approx([-2.0, 2.0, -2.0])
+    # ρ = 3: the gradient −A·ρ·4σ(1 − σ) with σ = σ(2τ) shrinks, never to 0 (no hard clip).
+    off_policy = sapo(log_prob, torch.full((1, 3), -1.0 - math.log(3.0)), advantages, torch.ones(1, 3))
+    sigma = 1 / (1 + math.exp(-2.0))
+    assert gradient(off_policy.loss, log_prob)[0] == pytest.approx(-2.0 * 3 * 4 * sigma * (1 - sigma))
+    with pytest.raises(ValueError, match="tau_pos and tau_neg must be > 0"):
+        sapo(log_prob, log_prob.detach(), advantages, torch.ones(1, 3), tau_neg=0.0)
+
+
+def covariance_problem(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(16, 32, generator=generator) > 0.1
+    old_log_prob = -3 * torch.rand(16, 32, generator=generator)
+    log_prob = (old_log_prob + 0.3 * torch.randn(16, 32, generator=generator)).requires_grad_(True)
+    return log_prob, old_log_prob, torch.randn(16, 32, generator=generator), mask
+
+
+def test_clip_cov_removes_the_loss_and_gradient_of_a_random_draw_among_its_candidates() -> None:
+    log_prob, old_log_prob, advantages, mask = covariance_problem()
+    options = {"clip_cov_ratio": 0.02, "clip_cov_lb": 0.3, "clip_cov_ub": 3.0}
+    torch.manual_seed(0)
+    out = clip_cov(log_prob, old_log_prob, advantages, mask, **options)
+    picked = out.metrics["clipfrac"]
+    # Candidates: valid, not clipped by PPO, lb < (A − Ā)(logπ − mean logπ) < ub over the valid tokens.
+    lp = log_prob.detach()
+    cov = (advantages - advantages[mask].mean()) * (lp - lp[mask].mean())
+    ratio = torch.exp(lp - old_log_prob)
+    ppo_clipped = ((advantages > 0) & (ratio > 1.2)) | ((advantages < 0) & (ratio < 0.8))
+    candidates = mask & ~ppo_clipped & (cov > 0.3) & (cov < 3.0)
+    assert int(picked.sum()) == int(0.02 * int(mask.sum())) < int(candidates.sum())
+    assert not bool((picked & ~candidates).any())
+    grad = torch.autograd.grad(torch.where(mask, out.loss, 0.0).sum(), log_prob)[0]
+    assert bool((out.loss[picked] == 0).all()) and bool((grad[picked] == 0).all())
+    unpicked = vanilla(log_prob, old_log_prob, advantages, mask, clip_ratio_c=math.inf).loss
+    torch.testing.assert_close(out.loss[~picked], unpicked[~picked])
+    # Another draw picks other tokens; without candidates nothing is picked.
+    again = clip_cov(log_prob, old_log_prob, advantages, mask, **options).metrics["clipfrac"]
+    assert not torch.equal(again, picked)
+    none = clip_cov(log_prob, old_log_prob, advantages, mask, clip_cov_lb=100.0, clip_cov_ub=200.0)
+    assert not bool(none.metrics["clipfrac"].any())
+    with pytest.raises(ValueError, match="clip_cov_ratio must be > 0"):
+        clip_cov(log_prob, old_log_prob, advantages, mask, clip_cov_ratio=0.0)
+
+
+def test_kl_cov_penalises_the_tokens_of_largest_covariance() -> None:
+    log_prob, old_log_prob, advantages, mask = covariance_problem(seed=1)
+    out = kl_cov(log_prob, old_log_prob, advantages, mask, kl_cov_ratio=0.05, ppo_kl_coef=0.5)
+    lp = log_prob.detach()
+    cov = torch.where(mask, (advantages - advantages[mask].mean()) * (lp - lp[mask].mean()), -math.inf)
+    count = int(0.05 * int(mask.sum()))
+    picked = torch.zeros(cov.numel(), dtype=torch.bool)
+    picked[cov.flatten().argsort(descending=True)[:count]] = True
+    picked = picked.view_as(mask)
+    delta = lp - old_log_prob
+    ratio = torch.exp(delta)
+    torch.testing.assert_close(out.loss.detach(), -advantages * ratio + torch.where(picked, 0.5 * delta.abs(), 0.0))
+    grad = torch.autograd.grad(out.loss.sum(), log_prob)[0]
+    torch.testing.assert_close(grad, -advantages * ratio + torch.where(picked, 0.5 * delta.sign(), 0.0))
+    torch.testing.assert_close(out.metrics["ppo_kl"], delta.abs())  # verl's ppo_kl for this loss: |Δ|
+    # At least one token, whatever the ratio.
+    one = kl_cov(log_prob, old_log_prob, advantages, mask, kl_cov_ratio=1e-9, ppo_kl_coef=1.0)
+    assert int(torch.isclose(one.loss, -advantages * ratio).logical_not().sum()) == 1
+    with pytest.raises(ValueError, match="kl_cov_ratio must be > 0"):
+        kl_cov(log_prob, old_log_prob, advantages, mask, kl_cov_ratio=-1.0)
+
+
+def test_geo_mean_is_the_geometric_mean_ratio_of_each_response() -> None:
+    # Response 0 (A = 1): log-ratios 0.1 and 0.5; the second is clipped at ε_high = 0.2 (no gradient), so
+    # r = exp((0.1 + 0.2)/2). Response 1 (A = −2 on one token, 0 on the other): the A = 0 token counts 0 in
+    # the mean log-ratio and Â = −1; its third token is masked (a huge log-ratio that must not count).
+    log_prob = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -1.0, 0.0]], requires_grad=True)
+    old_log_prob = torch.tensor([[-1.1, -1.5, 0.0], [-0.9, -1.3, -40.0]])
+    advantages = torch.tensor([[1.0, 1.0, 0.0], [-2.0, 0.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = geo_mean(log_prob, old_log_prob, advantages, mask)
+    value = aggregate_loss(out.loss, mask, out.agg_mode, GlobalNorm.from_mask(mask))
+    # Response 1: Δ = (−0.1, 0.3), the A < 0 token above −ε_low: unclipped; r = exp(−0.1/2).
+    r0, r1 = math.exp(0.15), math.exp(-0.05)
+    assert float(value.detach()) == pytest.approx((-1.0 * r0 + 1.0 * r1) / 2)
+    (grad,) = torch.autograd.grad(value, log_prob)
+    # ∂/∂logπ_t of −Â·r / N_seqs = −Â·r/(|o|·N_seqs) on unclipped tokens with A ≠ 0.
+    torch.testing.assert_close(grad, torch.tensor([[-r0 / 4, 0.0, 0.0], [r1 / 4, 0.0, 0.0]]))
+    assert out.metrics["clipfrac"][0, :2].tolist() == [False, True]
+    assert not bool(out.metrics["clipfrac_lower"].any())
+
+
+def test_geo_mean_weights_a_response_by_the_geometric_mean_of_its_is_weights() -> None:
+    # verl: the rollout-correction weights of a response enter as exp(mean log w), here w = (4, 1) → 2; the
+    # masked token's weight (0) must not count.
+    log_prob = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    advantages = torch.tensor([[1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    weights = torch.tensor([[4.0, 1.0, 0.0]])
+    plain = geo_mean(log_prob, log_prob.detach(), advantages, mask)
+    weighted = geo_mean(log_prob, log_prob.detach(), advantages, mask, rollout_is_weights=weights)
+    torch.testing.assert_close(weighted.loss, 2 * plain.loss)
+    assert weighted.loss[0].tolist() == pytest.approx([-2.0] * 3, rel=1e-6)
+
+
+def test_dro_penalises_the_squared_log_ratio_and_needs_its_beta() -> None:
+    log_prob = leaf([-1.0, -2.0])
+    old_log_prob = torch.tensor([[-1.5, -2.0]])
+    advantages = torch.tensor([[1.0, -1.0]])
+    out = dro(log_prob, old_log_prob, advantages, torch.ones(1, 2), dro_beta=0.4)
+    assert out.loss[0].tolist() == pytest.approx([1.0 + 0.2 * 0.25, -2.0])
+    assert gradient(out.loss, log_prob) == pytest.approx([-1.0 + 0.4 * 0.5, 1.0])
+    for beta in (None, 0.0):
+        with pytest.raises(ValueError, match="dro_beta must be > 0"):
+            dro(log_prob, old_log_prob, advantages, torch.ones(1, 2), dro_beta=beta)
 
 
 def test_value_loss_clipped_hand_computed() -> None:

@@ -20,19 +20,38 @@ CASES = {
     # sampled at T = 0.7: every log-prob (old, reference, update) is that of softmax(logits / 0.7)
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True",
              "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.rollout.temperature=0.7"],
+    # + verl's rollout correction, decoupled (the KL in the reward runs the old-log-prob pass anyway): token IS
+    # weights, batch-normalised, and token rejection (verl's token_is_rs)
     "remax": ["algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=True", "algorithm.kl_penalty=kl",
-              "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.policy_loss.loss_mode=reinforce"],
+              "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.policy_loss.loss_mode=reinforce",
+              *(f"algorithm.rollout_correction.{key}" for key in (
+                  "rollout_is=token", "rollout_is_threshold=2.0", "rollout_is_batch_normalize=True",
+                  "rollout_rs=token_k1", "rollout_rs_threshold=0.5_2.0"))],
     # with a bf16 actor on CPU: the reference follows it, and the bf16 weights reach the fp32 engine
     "gpg": ["algorithm.adv_estimator=gpg", "actor_rollout_ref.actor.policy_loss.loss_mode=gpg",
             "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.megatron.dtype=bfloat16"],
     "rloo": ["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive"],
     # the critic on its own schedule (verl's critic.ppo_mini_batch_size / ppo_epochs): 2 epochs × 2 mini-batches;
     # use_dynamic_bsz=False: micro-batches of ppo_micro_batch_size_per_gpu sequences, 4 responses by 3 → 2
+    # + verl's rollout correction in bypass mode (old_log_probs are the engine's; PPO's ratio is π_θ/π_rollout) with
+    # sequence rejection (verl's bypass_ppo_clip_k3_rs preset)
     "ppo": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=True", "critic.optim.lr=1e-4",
             "actor_rollout_ref.rollout.n=1", "critic.ppo_mini_batch_size=2", "critic.ppo_epochs=2",
             "critic.shuffle=True", "actor_rollout_ref.actor.use_dynamic_bsz=False",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+            *(f"algorithm.rollout_correction.{key}" for key in (
+                "bypass_mode=True", "loss_type=ppo_clip", "rollout_rs=seq_mean_k3", "rollout_rs_threshold=0.01"))],
 }
+# Rollout correction in bypass mode: no trainer log-probs of the policy before the update (old_log_probs are the
+# engine's); the actor compares the policy it trains with the engine (rollout_corr/kl, ...) instead.
+BYPASS = {"ppo"}
+# verl's rollout_corr/* names the decoupled correction logs (IS weights, rejection, off-policy diagnostics)
+DECOUPLED_NAMES = {f"rollout_corr/{name}" for name in (
+    "rollout_is_mean", "rollout_is_max", "rollout_is_min", "rollout_is_std", "rollout_is_eff_sample_size",
+    "rollout_is_ratio_fraction_high", "rollout_is_seq_mean", "rollout_is_batch_norm_factor",
+    "rollout_rs_token_k1_mean", "rollout_rs_token_k1_masked_fraction", "rollout_rs_masked_fraction",
+    "rollout_rs_seq_masked_fraction", "kl", "k3_kl", "training_ppl", "rollout_ppl", "log_ppl_diff", "ppl_ratio",
+    "chi2_token", "chi2_seq")}
 # `make test-extended`: RLOO's step is GRPO's with another advantage function (checked against verl's in
 # tests/algorithms/test_verl_reference.py); its KL in the reward under the adaptive controller trains in
 # tests/e2e/test_reliability_e2e.py's resume test, which compares the controller's coefficient after a resume.
@@ -76,19 +95,23 @@ def check_verl_trainer_keys(tmp_path):
 def test_two_steps(train, tmp_path, name):
     _, steps = train(*ONE_MINI_BATCH, *CASES[name], *(verl_trainer_keys(tmp_path) if name == "ppo" else []))
     first, second = steps[1], steps[2]
-    # step-1 invariants
-    assert first["actor/ref_log_prob_max_abs_diff"] == 0.0
-    assert first["actor/ref_kl_k1"] == 0.0
+    # step-1 invariants (bypass mode: "old" is the engine's, a rounding away from the reference)
+    if name not in BYPASS:
+        assert first["actor/ref_log_prob_max_abs_diff"] == 0.0
+        assert first["actor/ref_kl_k1"] == 0.0
     if "actor/kl_loss" in first:
         assert first["actor/kl_loss"] == 0.0
     if "actor/reward_kl_penalty" in first:
         assert first["actor/reward_kl_penalty"] == 0.0
     tolerance = ROLLOUT_TOLERANCE.get(name, 1e-3)
-    assert first["rollout/log_prob_max_abs_diff"] < tolerance
+    assert first["actor/ref_log_prob_max_abs_diff"] < tolerance
+    if name not in BYPASS:
+        assert first["rollout/log_prob_max_abs_diff"] < tolerance
     # the update did something, and the engine serves the updated weights
     assert first["actor/grad_norm"] > 0
     assert second["actor/ref_log_prob_max_abs_diff"] > 0
-    assert second["rollout/log_prob_max_abs_diff"] < tolerance
+    if name not in BYPASS:
+        assert second["rollout/log_prob_max_abs_diff"] < tolerance
     for step in (first, second):
         assert not non_finite(step), non_finite(step)
         assert step["dynamic_batch/num_oversized"] == 0
@@ -103,6 +126,18 @@ def test_two_steps(train, tmp_path, name):
         check_verl_trainer_keys(tmp_path)
     if name == "remax":
         assert "greedy_score/mean" in first
+        for step in (first, second):
+            assert DECOUPLED_NAMES <= set(step), DECOUPLED_NAMES - set(step)
+            # fp32 trainer and engine serving the same weights: every IS weight is 1, nothing is rejected
+            assert abs(step["rollout_corr/rollout_is_max"] - 1) < 1e-5
+            assert abs(step["rollout_corr/rollout_is_min"] - 1) < 1e-5
+            assert step["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    if name in BYPASS:
+        for step in (first, second):
+            # the actor's comparison of π_θ before its step with the engine's policy (verl's bypass-mode metrics)
+            assert abs(step["rollout_corr/kl"]) < 1e-5 and step["rollout_corr/k3_kl"] < 1e-5
+            assert step["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+            assert not {key for key in step if key.startswith("rollout/log_prob")}
 
 
 @pytest.mark.extended  # the same claim on one worker, without the driver: tests/workers/test_worker_inprocess.py

@@ -138,13 +138,15 @@ def test_free_form_sections_accept_new_keys():
     (["data.train_batch_size=8"], "ppo_mini_batch_size"),
     (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], "TP×PP×CP"),
     (["actor_rollout_ref.actor.strategy=veomni"], "actor_rollout_ref.actor.strategy"),
-    (["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], "rloo baselines each response against"),
     (["trainer.logger=[console,wandbb]"], "trainer.logger"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
     (["actor_rollout_ref.actor.use_dynamic_bsz=False"], "ppo_micro_batch_size_per_gpu"),
     (["actor_rollout_ref.actor.megatron.dtype=float16"], "use bfloat16"),
     (["actor_rollout_ref.ref.megatron.dtype=bf16"], "actor_rollout_ref.ref.megatron.dtype"),
     (["algorithm.adv_estimator=gae", "critic.megatron.dtype=fp32"], "critic.megatron.dtype"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dro"], "actor_rollout_ref.actor.policy_loss.dro_beta"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=0"],
+     "actor_rollout_ref.actor.tau_neg"),
 ])
 def test_impossible_values_name_the_key(overrides, key):
     cfg = load_config(overrides)
@@ -162,13 +164,46 @@ def test_group_estimators_refuse_one_response_per_prompt(estimator):
     message = str(err.value)
     assert f"actor_rollout_ref.rollout.n: {estimator} baselines each response against the other responses" in message
     assert "actor_rollout_ref.rollout.n=2 or more" in message
-    assert message.endswith("pick an estimator without groups: gae, reinforce_plus_plus, remax")
+    assert message.endswith("pick an estimator without groups: gae, reinforce_plus_plus, remax, rloo")
     validate_config(load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=2"]))
+
+
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baselines_need_verls_sum_pi_squared_key(estimator):
+    cfg = load_config([f"algorithm.adv_estimator={estimator}"], recipe="cpu_tiny_grpo")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.calculate_sum_pi_squared: .*set it True") as err:
+        validate_config(cfg)
+    assert "1 problem" in str(err.value)
+    plan = validate_config(load_config([f"algorithm.adv_estimator={estimator}",
+                                        "actor_rollout_ref.actor.calculate_sum_pi_squared=True"],
+                                       recipe="cpu_tiny_grpo"))
+    assert plan.sum_pi_squared and not plan.on_policy
+    assert not validate_config(load_config([], recipe="cpu_tiny_grpo")).sum_pi_squared  # off unless asked
+
+
+def test_gdpo_needs_its_reward_keys_and_one_weight_each():
+    with pytest.raises(ConfigError, match=r"algorithm.gdpo_reward_keys: gdpo normalises each reward component"):
+        validate_config(load_config(["algorithm.adv_estimator=gdpo"], recipe="cpu_tiny_grpo"))
+    keys = "algorithm.gdpo_reward_keys=[accuracy_reward,format_reward]"
+    with pytest.raises(ConfigError, match=r"algorithm.gdpo_reward_weights: one weight per .*2 keys, 3 weights"):
+        validate_config(load_config(["algorithm.adv_estimator=gdpo", keys, "algorithm.gdpo_reward_weights=[1,2,3]"],
+                                    recipe="cpu_tiny_grpo"))
+    # verl's GDPO script: +algorithm.gdpo_reward_keys and its reward manager's name
+    cfg = load_config(["algorithm.adv_estimator=gdpo", f"+{keys}", "reward.reward_manager.name=gdpo"],
+                      recipe="cpu_tiny_grpo")
+    assert validate_config(cfg).warnings == () and cfg.reward_model.reward_manager == "gdpo"
+    assert list(cfg.algorithm.gdpo_reward_keys) == ["accuracy_reward", "format_reward"]
 
 
 @pytest.mark.parametrize("estimator", ["gae", "remax", "reinforce_plus_plus"])
 def test_estimators_without_groups_take_one_response_per_prompt(estimator):
     validate_config(load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"]))
+
+
+def test_rloo_at_one_response_per_prompt_trains_on_the_raw_score_with_a_note():
+    # verl's rollout-correction examples run RLOO at n=1: a group of one keeps its score as its advantage
+    plan = validate_config(load_config(["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"]))
+    assert any("rollout.n=1" in note and "raw score" in note for note in plan.warnings), plan.warnings
 
 
 def test_all_problems_reported_at_once():

@@ -40,7 +40,6 @@ def problems(args: list[str]) -> list[str]:
     ("volcengine/verl:examples/grpo_trainer/run_qwen2_5_vl-7b_freeze_vision.sh", "multi-modal"),
     ("volcengine/verl:examples/grpo_trainer/run_qwen2_5_vl-7b.sh", "multi-modal"),
     ("verl-project/verl:examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh", "multi-modal"),
-    ("verl-project/verl:examples/grpo_trainer/run_qwen3_vl_30b_a3b_fsdp.sh", "rollout correction"),
     ("verl-project/verl:examples/grpo_trainer/run_qwen2-7b_math_megatron_fsdp.sh", "Megatron's own FSDP"),
     ("volcengine/verl:examples/grpo_trainer/run_minicpmo2_6.sh", "custom dataset classes"),
     ("verl-project/verl:examples/grpo_trainer/run_qwen3_30b_veomni.sh", "model_engine 'veomni'"),
@@ -50,6 +49,11 @@ def problems(args: list[str]) -> list[str]:
 def test_a_script_needing_a_missing_feature_stops_with_one_message_naming_it(script, feature):
     found = problems(SCRIPTS[script])
     assert len(found) == 1 and feature in found[0], found
+
+
+def test_a_rollout_correction_script_passes_preflight():
+    """verl's algorithm.rollout_correction (sequence IS, batch-normalised; token_k1 rejection "0.6_1.6")."""
+    assert problems(SCRIPTS["verl-project/verl:examples/grpo_trainer/run_qwen3_vl_30b_a3b_fsdp.sh"]) == []
 
 
 @pytest.mark.parametrize("script", [
@@ -130,6 +134,7 @@ def test_moe_transformer_overrides_are_refused_as_moe():
     ("reward.num_workers", "reward_model.num_workers", 8),
     ("reward.custom_reward_function.path", "custom_reward_function.path", "/rewards/mine.py"),
     ("reward.custom_reward_function.name", "custom_reward_function.name", "score"),
+    ("reward.reward_manager.name", "reward_model.reward_manager", "gdpo"),
 ])
 def test_verl_newer_names_are_honoured_and_may_not_disagree(alias, key, value):
     cfg = load_config([f"{alias}={value}"], recipe="cpu_tiny_grpo")

@@ -14,6 +14,7 @@ the measurements (the max over ranks: each PP stage compares its own parameters)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from datetime import timedelta
@@ -58,31 +59,33 @@ def loss_fn(outputs: dict, mb: dict):
 
 def compare(path: Path) -> dict:
     """Fused vs unfused passes of the model at ``path`` (module docstring). Returns ``outputs`` (max
-    |difference| over log-probs and entropy, divided by max(1, their scale)), ``loss`` (|difference|),
+    |difference| over log-probs, entropy and Σπ², divided by max(1, their scale)), ``loss`` (|difference|),
     ``grads`` (max |difference| over every parameter's gradient) and ``grad_scale`` (their max |value|),
     ``head_grad`` (the scale of the fused pass's output-weight gradient on a last stage, 1 elsewhere: it
-    must not be 0)."""
+    must not be 0), ``squares`` (the largest Σπ² of the unfused pass: it must not be 0)."""
     from transformers import AutoConfig
 
     # fp32 wherever it runs (a GPU's default is bf16): the bounds are fp32 rounding's.
     chunks = model_builder.build_model(AutoConfig.from_pretrained(path), dtype=torch.float32)
     hf_conversion.load_hf_weights(chunks, path)
     batches = micro_batches()
-    result = {"outputs": 0.0, "loss": 0.0, "grads": 0.0, "grad_scale": 0.0, "head_grad": 1.0}
+    result = {"outputs": 0.0, "loss": 0.0, "grads": 0.0, "grad_scale": 0.0, "head_grad": 1.0, "squares": 0.0}
     for remove_padding, selected in ((True, True), (False, False)):
         mbs = [{**mb, "output_mask": mb["loss_mask"]} if selected else mb for mb in batches]
         runs = []
         for chunk_size in (None, CHUNK):
             request = OutputRequest(entropy=True, temperature=TEMPERATURE, remove_padding=remove_padding,
                                     fused_chunk_size=chunk_size)
-            outputs = schedule.forward_only(chunks, mbs, request)
+            # forward-only, as the old-log-prob pass asks for it: Σπ² too (verl's calculate_sum_pi_squared)
+            outputs = schedule.forward_only(chunks, mbs, dataclasses.replace(request, sum_pi_squared=True))
             for model in chunks:
                 model.zero_grad_buffer()
             loss = schedule.forward_backward(chunks, mbs, loss_fn, request).loss
             runs.append((outputs, loss, {n: p.main_grad.clone() for n, p in chunks[0].named_parameters()}))
         (out_a, loss_a, grads_a), (out_b, loss_b, grads_b) = runs
         for a, b in zip(out_a, out_b):
-            for key in ("log_probs", "entropy"):
+            result["squares"] = max(result["squares"], float(a["sum_pi_squared"].max()))
+            for key in ("log_probs", "entropy", "sum_pi_squared"):
                 scale = max(1.0, float(a[key].abs().max()))
                 result["outputs"] = max(result["outputs"], float((a[key] - b[key]).abs().max()) / scale)
         result["loss"] = max(result["loss"], abs(loss_a - loss_b))

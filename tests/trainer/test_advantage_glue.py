@@ -1,12 +1,14 @@
 """Driver step 5: outcome scores placed on the last token, KL in reward, estimator dispatch by config."""
 
+import numpy as np
 import pytest
 import torch
 
-from meshrl.algorithms import make_kl_controller
+from meshrl.algorithms import gdpo, make_kl_controller, optimal_token_baseline
 from meshrl.config import load_config
 from meshrl.protocol import Batch
 from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
+from meshrl.trainer.dumps import set_reward_extras
 
 
 def rollout_batch():
@@ -93,3 +95,44 @@ def test_unknown_estimator_suggests():
     compute_token_rewards(batch, cfg.algorithm, None)
     with pytest.raises(ValueError, match="grpo"):
         compute_advantages(batch, cfg.algorithm)
+
+
+def test_gdpo_reads_the_reward_functions_components_by_verls_keys():
+    """The components are the reward function's extra outputs (the batch's reward extras); verl's gdpo/<key>/*
+    statistics are logged. A listed component the function does not return is named, with those it does."""
+    batch = rollout_batch()
+    set_reward_extras(batch, {"accuracy_reward": [1.0, 0.0, 1.0, 1.0], "format_reward": [0.5, 1.0, None, 0.0]})
+    cfg = load_config(["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[accuracy_reward,format_reward]",
+                       "algorithm.gdpo_reward_weights=[1.0,2.0]"])
+    compute_token_rewards(batch, cfg.algorithm, None)
+    metrics = compute_advantages(batch, cfg.algorithm)
+    direct = gdpo(batch["token_level_rewards"], batch["response_mask"], uid=batch["uid"],
+                  reward_extras={"accuracy_reward": [1.0, 0.0, 1.0, 1.0], "format_reward": [0.5, 1.0, 0.0, 0.0]},
+                  gdpo_reward_keys=["accuracy_reward", "format_reward"], gdpo_reward_weights=[1.0, 2.0])
+    assert torch.equal(batch["advantages"], direct.advantages)  # a response without the component (None): 0
+    assert metrics["gdpo/format_reward/mean"] == pytest.approx(0.375)
+    assert metrics["gdpo/format_reward/std"] == pytest.approx(float(np.std([0.5, 1.0, 0.0, 0.0])))
+    assert (metrics["gdpo/accuracy_reward/min"], metrics["gdpo/accuracy_reward/max"]) == (0.0, 1.0)
+    cfg = load_config(["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[accuracy_reward,length_reward]"])
+    with pytest.raises(ValueError, match=r"\['length_reward'\].*\['accuracy_reward', 'format_reward'\]"):
+        compute_advantages(batch, cfg.algorithm)
+
+
+def test_optimal_token_baseline_takes_old_log_probs_sum_pi_squared_and_rollout_is_weights():
+    batch = rollout_batch()
+    cfg = load_config(["algorithm.adv_estimator=optimal_token_baseline"])
+    compute_token_rewards(batch, cfg.algorithm, None)
+    with pytest.raises(ValueError, match="sum_pi_squared"):  # the actor gives it with calculate_sum_pi_squared
+        compute_advantages(batch, cfg.algorithm)
+    batch.set("sum_pi_squared", torch.full((4, 4), 0.3))
+    compute_advantages(batch, cfg.algorithm)
+    inputs = dict(uid=batch["uid"], old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"])
+    plain = optimal_token_baseline(batch["token_level_rewards"], batch["response_mask"], **inputs)
+    assert torch.equal(batch["advantages"], plain.advantages) and torch.equal(batch["returns"], plain.returns)
+    weights = torch.tensor([[1.0, 2.0, 0.5, 1.0], [2.0, 1.0, 1.0, 1.0], [1.0] * 4, [0.5] * 4])
+    batch.set("rollout_is_weights", weights)
+    compute_advantages(batch, cfg.algorithm)
+    weighted = optimal_token_baseline(batch["token_level_rewards"], batch["response_mask"], **inputs,
+                                      rollout_is_weights=weights)
+    assert torch.equal(batch["advantages"], weighted.advantages)
+    assert not torch.equal(weighted.advantages, plain.advantages)

@@ -21,6 +21,10 @@ ON_POLICY = ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref
     (ON_POLICY[:1] + ["actor_rollout_ref.actor.ppo_epochs=2"], False),
     (ON_POLICY + ["algorithm.use_kl_in_reward=True"], False),  # the reward needs logπ_old before the update
     (ON_POLICY + ["actor_rollout_ref.actor.skip_on_policy_old_log_prob=False"], False),
+    # Σπ² comes from the old-log-prob pass, and the optimal token baselines read it and logπ_old before the update
+    (ON_POLICY + ["actor_rollout_ref.actor.calculate_sum_pi_squared=True"], False),
+    (ON_POLICY + ["algorithm.adv_estimator=tir_optimal_token_baseline",
+                  "actor_rollout_ref.actor.calculate_sum_pi_squared=True"], False),
 ])
 def test_decision_rule(overrides, expected):
     assert on_policy_update(load_config(overrides, recipe="cpu_tiny_grpo")) is expected

@@ -38,6 +38,14 @@ def test_on_policy_update_equals_the_update_on_recomputed_log_probs(results):
     assert r["returned_outside_mask"] == 0.0
 
 
+def test_sum_pi_squared_comes_with_the_old_log_probs_when_asked(results):
+    r = results["sum_pi_squared"]
+    assert r["off_by_default"] and r["shape_ok"] and r["outside_mask"] == 0.0
+    assert 0 < r["min"] and r["max"] <= 1 + 1e-6 and r["below_token_p_squared"] <= 1e-6
+    assert r["fused_vs_unfused"] <= (1e-6 if results["dtype"] == "float32" else 1e-3), r
+    assert r["log_probs_changed"] == 0.0
+
+
 def test_parameter_dtype_and_mixed_precision_optimizer(results):
     r, dtype = results["precision"], f"torch.{results['dtype']}"
     assert r["param_dtypes"] == [dtype] and r["ref_param_dtypes"] == [dtype]  # norms included

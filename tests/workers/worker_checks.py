@@ -111,6 +111,33 @@ def check_on_policy(worker) -> dict:
     }
 
 
+def check_sum_pi_squared(worker) -> dict:
+    """actor.calculate_sum_pi_squared (the run plan's sum_pi_squared): the policy's old-log-prob pass also returns
+    Σ_v π_v² per response token, fused and unfused alike, without changing the log-probs; the reference's does not."""
+    import dataclasses
+
+    batch = make_batch(seed=7)
+    planned = worker.plan
+    plain = worker.compute_log_probs(batch, model="actor")
+    runs = {}
+    for fused in (planned.fused_chunk_size, None):
+        worker.plan = dataclasses.replace(planned, sum_pi_squared=True, fused_chunk_size=fused)
+        runs[fused is not None] = worker.compute_log_probs(batch, model="actor")
+    ref = worker.compute_log_probs(batch, model="ref")
+    worker.plan = planned
+    mask = batch["response_mask"].bool()
+    squares = runs[True]["sum_pi_squared"]
+    token_p = runs[True]["old_log_probs"].exp()
+    return {"off_by_default": "sum_pi_squared" not in plain and "sum_pi_squared" not in ref,
+            "shape_ok": tuple(squares.shape) == tuple(mask.shape) and squares.dtype == torch.float32,
+            "outside_mask": float(squares[~mask].abs().max()),
+            "min": float(squares[mask].min()), "max": float(squares[mask].max()),
+            # π(token)² <= Σ_v π_v² <= 1
+            "below_token_p_squared": float((token_p[mask] ** 2 - squares[mask]).max()),
+            "fused_vs_unfused": float((runs[True]["sum_pi_squared"] - runs[False]["sum_pi_squared"]).abs().max()),
+            "log_probs_changed": float((runs[True]["old_log_probs"] - plain["old_log_probs"]).abs().max())}
+
+
 def check_precision(worker) -> dict:
     """Parameter, gradient and optimizer dtypes; log-probs against an fp32 model with the same
     checkpoint (through the same code path, in the reference's place); one update."""
@@ -313,7 +340,8 @@ def main() -> None:
     configure_environment()
     torch.set_num_threads(1)
     worker = make_worker([f"actor_rollout_ref.actor.megatron.dtype={args.dtype}"])
-    results = {"on_policy": check_on_policy(worker), "precision": check_precision(worker),
+    results = {"on_policy": check_on_policy(worker), "sum_pi_squared": check_sum_pi_squared(worker),
+               "precision": check_precision(worker),
                "fixed_micro_batches": check_fixed_micro_batches(worker),
                "remove_padding": check_remove_padding(worker),
                "lr_schedule": check_lr_schedule(worker),
