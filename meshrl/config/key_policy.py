@@ -116,8 +116,9 @@ REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' / 'gdpo' man
 MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral / "
        "DeepSeek-V3 with TP / PP / DP / EP, megatron's load-balancing / z-loss (override_transformer_config."
        "moe_aux_loss_coeff, moe_z_loss_coeff, moe_router_load_balancing_type), DeepSeek-V3's expert-bias update rate "
-       "(moe_router_bias_update_rate) and router replay (actor.megatron.router_replay.mode=R2), "
-       "but not with other MoE settings or MoE rollout sizes; leave those keys at their defaults")
+       "(moe_router_bias_update_rate), the router's precision (moe_router_dtype), the fused token permutation "
+       "(moe_permute_fusion, on CUDA with Transformer Engine) and router replay "
+       "(actor.megatron.router_replay.mode=R2), but not with other MoE settings or MoE rollout sizes; leave those keys at their defaults")
 # Router replay's R3 (the rollout engine's routing replayed in training), and why it is refused.
 ROLLOUT_ROUTING = ("replaying the rollout's routing (verl's R3) needs the engine to report each token's experts: vLLM "
                    "0.32 does so only through its aux-output connector (enable_return_routed_experts), wired to Model "
@@ -206,12 +207,14 @@ ALIASES = {
 
 
 # Entries of a free-form dict that meshrl reads although a REFUSED rule matches their name: the MoE load-balancing
-# and z-loss settings (``meshrl.parallel.layers.mean_aux_loss_router_class``) and the step of the expert bias
+# and z-loss settings (``meshrl.parallel.layers.mean_aux_loss_router_class``), the step of the expert bias
 # megatron moves after each update (DeepSeek-V3's e_score_correction_bias; refused for a model without one by
-# ``meshrl.parallel.model_builder.transformer_config``).
+# ``meshrl.parallel.model_builder.transformer_config``), the dtype of the router's logits and probabilities
+# (megatron's TopKRouter, which meshrl's router subclasses, computes them in it) and the fused token permutation
+# (``model_builder.FUSED_KERNEL_SWITCHES``: on CUDA with Transformer Engine, else off with a start-up note).
 READ_ENTRIES = tuple(f"*.megatron.override_transformer_config.{name}"
                      for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
-                                  "moe_router_bias_update_rate"))
+                                  "moe_router_bias_update_rate", "moe_router_dtype", "moe_permute_fusion"))
 
 
 def _match(key: str, patterns) -> str | None:

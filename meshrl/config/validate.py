@@ -230,6 +230,7 @@ def validate_config(cfg: DictConfig) -> RunPlan:
               f"{rollout.tensor_model_parallel_size} must divide the {ws} training processes "
               "(trainer.nnodes × trainer.n_gpus_per_node)")
     notes += _sequence_parallel_notes(cfg, use_critic)
+    notes += _fused_kernel_notes(cfg, use_critic)
     p.raise_if_any("configuration")
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
 
@@ -248,19 +249,66 @@ def _sequence_parallel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
             if mg["sequence_parallel"] and mg["tensor_model_parallel_size"] == 1]
 
 
-# Group estimators whose advantage for a group of one still carries the reward, as verl computes it: these train at
-# rollout.n=1 (verl's rollout-correction examples run RLOO so), with a note saying what the advantage is.
-SOLO_GROUP_ADVANTAGE = {"rloo": "its raw score (REINFORCE without a baseline, as verl's rloo)"}
+# megatron's TransformerConfig.moe_router_dtype (null: the parameters' dtype)
+MOE_ROUTER_DTYPES = ("fp32", "fp64")
+# override_transformer_config's switches of Transformer Engine's fused CUDA kernels
+# (meshrl.parallel.model_builder.FUSED_KERNEL_SWITCHES, which turns them off in a process without the kernels)
+FUSED_KERNEL_SWITCHES = ("moe_permute_fusion", "apply_rope_fusion")
+
+
+def _fused_kernel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
+    """One note naming the fused-kernel switches set on a run where their kernels cannot run: ``trainer.device=cpu``,
+    or no transformer_engine installed (they are Transformer Engine's CUDA kernels). The model builder turns them
+    off there, and megatron's unfused code computes the same (megatron itself would refuse to build)."""
+    import importlib.util
+
+    if cfg.trainer.device != "cpu" and importlib.util.find_spec("transformer_engine") is not None:
+        return []
+    sections = {"actor_rollout_ref.actor.megatron": cfg.actor_rollout_ref.actor.megatron,
+                "actor_rollout_ref.ref.megatron": cfg.actor_rollout_ref.ref.megatron}
+    if use_critic:
+        sections["critic.megatron"] = cfg.critic.megatron
+    if cfg.reward_model.enable:
+        sections["reward_model.megatron"] = cfg.reward_model.megatron
+    on = [f"{key}.override_transformer_config.{switch}=True" for key, mg in sections.items()
+          for switch in FUSED_KERNEL_SWITCHES if mg.override_transformer_config.get(switch)]
+    if not on:
+        return []
+    why = "trainer.device=cpu" if cfg.trainer.device == "cpu" else "transformer_engine is not installed"
+    return [f"{', '.join(on)}: off ({why}): these switch on Transformer Engine's fused CUDA kernels; the same "
+            "computation runs unfused"]
+
+
+# Group estimators whose advantage for a group of one still carries the reward, as verl computes it (a group of one
+# has mean 0, std 1, no baseline): these train at rollout.n=1, as verl's rollout-correction examples run RLOO and GRPO,
+# with a note saying what the advantage is. The other group estimators have nothing to train on there: verl's
+# rloo_vectorized gives a group of one advantage 0, and grpo_passk refuses it (it credits the best of >= 2 samples).
+_RAW_SCORE = "its raw score: REINFORCE without a baseline, as in verl"
+SOLO_GROUP_ADVANTAGE = {
+    "rloo": _RAW_SCORE,
+    "grpo": "its raw score (/ (1 + epsilon) with norm_adv_by_std_in_grpo: std 1): REINFORCE without a baseline, as "
+            "in verl",
+    "grpo_vectorized": "its raw score (/ (1 + epsilon) with norm_adv_by_std_in_grpo: std 1): REINFORCE without a "
+                       "baseline, as in verl",
+    "opo": _RAW_SCORE,
+    "gpg": "its raw score times GPG's alpha: REINFORCE without a baseline, as in verl",
+    "reinforce_plus_plus_baseline": "its raw score whitened over the batch (REINFORCE++'s batch baseline only), as in "
+                                    "verl",
+    "gdpo": "the sum of its raw reward components, whitened over the batch, as in verl",
+    "optimal_token_baseline": "its reward-to-go without a baseline, as in verl",
+    "tir_optimal_token_baseline": "its reward-to-go without a baseline, as in verl",
+}
 
 
 def _group_size_problem(estimator: str, n: int) -> str:
-    """A group estimator (one taking ``uid``) at ``rollout.n`` < 2: one response per prompt is a group with
-    nothing to compare against (GRPO's advantages would all be 0, and the run would train on nothing)."""
+    """A group estimator (one taking ``uid``) at ``rollout.n`` < 2 whose group of one has nothing to train on
+    (``SOLO_GROUP_ADVANTAGE`` lists those that train there): its advantages would all be 0, or it refuses."""
     without_groups = [name for name in ADVANTAGE_ESTIMATORS.names()
                       if "uid" not in estimator_inputs(name) or name in SOLO_GROUP_ADVANTAGE]
     return (f"{estimator} baselines each response against the other responses to the same prompt (its group), so it "
             f"needs at least 2 responses per prompt, got {n}: a group of one has nothing to compare with. Set "
-            f"actor_rollout_ref.rollout.n=2 or more, or pick an estimator without groups: {', '.join(without_groups)}")
+            f"actor_rollout_ref.rollout.n=2 or more, or pick an estimator that trains on groups of one: "
+            f"{', '.join(without_groups)}")
 
 
 def _critic_switch_problem(enable: bool, estimator: str) -> str:
@@ -383,6 +431,9 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
         if "attention_backend" in overrides:
             p.choice(overrides.attention_backend, f"{key}.override_transformer_config.attention_backend",
                      [b.name for b in AttnBackend])
+        if overrides.get("moe_router_dtype") is not None:
+            p.choice(overrides.moe_router_dtype, f"{key}.override_transformer_config.moe_router_dtype",
+                     MOE_ROUTER_DTYPES)
         if "moe_router_load_balancing_type" in overrides:
             p.require(overrides.moe_router_load_balancing_type in MOE_BALANCING,
                       f"{key}.override_transformer_config.moe_router_load_balancing_type",

@@ -39,6 +39,7 @@ loss function over micro-batches and DP ranks.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import warnings
 from typing import Any
@@ -121,6 +122,44 @@ def transformer_engine_available() -> bool:
     return True
 
 
+# TransformerConfig switches that select Transformer Engine's fused CUDA kernels (verl's scripts set them through
+# override_transformer_config): moe_permute_fusion (the MoE token permutation), apply_rope_fusion (RoPE). Honoured
+# where those kernels run: CUDA with a Transformer Engine that has them (megatron's own test: its imports of them
+# are not None). Elsewhere megatron would refuse to build; the same computation runs unfused instead, and the run
+# plan says so in one start-up note (``meshrl.config.validate``; ``fused_kernel_switches_off`` here).
+FUSED_KERNEL_SWITCHES = ("moe_permute_fusion", "apply_rope_fusion")
+
+
+def fused_kernels_run(switch: str) -> bool:
+    """Whether ``switch`` (one of ``FUSED_KERNEL_SWITCHES``) has its kernels in this process."""
+    if not transformer_engine_available():
+        return False
+    if switch == "moe_permute_fusion":
+        from megatron.core.transformer.moe import moe_utils
+
+        return all(getattr(moe_utils, name, None) is not None for name in (
+            "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+            "fused_sort_chunks_by_index_with_probs", "fused_unpermute"))
+    if switch == "apply_rope_fusion":
+        from megatron.core.models.common.embeddings import rope_utils
+
+        return rope_utils.fused_apply_rotary_pos_emb is not None or rope_utils.fused_apply_rotary_pos_emb_thd is not None
+    raise ValueError(f"not a fused-kernel switch: {switch}")
+
+
+def fused_kernel_switches_off(settings: dict[str, Any]) -> list[str]:
+    """The ``FUSED_KERNEL_SWITCHES`` turned on in ``settings`` whose kernels this process lacks: each is set False
+    in ``settings``. Said once at start-up by the driver (``trainer.device=cpu`` or no transformer_engine); a
+    process that finds the kernels missing although transformer_engine is installed warns here too."""
+    off = [key for key in FUSED_KERNEL_SWITCHES if settings.get(key) and not fused_kernels_run(key)]
+    for key in off:
+        settings[key] = False
+    if off and importlib.util.find_spec("transformer_engine") is not None:
+        warnings.warn(f"{', '.join(f'{key}=True' for key in off)}: off in this process (its Transformer Engine "
+                      f"kernels need CUDA and a Transformer Engine that has them); computed unfused", stacklevel=3)
+    return off
+
+
 def packed_sequences(requested: bool) -> bool:
     """Whether micro-batches run as packed THD rows (``use_remove_padding``): as requested, except on CUDA
     without Transformer Engine, where padded rows run instead and a warning says so.
@@ -201,6 +240,7 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         # moe_router_load_balancing_type / moe_aux_loss_coeff / moe_z_loss_coeff turn it on.
         kwargs.update(moe_router_load_balancing_type="none")
     kwargs.update(overrides)
+    fused_kernel_switches_off(kwargs)
     if kwargs["sequence_parallel"] and parallel.tensor_parallel == 1:
         # verl's Megatron engine turns it off at TP 1 with a warning (megatron would refuse it): there is no
         # TP group to split the sequence over, and the numbers are the same either way.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from e2e_checks import with_extended
-from test_verl_scripts import swapped, vendored_args
+from test_verl_scripts import check_method, swapped, vendored_args
 from vllm_cpu_kernels import skip_fp32_mla_on_amx
 
 from meshrl.config import load_config
@@ -35,13 +35,22 @@ SCRIPTS = {  # name: (mirror, path, tiny model)
                         "tiny:qwen2_moe"),
     "moonlight_grpo": ("verl-project/verl", "examples/grpo_trainer/run_moonlight_16b_a3b_megatron.sh",
                        "tiny:deepseek_v3"),
+    # current verl's Qwen3-30B-A3B method scripts: DPPO's TV trust region and GSPO, with an fp32 router
+    # (moe_router_dtype) and the fused token permutation (moe_permute_fusion; GSPO's also apply_rope_fusion), off on
+    # CPU with a start-up note
+    "dppo_moe_megatron": ("verl-project/verl", "examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh", "tiny:qwen3_moe"),
+    "gspo_moe_megatron": ("verl-project/verl", "examples/gspo_trainer/run_qwen3_30b_a3b_megatron.sh", "tiny:qwen3_moe"),
 }
 # Expert parallelism is a hardware size too: one CPU process here (EP2 runs in the test below).
 EXPERT_SIZES = {r".*\.megatron\.expert_(model|tensor)_parallel_size": "1"}
 # `make test-extended`: DeepSeek-V3 trains through the same MoE path as Qwen2-MoE (the layer is megatron's, the
 # resharding per expert the same); what is its own (MLA, routing, expert bias) matches HF at EP1/EP2/EP2xTP2/EP2xPP2
 # in tests/parallel/test_moe_parallel.py and reaches vLLM in tests/models/test_moe_vllm.py.
-EXTENDED = {"moonlight_grpo", "tiny:deepseek_v3"}
+# The Qwen3-30B-A3B method scripts: their losses match verl's in tests/algorithms/test_verl_reference.py and train
+# GRPO's path (tests/e2e/test_algorithms_e2e.py's grpo case); Qwen3-MoE matches HF in test_moe_parallel.py and the
+# MoE script path is qwen1.5_moe_ppo's; moe_router_dtype reaching megatron's router is
+# tests/workers/test_model_keys.py's, the fused-kernel switches' note tests/foundation/test_verl_features.py's.
+EXTENDED = {"moonlight_grpo", "tiny:deepseek_v3", "dppo_moe_megatron", "gspo_moe_megatron"}
 
 
 @pytest.mark.parametrize("name", with_extended(SCRIPTS, EXTENDED))
@@ -78,6 +87,11 @@ def test_verls_moe_script_trains_one_cpu_step(tmp_path: Path, name: str) -> None
         assert plan.use_critic and step["critic/optimizer_steps"] >= 1
     if plan.use_reference:  # the reference loaded the policy's checkpoint: step 1's policy is it
         assert step["actor/ref_log_prob_max_abs_diff"] == 0.0
+    if name in ("dppo_moe_megatron", "gspo_moe_megatron"):
+        (note,) = [w for w in plan.warnings if "moe_permute_fusion=True" in w]
+        assert "off (trainer.device=cpu)" in note
+        assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype == "fp32"
+    check_method(name, plan, step)
 
 
 # Megatron EP2 (the two ranks hold four experts each, tokens exchanged all-to-all) -> a TP2 vLLM engine on the same

@@ -2,7 +2,7 @@
 
 The argument lines are vendored (``tests/verl_scripts/arguments.json``, extracted from both verl mirrors by
 ``extract.py``). Swapped: the model and data paths (the tiny Llama, the packaged GSM8K), the hardware sizes
-(one CPU process, parallel sizes 1), the batch sizes, lengths and token budgets the script sets (CPU-sized),
+(one CPU process, parallel sizes 1; the process count also where a script leaves it at verl's default), the batch sizes, lengths and token budgets the script sets (CPU-sized),
 the run length (one step, no validation, no checkpoint; 16 training prompts loaded), where the run writes, and the logger (``wandb``
 is not installed here; console and jsonl instead). Everything else is the script's.
 """
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from e2e_checks import with_extended
+
+from verl_scripts import classify
 
 from meshrl.config import load_config
 from meshrl.trainer.main import parse_args, preflight
@@ -38,7 +40,23 @@ SCRIPTS = {
     "lora_megatron": ("volcengine/verl", "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh"),
     # the same at inference TP2 (two ranks, one engine across them): vLLM slices the synced adapters per TP rank
     "lora_megatron_rollout_tp2": ("volcengine/verl", "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh"),
+    # current verl's method scripts (FSDP keys): GDPO (its reward file swapped for tests/verl_scripts/gdpo_reward.py,
+    # GSM8K in verl's dict form with the two components the script names), GMPO's geometric-mean loss, GSPO, the
+    # optimal token baseline (Σπ² from the old-log-prob pass), SAPO on Qwen3 and on Qwen3-MoE
+    "gdpo_fsdp": ("verl-project/verl", "examples/gdpo_trainer/run_qwen3_8b_fsdp.sh"),
+    "gmpo_fsdp": ("verl-project/verl", "examples/gmpo_trainer/run_qwen3_8b_fsdp.sh"),
+    "gspo_fsdp": ("verl-project/verl", "examples/gspo_trainer/run_qwen3_8b_fsdp.sh"),
+    "otb_fsdp": ("verl-project/verl", "examples/otb_trainer/run_qwen3_8b_fsdp.sh"),
+    "sapo_fsdp": ("verl-project/verl", "examples/sapo_trainer/run_qwen3_8b_fsdp.sh"),
+    "sapo_moe_fsdp": ("verl-project/verl", "examples/sapo_trainer/run_qwen3_30b_a3b_fsdp.sh", "tiny:qwen3_moe"),
+    # verl's rollout correction in bypass mode at one response per prompt (the scripts leave rollout.n at 1): RLOO
+    # with sequence IS weights applied by the REINFORCE loss; GRPO under PPO's clip with token and sequence rejection
+    "rollout_corr_rloo": ("verl-project/verl", "examples/rollout_correction/run_qwen2_5_7b_fsdp.sh"),
+    "rollout_corr_multi_rs": ("verl-project/verl", "examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh"),
 }
+# verl's rollout-correction scripts run in bypass mode: the trainer computes no log-probs of its own to compare with
+# the engine's (rollout/log_prob_*); the actor compares the policy it trains with the engine's (rollout_corr/kl, ...).
+BYPASS = {"rollout_corr_rloo", "rollout_corr_multi_rs"}
 # Swaps appended after the CPU sizes, by script name.
 AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
                                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]}
@@ -49,7 +67,13 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
 # is gemma2_ppo's and test_algorithms_e2e.py's PPO case's; CISPO's step is GRPO's with the loss checked against
 # verl's in tests/algorithms/test_verl_reference.py, and the FSDP keys' warnings are the key-policy unit tests'.
 # The adapters at inference TP2 take lora_megatron's path to the engine; only vLLM's slicing per TP rank is new.
-EXTENDED = {"qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2"}
+# The method scripts: each loss and estimator is checked against verl's in tests/algorithms/test_verl_reference.py and
+# trains GRPO's path (test_algorithms_e2e.py's grpo case); GDPO's reward components reach its estimator in
+# tests/trainer/test_advantage_glue.py; rollout correction (IS, rejection, bypass mode) trains in
+# test_algorithms_e2e.py's remax and ppo cases; Qwen3-MoE matches HF in tests/parallel/test_moe_parallel.py.
+EXTENDED = {"qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2", "gdpo_fsdp",
+            "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp", "sapo_moe_fsdp", "rollout_corr_rloo",
+            "rollout_corr_multi_rs"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
 # conflict with its deprecated twin, e.g. ppo_micro_batch_size vs ppo_micro_batch_size_per_gpu).
@@ -61,8 +85,9 @@ SIZES = {
     r"trainer\.nnodes": "1", r"reward_model\.rollout\.tensor_model_parallel_size": "1",
 }
 MODEL_KEYS = r"(actor_rollout_ref|critic)\.model\.path"
+# with a reward file of verl's repository swapped for meshrl's test reward (classify.PATH_SWAPS)
 DATA = {r"data\.train_files": "embedded:gsm8k/train", r"data\.val_files": "embedded:gsm8k/test",
-        r"reward_model\.model\.path": "tiny-rm:llama"}
+        r"reward_model\.model\.path": "tiny-rm:llama", **classify.PATH_SWAPS}
 
 
 def vendored_args(mirror: str, path: str) -> list[str]:
@@ -81,6 +106,9 @@ def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = D
         key, sep, _ = arg.lstrip("+").partition("=")
         replacement = next((v for pattern, v in swaps.items() if sep and re.fullmatch(pattern, key)), None)
         out.append(arg if replacement is None else f"{key}={replacement}")
+    # the machine's size where the script leaves verl's default (8 GPUs a node: verl's rollout-correction scripts)
+    keys = {arg.lstrip("+").partition("=")[0] for arg in args}
+    out += [f"{key}=1" for key in ("trainer.nnodes", "trainer.n_gpus_per_node") if key not in keys]
     return out + ["trainer.total_training_steps=1", "trainer.val_before_train=False", "trainer.test_freq=-1",
                   "trainer.save_freq=-1", "trainer.device=cpu", f"trainer.default_local_dir={run_dir}",
                   "trainer.logger=[console,jsonl]", "data.train_max_samples=16"]
@@ -98,7 +126,11 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
     final = run(cfg, plan)
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert step["step"] == 1 and final["actor/optimizer_steps"] >= 1
-    assert step["rollout/log_prob_max_abs_diff"] < 1e-3  # the engine serves the policy the trainer evaluates
+    if name in BYPASS:  # the engine serves the policy the actor trains: before its step they are one policy
+        assert abs(step["rollout_corr/kl"]) < 1e-5 and step["rollout_corr/k3_kl"] < 1e-5
+        assert not {key for key in step if key.startswith("rollout/log_prob")}
+    else:
+        assert step["rollout/log_prob_max_abs_diff"] < 1e-3  # the engine serves the policy the trainer evaluates
     if plan.use_reference:
         assert step["actor/ref_log_prob_max_abs_diff"] == 0.0  # step 1: the policy is still the reference
     if name in ("ppo_megatron", "gemma2_ppo"):
@@ -111,6 +143,34 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
         assert not plan.lora.merge and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
     if name == "cispo_fsdp":
         assert plan.policy_loss == "cispo" and "actor/pg_loss" in step
+    check_method(name, plan, step)
+
+
+def check_method(name: str, plan, step: dict) -> None:
+    """The method script ``name`` trained with its own method: its loss's or estimator's diagnostics are logged."""
+    if name == "gdpo_fsdp":  # each component the script names, from the swapped reward file, reached the estimator
+        assert plan.adv_estimator == "gdpo"
+        means = [step[f"gdpo/{key}/mean"] for key in ("accuracy_reward", "format_reward")]
+        assert step["score/mean"] == pytest.approx(sum(means))  # the reward file's score: their sum
+        assert all(0.0 <= step[f"gdpo/{key}/min"] <= step[f"gdpo/{key}/max"] <= 1.0
+                   for key in ("accuracy_reward", "format_reward"))
+    if name == "gmpo_fsdp":
+        assert plan.policy_loss == "geo_mean" and {"actor/clipfrac", "actor/clipfrac_lower"} <= set(step)
+    if name in ("gspo_fsdp", "gspo_moe_megatron"):
+        assert plan.policy_loss == "gspo" and plan.loss_agg_mode == "seq-mean-token-mean" and "actor/clipfrac" in step
+    if name == "otb_fsdp":  # the baseline's Σπ² came from the old-log-prob pass
+        assert plan.adv_estimator == "optimal_token_baseline" and plan.sum_pi_squared
+    if name.startswith("sapo"):
+        assert plan.policy_loss == "sapo" and "actor/ppo_kl" in step
+    if name == "dppo_moe_megatron":
+        assert plan.policy_loss == "dppo_tv" and {"actor/clipfrac", "actor/clipfrac_lower"} <= set(step)
+    if name == "rollout_corr_rloo":  # sequence IS weights, batch-normalised (mean 1), applied by REINFORCE's loss
+        assert plan.adv_estimator == "rloo" and plan.rollout_correction.bypass
+        assert step["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-5)
+    if name == "rollout_corr_multi_rs":  # both rejection criteria ran; same policy: nothing is rejected
+        assert plan.adv_estimator == "grpo" and plan.rollout_correction.bypass
+        assert {"rollout_corr/rollout_rs_token_k1_mean", "rollout_corr/rollout_rs_seq_max_k2_mean"} <= set(step)
+        assert step["rollout_corr/rollout_rs_masked_fraction"] == 0.0
 
 
 def test_verl_sandbox_script_scores_code_in_a_local_sandbox(tmp_path, capsys):

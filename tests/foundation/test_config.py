@@ -155,16 +155,18 @@ def test_impossible_values_name_the_key(overrides, key):
     assert key in str(err.value)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "grpo_passk", "gpg", "opo", "reinforce_plus_plus_baseline"])
-def test_group_estimators_refuse_one_response_per_prompt(estimator):
-    # Each response's baseline is its prompt's other responses: with n=1, GRPO trains on all-zero advantages.
+@pytest.mark.parametrize("estimator", ["grpo_passk", "rloo_vectorized"])
+def test_group_estimators_without_a_solo_advantage_refuse_one_response_per_prompt(estimator):
+    # verl's grpo_passk refuses a group of one (it credits the best of >= 2 samples); its rloo_vectorized gives it 0
     cfg = load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"])
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)
     message = str(err.value)
     assert f"actor_rollout_ref.rollout.n: {estimator} baselines each response against the other responses" in message
     assert "actor_rollout_ref.rollout.n=2 or more" in message
-    assert message.endswith("pick an estimator without groups: gae, reinforce_plus_plus, remax, rloo")
+    assert message.endswith("pick an estimator that trains on groups of one: gae, gdpo, gpg, grpo, grpo_vectorized, "
+                            "opo, optimal_token_baseline, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, "
+                            "rloo, tir_optimal_token_baseline")
     validate_config(load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=2"]))
 
 
@@ -200,10 +202,16 @@ def test_estimators_without_groups_take_one_response_per_prompt(estimator):
     validate_config(load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"]))
 
 
-def test_rloo_at_one_response_per_prompt_trains_on_the_raw_score_with_a_note():
-    # verl's rollout-correction examples run RLOO at n=1: a group of one keeps its score as its advantage
-    plan = validate_config(load_config(["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"]))
-    assert any("rollout.n=1" in note and "raw score" in note for note in plan.warnings), plan.warnings
+@pytest.mark.parametrize("estimator, advantage", [
+    ("rloo", "raw score"), ("grpo", "raw score"), ("grpo_vectorized", "raw score"), ("opo", "raw score"),
+    ("gpg", "raw score times GPG's alpha"), ("reinforce_plus_plus_baseline", "raw score whitened over the batch"),
+])
+def test_group_estimators_at_one_response_per_prompt_train_on_the_raw_score_with_a_note(estimator, advantage):
+    # verl's rollout-correction examples run RLOO and GRPO at n=1: a group of one (mean 0, std 1 in verl) keeps its
+    # score as its advantage
+    plan = validate_config(load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"]))
+    (note,) = [note for note in plan.warnings if "rollout.n=1" in note]
+    assert f"whose {estimator} advantage is its {advantage}" in note and "as in verl" in note, note
 
 
 def test_all_problems_reported_at_once():

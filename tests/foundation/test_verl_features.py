@@ -128,6 +128,27 @@ def test_moe_transformer_overrides_are_refused_as_moe():
     assert "recompute_granularity" not in str(err.value)
 
 
+def test_moe_router_dtype_and_permute_fusion_load_and_fused_kernels_off_on_cpu_are_named_once():
+    """verl's Qwen3-MoE scripts: the fp32 router is megatron's (read); the fused-kernel switches need Transformer
+    Engine's CUDA kernels, so a CPU run turns them off and one start-up note names them all."""
+    from meshrl.config import validate as validate_module
+    from meshrl.parallel.model_builder import FUSED_KERNEL_SWITCHES
+
+    assert set(validate_module.FUSED_KERNEL_SWITCHES) == set(FUSED_KERNEL_SWITCHES)
+    overrides = "+actor_rollout_ref.actor.megatron.override_transformer_config"
+    base = ["actor_rollout_ref.model.path=tiny:qwen3_moe", f"{overrides}.moe_router_dtype=fp32",
+            f"{overrides}.moe_permute_fusion=True", f"{overrides}.apply_rope_fusion=True"]
+    notes = validate_config(load_config([*base, "trainer.device=cpu"], recipe="cpu_tiny_grpo")).warnings
+    (note,) = [n for n in notes if "fusion" in n]
+    assert note.startswith("actor_rollout_ref.actor.megatron.override_transformer_config.moe_permute_fusion=True, "
+                           "actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True: off "
+                           "(trainer.device=cpu)")
+    assert not any("moe_router_dtype" in n for n in notes)
+    # switched off, nothing to say
+    quiet = [f"{overrides}.moe_permute_fusion=False", "trainer.device=cpu"]
+    assert validate_config(load_config(quiet, recipe="cpu_tiny_grpo")).warnings == ()
+
+
 @pytest.mark.parametrize("alias, key, value", [
     ("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
      "actor_rollout_ref.rollout.update_weights_bucket_megabytes", 4096),

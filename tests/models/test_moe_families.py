@@ -81,8 +81,8 @@ def test_expert_layout_must_fit_the_world() -> None:
 @pytest.mark.parametrize("overrides,refused", [
     # verl's load-balancing and z-loss keys are read (the MoE router applies them)
     (["moe_router_load_balancing_type=aux_loss", "moe_aux_loss_coeff=0.01", "moe_z_loss_coeff=0.001"], None),
-    # other MoE settings are still refused as a missing feature
-    (["moe_router_dtype=fp32"], "mixture-of-experts"),
+    # other MoE settings are still refused as a missing feature (moe_router_dtype is read too: test_model_keys.py)
+    (["moe_enable_deepep=True"], "mixture-of-experts"),
     # a load-balancing type meshrl would apply wrongly
     (["moe_router_load_balancing_type=seq_aux_loss"], "seq_aux_loss would count a packed micro-batch"),
 ])

@@ -78,8 +78,8 @@ def test_a_batch_larger_than_the_data_is_refused_with_the_numbers(command):
 
 
 def test_a_group_estimator_with_one_response_per_prompt_is_refused(command):
-    code, err = command("actor_rollout_ref.rollout.n=1")
-    assert code == 2 and "actor_rollout_ref.rollout.n: grpo baselines each response against the other" in err
+    code, err = command("actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=grpo_passk")
+    assert code == 2 and "actor_rollout_ref.rollout.n: grpo_passk baselines each response against the other" in err
 
 
 @pytest.mark.parametrize("source, name, expected", [

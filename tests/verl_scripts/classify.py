@@ -5,7 +5,7 @@
 Each call's arguments go through what ``python -m meshrl.trainer.main`` does before training
 (``parse_args``, ``load_config``, ``preflight``), with the model/data paths (the Megatron checkpoint
 folders too: the scripts name them by environment variables) and hardware sizes swapped to CPU-sized
-values (``CPU_SWAPS``, appended as a user's own overrides are). The outcome:
+values (``CPU_SWAPS``, appended as a user's own overrides are; ``PATH_SWAPS`` where a script sets them). The outcome:
 
 - ``ok``: loads and validates;
 - ``load``: ``load_config`` refuses ``keys`` (unknown keys, wrong types, an engine meshrl lacks);
@@ -53,6 +53,10 @@ CPU_SWAPS = [
     *(f"{section}.megatron.dist_checkpointing_path=/models/mcore"
       for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
 ]
+# Paths a script sets only where it uses the feature, swapped (appended as CPU_SWAPS are) where it sets them: a reward
+# file of verl's repository scores verl's data; meshrl's test reward (GSM8K rows in verl's dict form, with GDPO's
+# components accuracy_reward and format_reward beside the score) stands in for it, as the data's paths are swapped.
+PATH_SWAPS = {r"(reward\.)?custom_reward_function\.path": str(HERE / "gdpo_reward.py")}
 # The verl feature a key that meshrl refuses belongs to: (feature, pattern searched in the key).
 FEATURES = [
     ("other training engines (VeOmni, Megatron Lite, Hydra config groups)",
@@ -89,12 +93,18 @@ def script_id(script: dict) -> str:
     return f"{script['mirror']}:{script['path']}"
 
 
+def path_swaps(args: list[str]) -> list[str]:
+    """``PATH_SWAPS`` for the keys ``args`` set, as overrides."""
+    keys = [arg.lstrip("+").partition("=")[0] for arg in args]
+    return [f"{key}={value}" for key in keys for pattern, value in PATH_SWAPS.items() if re.fullmatch(pattern, key)]
+
+
 def classify(args: list[str]) -> dict:
     """The outcome of one call's arguments (module docstring): ``{"outcome": ..., "keys": [...]}``."""
     from meshrl.config import ConfigError, load_config
     from meshrl.trainer.main import parse_args, preflight
 
-    recipe, overrides = parse_args([*args, *CPU_SWAPS])
+    recipe, overrides = parse_args([*args, *CPU_SWAPS, *path_swaps(args)])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # model_engine=dp's note, expected for verl's FSDP scripts

@@ -37,7 +37,8 @@ MIRRORS = {
     "verl-project/verl": "/work/.mirror/verl-project+verl/repo",  # today
 }
 FOLDERS = ("remax_trainer", "gpg_trainer", "grpo_trainer", "ppo_trainer", "rloo_trainer",
-           "reinforce_plus_plus_trainer", "cispo_trainer")
+           "reinforce_plus_plus_trainer", "cispo_trainer", "dppo_trainer", "gdpo_trainer", "gmpo_trainer",
+           "gspo_trainer", "otb_trainer", "sapo_trainer", "rollout_correction")
 MODULE_PREFIX = "verl.trainer.main_ppo"
 HOME = "/home/user"
 FIXED_DATE = "20260101"
@@ -50,6 +51,9 @@ REQUIRED_ENV = {
     "MLITE_ROOT": f"{HOME}/Megatron-LM",
     "MODEL_VARIANT": "kimi_k2_6",
     "RAY_DATA_HOME": f"{HOME}/verl",
+    # the sbatch scripts: what Slurm sets for a one-node job of eight GPUs (sbatch --gpus-per-node=8)
+    "SLURM_JOB_NUM_NODES": "1",
+    "SLURM_GPUS_PER_NODE": "8",
 }
 # Real tools a script may use to compute values; none of them starts a process or writes outside cwd.
 TEXT_TOOLS = ("awk", "basename", "cat", "cut", "dirname", "expr", "grep", "head", "readlink", "realpath",
@@ -58,7 +62,8 @@ TEXT_TOOLS = ("awk", "basename", "cat", "cut", "dirname", "expr", "grep", "head"
 # Sourced by bash before the script (BASH_ENV). Records calls of verl's trainer module (NUL-separated
 # argv, one file per call, numbered in call order); every other missing command succeeds silently,
 # except `python -c ...` which fails like a probe for an absent package. A stub reading a pipe
-# (`... | tee LOG`) drains it, so the writer is not killed by SIGPIPE before it records.
+# (`... | tee LOG`) drains it, so the writer is not killed by SIGPIPE before it records. `ulimit` above this
+# machine's hard limit (a script raising its open-files limit, which a user's machine allows) does not stop it.
 PRELUDE = r"""
 command_not_found_handle() {
     local arg
@@ -80,6 +85,9 @@ command_not_found_handle() {
 }
 source() {
     if [[ -f "$1" ]]; then builtin source "$@"; fi
+}
+ulimit() {
+    builtin ulimit "$@" 2>/dev/null || true
 }
 """.replace("MODULE_PREFIX", MODULE_PREFIX)
 

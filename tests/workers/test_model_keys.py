@@ -40,7 +40,41 @@ def test_override_transformer_config_reaches_megatron_and_wins(one_rank, tiny_ll
         "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
+def test_moe_router_dtype_reaches_megatrons_router_and_fused_permutation_is_off_on_cpu(one_rank):
+    """verl's Qwen3-MoE scripts' fp32 router: megatron's config holds it and meshrl's router (megatron's TopKRouter
+    subclassed) computes its logits in fp32 in a bf16 model; moe_permute_fusion and apply_rope_fusion (Transformer
+    Engine's CUDA kernels) are turned off in a process without them, where megatron would refuse to build."""
+    from meshrl.models.tiny import tiny_config, tiny_spec
+    from meshrl.parallel.layers import mean_aux_loss_router_class, tp_split_moe_layer_class
+    from meshrl.parallel.model_builder import fused_kernels_run
+
+    arr = actor_cfg("actor_rollout_ref.model.path=tiny:qwen3_moe",
+                    f"+{MEGATRON}.override_transformer_config.moe_router_dtype=fp32",
+                    f"+{MEGATRON}.override_transformer_config.moe_permute_fusion=True",
+                    f"+{MEGATRON}.override_transformer_config.apply_rope_fusion=True")
+    overrides = transformer_overrides(arr.model, arr.actor.megatron)
+    assert overrides["moe_router_dtype"] == "fp32" and overrides["moe_permute_fusion"] is True
+    hf_config = tiny_config(tiny_spec("qwen3_moe"))
+    logits = {}
+    for dtype_name, settings in (("fp32", overrides), ("default", {})):
+        chunks = build_model(hf_config, dtype=torch.bfloat16, **settings)
+        config = model_config(chunks)
+        assert config.moe_router_dtype == (None if dtype_name == "default" else "fp32")
+        assert config.moe_permute_fusion is False and not fused_kernels_run("moe_permute_fusion")
+        assert config.apply_rope_fusion is False and not fused_kernels_run("apply_rope_fusion")
+        routers = [m for m in chunks[0].modules() if isinstance(m, mean_aux_loss_router_class())]
+        assert routers
+        hidden = torch.randn(3, 1, hf_config.hidden_size, dtype=torch.bfloat16)
+        logits[dtype_name] = routers[0].gating(hidden)
+        # the whole MoE layer runs with it: the routed output comes back in the model's dtype
+        layer = next(m for m in chunks[0].modules() if isinstance(m, tp_split_moe_layer_class()))
+        output, _ = layer(hidden)
+        assert output.dtype == torch.bfloat16 and output.shape == hidden.shape and output.isfinite().all()
+    assert logits["fp32"].dtype == torch.float32 and logits["default"].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("override, message", [
+    (f"+{MEGATRON}.override_transformer_config.moe_router_dtype=bf16", "moe_router_dtype: 'bf16' is not one of fp32"),
     (f"+{MEGATRON}.override_transformer_config.recompute_granularty=full", "recompute_granularity"),
     (f"+{MEGATRON}.override_transformer_config.attention_backend=flashy", "attention_backend"),
     (f"{MEGATRON}.use_dist_checkpointing=True", "dist_checkpointing_path"),
