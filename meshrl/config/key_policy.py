@@ -27,6 +27,7 @@ import fnmatch
 
 from omegaconf import DictConfig, OmegaConf
 
+from meshrl.config.async_keys import ASYNC_TRAINING
 from meshrl.config.loader import default_config
 
 # verl's critic FSDP section has had three places: critic.fsdp_config, critic.model.fsdp_config, critic.fsdp.
@@ -107,6 +108,15 @@ INERT = {
                                     "scores; meshrl scores in its own process pool (reward_model.num_workers)",
     "global_profiler.*": PROFILER,
     "*.profiler.*": PROFILER,
+    # verl's asynchronous trainers' keys that cannot ask for asynchronous training (meshrl.config.async_keys)
+    "trainer.use_v1": "it picks between verl's V0 and V1 trainers, both synchronous unless trainer.v1.trainer_mode "
+                      "says otherwise; meshrl has one synchronous trainer",
+    "actor_rollout_ref.rollout.n_gpus_per_node": "it sizes verl's standalone rollout pool "
+                                                 "(actor_rollout_ref.rollout.nnodes > 0, refused)",
+    "actor_rollout_ref.actor.use_rollout_log_probs": "verl's code reads it nowhere (its fully async config sets it); "
+                                                     "the engine's log-probs are the old log-probs with "
+                                                     "algorithm.rollout_correction.bypass_mode=True, which meshrl "
+                                                     "honours",
 }
 
 REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' / 'gdpo' manager (one score per response, "
@@ -130,6 +140,9 @@ MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl tra
 PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_pf_ppo=False"
 VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "
           "model_engine=megatron and the *.megatron.* keys")
+
+V1_SAMPLER = ("custom samplers (verl's V1 replay-buffer classes and their arguments) are not built: meshrl draws "
+              "prompts with its own sampler (data.shuffle, data.seed); leave them unset")
 
 REFUSED = {
     "reward_model.enable_resource_pool": RM_POOL,
@@ -185,6 +198,21 @@ REFUSED = {
                                                                  "meshrl's is the naive one: leave it empty",
     "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": "custom checkpoint engines are not built; "
                                                                          "leave it unset",
+    # asynchronous training (meshrl.config.async_keys; the loader refuses any key of the two sections already)
+    "async_training.*": ASYNC_TRAINING,
+    "rollout.*": ASYNC_TRAINING,
+    "actor_rollout_ref.rollout.nnodes": ASYNC_TRAINING,
+    "trainer.v1.colocate_async.*": ASYNC_TRAINING,
+    "trainer.v1.separate_async.*": ASYNC_TRAINING,
+    # verl's V1 sampler drops or waits for prompt groups this many versions old in its asynchronous modes only
+    "trainer.v1.sampler.max_off_policy_*": ASYNC_TRAINING,
+    "trainer.v1.sync": "verl's V1 sync trainer reads parameter_sync_step from it, to sample the train batch in that "
+                       "many parts, each generated and trained in turn; meshrl generates the whole train batch each "
+                       "step: leave it empty",
+    "trainer.v1.sampler.sync_refill_failed_groups": "replacing failed prompt groups with new prompts (verl's V1 "
+                                                    "sampler) is not built; leave it False",
+    "trainer.v1.sampler.custom_sampler.*": V1_SAMPLER,
+    "trainer.v1.sampler.sampler_kwargs": V1_SAMPLER,
 }
 
 # verl's newer name -> the key meshrl reads, which follows it unless set itself (see the module docstring)

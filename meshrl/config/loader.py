@@ -15,6 +15,10 @@ Contract:
 - A list-of-strings key given one string holds a one-element list (verl's ``trainer.logger=console``).
 - verl's base configs as recipe names, ``ppo_trainer`` and ``ppo_megatron_trainer`` (``.yaml`` or not,
   in any folder that has no such file), are the schema defaults: verl's tree is the schema's.
+- verl's asynchronous trainers are not built (``meshrl.config.async_keys``): their config names
+  (``fully_async_ppo_trainer``, ``one_step_off_ppo_megatron_trainer``, ...) and any key of the sections only
+  their configs have (``async_training.*``, the top-level ``rollout.*``), whatever its value, are one problem
+  naming them.
 - ``model_engine`` selects verl's training backend: megatron; verl's FSDP names load with one warning
   (meshrl trains with its Megatron backend); any other engine is refused.
 - A recipe may list other recipes to start from: ``defaults: [base_recipe, ...]`` (names resolve in
@@ -39,6 +43,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from meshrl.config.async_keys import ASYNC_CONFIG_NAMES, ASYNC_TRAINING, asks_for_async
 from meshrl.config.schema import MODEL_ENGINES, MeshRLConfig
 
 _ABSENT = object()
@@ -58,7 +63,23 @@ class ConfigError(ValueError):
         self.keys = tuple(keys)
 
 
+class _AsyncTrainingKey(ConfigError):
+    """A key that asks for asynchronous training (``meshrl.config.async_keys``); all of them make one problem."""
+
+
+def _async_training_error(keys: Sequence[str]) -> ConfigError:
+    engine = [k for k in keys if k.startswith("rollout.")
+              and OmegaConf.select(_defaults_template(), f"actor_rollout_ref.{k.partition('=')[0]}", default=None)
+              is not None]
+    hint = (f" ({', '.join(k.partition('=')[0] for k in engine)}: the top-level rollout section is the fully async "
+            "rollouter's; the rollout engine's keys are actor_rollout_ref.rollout.*)") if engine else ""
+    return ConfigError(f"{', '.join(keys)}: {ASYNC_TRAINING}{hint}", [k.partition("=")[0] for k in keys])
+
+
 def _one_error(problems: list[ConfigError]) -> ConfigError:
+    asked = [k for p in problems if isinstance(p, _AsyncTrainingKey) for k in p.keys]
+    if asked:
+        problems = [p for p in problems if not isinstance(p, _AsyncTrainingKey)] + [_async_training_error(asked)]
     if len(problems) == 1:
         return problems[0]
     lines = "\n  - ".join(str(p) for p in problems)
@@ -147,6 +168,8 @@ def _is_string_list(cfg: DictConfig, key: str) -> bool:
 
 
 def _set(cfg: DictConfig, key: str, value: object, source: str) -> None:
+    if asks_for_async(key):
+        raise _AsyncTrainingKey(ASYNC_TRAINING, [f"{key}={value}"])
     free_form = _is_free_form(cfg, key)
     if not free_form and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
         raise _unknown_key_error(key, source)
@@ -227,6 +250,8 @@ def resolve_recipe(name: str | Path, relative_to: Path | None = None) -> Path | 
     defaults) when no such file exists."""
     candidates = [Path(name)]
     stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
+    if Path(stem).stem in ASYNC_CONFIG_NAMES:  # verl's, or a copy of it: the name says what it is
+        raise ConfigError(f"--config-name {Path(stem).stem}: {ASYNC_TRAINING}", ["--config-name"])
     if relative_to is not None:
         candidates.append(relative_to / stem)
     candidates.append(RECIPES_DIR / stem)

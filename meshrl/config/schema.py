@@ -331,6 +331,9 @@ class ActorConfig:
     # mini-batch, no KL in the reward) skip the old-log-prob forward pass and use logπ_θ.detach() in
     # its place (ratio 1, same gradient); False always recomputes (see run_plan.on_policy_update).
     skip_on_policy_old_log_prob: bool = True
+    # verl's key, which its code reads nowhere (its fully async config sets it True); the engine's log-probs are the
+    # old ones with algorithm.rollout_correction.bypass_mode (key_policy: inert)
+    use_rollout_log_probs: bool = False
     # verl's memory savers of its FSDP actor (Ulysses sequence parallelism, entropy recompute, fixed-length
     # padding) and its entropy chunking: no effect on meshrl's numbers (key_policy)
     ulysses_sequence_parallel_size: int = 1
@@ -478,6 +481,11 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = 512  # follows checkpoint_engine's in a loaded config (_rollout_section)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     data_parallel_size: int = 1  # inert: every training process hosts rollout (key_policy)
+    # verl's standalone rollout pool (its V1 separate_async mode; one-step-off and fully async copy the top-level
+    # rollout section's here): nodes > 0 is asynchronous training, refused (meshrl.config.async_keys). verl's
+    # n_gpus_per_node default follows trainer.n_gpus_per_node; it sizes nothing at nnodes=0.
+    nnodes: int = 0
+    n_gpus_per_node: int = 8
     layered_summon: bool = False  # verl's FSDP LoRA weight collection; inert
     multi_stage_wake_up: bool = False  # meshrl always wakes weights, syncs, then the KV cache; inert
     # verl's mixture-of-experts rollout keys; refused
@@ -779,6 +787,106 @@ class AlgorithmConfig:
 
 
 @dataclass
+class HybridRolloutSwitchConfig:
+    """verl's ``trainer.v1.separate_async.hybrid_rollout``: lending idle trainer GPUs to rollout (refused)."""
+
+    enable_switch: bool = False
+    switch_threshold_ratio: float = 0.4
+    adaptive_switch_threshold: bool = True
+    switch_threshold_step_up: float = 0.05
+    switch_threshold_step_down: float = 0.03
+    switch_threshold_release_steps: int = 2
+    switch_cost_window_size: int = 3
+
+
+@dataclass
+class ColocateAsyncConfig:
+    num_warmup_batches: int = 1
+
+
+@dataclass
+class SeparateAsyncConfig:
+    num_warmup_batches: int = 1
+    parameter_sync_step: int = 4
+    hybrid_rollout: HybridRolloutSwitchConfig = field(default_factory=HybridRolloutSwitchConfig)
+
+
+@dataclass
+class CustomSamplerConfig:
+    path: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class V1SamplerConfig:
+    """verl's ``trainer.v1.sampler`` (its replay buffer): the off-policy limits act in its asynchronous modes only."""
+
+    max_off_policy_threshold: int = 8
+    max_off_policy_strategy: str = "drop"  # drop | wait
+    sync_refill_failed_groups: bool = False
+    custom_sampler: CustomSamplerConfig = field(default_factory=CustomSamplerConfig)
+    sampler_kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainerV1Config:
+    """verl's ``trainer.v1``: its V1 trainer's mode (``sync``, meshrl's; ``colocate_async`` and ``separate_async``
+    are refused: ``meshrl.config.async_keys``) and each mode's settings."""
+
+    trainer_mode: str = "sync"
+    sync: Dict[str, Any] = field(default_factory=dict)
+    colocate_async: ColocateAsyncConfig = field(default_factory=ColocateAsyncConfig)
+    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
+    sampler: V1SamplerConfig = field(default_factory=V1SamplerConfig)
+
+
+@dataclass
+class AsyncCheckpointEngineConfig:
+    """The older verl's ``async_training.checkpoint_engine`` (parameter sync between trainer and rollouter)."""
+
+    enable: bool = True
+    device_buffer_size_M: int = 4096
+    overlap_broadcast_and_consume: bool = False
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """verl's ``async_training``, which only its fully async trainer's config has, with that config's defaults
+    (``fully_async_ppo_trainer.yaml``; the older verl's keys too, so its scripts parse). Any of its keys asks for
+    asynchronous training, refused until meshrl's drivers exist (``meshrl.config.async_keys``); the sample queue
+    they will drive takes these (``meshrl.trainer.sample_queue.StalenessBudget``)."""
+
+    staleness_threshold: float = 0.1
+    trigger_parameter_sync_step: int = 4
+    require_batches: int = 1
+    partial_rollout: bool = True
+    use_trainer_do_validate: bool = False
+    use_dynamic_resource_scheduling: bool = False
+    dynamic_schedule_policy: str = "default"
+    dynamic_schedule_deactivate_ratio: float = 0.3
+    dynamic_schedule_enable_rebalance: bool = True
+    concurrent_samples_per_replica: int = 16
+    # the older verl's (volcengine/verl) keys
+    use_rollout_log_probs: bool = True
+    compute_prox_log_prob: bool = False
+    checkpoint_engine: AsyncCheckpointEngineConfig = field(default_factory=AsyncCheckpointEngineConfig)
+
+
+@dataclass
+class StandaloneRolloutConfig:
+    """verl's top-level ``rollout``, which only its one-step-off and fully async configs have: the rollouter's own
+    GPUs and the fully async run's length, with those configs' defaults (the older verl's ``total_epochs`` and
+    ``test_freq`` too). Any of its keys asks for asynchronous training (``meshrl.config.async_keys``)."""
+
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+    n: int = 4
+    total_rollout_steps: Optional[int] = 100  # samples (prompts) to generate in all; verl's TODO renames it so
+    total_epochs: int = 10
+    test_freq: int = 1
+
+
+@dataclass
 class TrainerConfig:
     balance_batch: bool = True
     total_epochs: int = 30
@@ -831,6 +939,10 @@ class TrainerConfig:
     # of in <default_local_dir>/logs/ (meshrl.logs). verl has no such key (its own loggers read VERL_LOGGING_LEVEL).
     verbose: bool = False
     seed: int = 1
+    # verl's choice between its V0 and V1 trainers (V1 is its default); both synchronous unless trainer.v1 says
+    # otherwise: meshrl has one synchronous trainer (key_policy: inert; trainer.v1: meshrl.config.async_keys)
+    use_v1: bool = True
+    v1: TrainerV1Config = field(default_factory=TrainerV1Config)
 
 
 @dataclass
@@ -873,6 +985,9 @@ class MeshRLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # verl's asynchronous trainers' sections (refused: meshrl.config.async_keys)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    rollout: StandaloneRolloutConfig = field(default_factory=StandaloneRolloutConfig)
     model_engine: str = "megatron"  # one of MODEL_ENGINES
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)

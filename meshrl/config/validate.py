@@ -13,6 +13,7 @@ import difflib
 
 from omegaconf import DictConfig, OmegaConf
 
+from meshrl.config.async_keys import async_problems, with_async_keys
 from meshrl.config.key_policy import ROLLOUT_ROUTING, key_policy
 from meshrl.config.schema import ROUTER_REPLAY_MODES
 from meshrl.config.loader import ConfigError, default_config
@@ -66,7 +67,10 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     """``cfg``'s run plan; raises ``ConfigError`` listing every semantic problem (see module docstring)."""
     p = _Problems()
     refused, notes = key_policy(cfg)
-    p.items.extend(refused)
+    # verl's asynchronous trainers' keys: ranges, and trainer.v1.trainer_mode joining the key policy's one refusal
+    async_ranges, async_notes, async_keys = async_problems(cfg)
+    p.items.extend(with_async_keys(refused, async_keys) + async_ranges)
+    notes += async_notes
     data, arr, trainer, algo = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
     actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
     # Method names and each phase's micro-batching; the plan says which roles the checks below concern.

@@ -17,7 +17,8 @@ So this module does ``AsyncLLM``'s job over the same in-process ``LLMEngine`` th
 ``vllm.LLM`` wraps: ``add_request`` per request, ``step()`` in the stepping task, ``abort_request`` for
 what a failed rollout leaves behind. Weight sync and sleep / wake-up are the engine's, unchanged: they
 happen between rollouts, and a rollout's event loop has ended (every request finished or aborted)
-before ``generate`` / ``run`` returns.
+before ``generate`` / ``run`` returns. ``meshrl.rollout.partial_rollout`` (a subclass) syncs inside a rollout
+instead: it aborts the in-flight requests at a step boundary and resumes them on the new weights.
 
 **Seeds.** ``generate`` takes the engine's call index and per-prompt seeds exactly as the batched
 ``RolloutEngine.generate`` does (``reserve_call``), and gives sample j of prompt i the seed vLLM gives it
@@ -72,13 +73,20 @@ class AsyncEngine:
                  max_tokens: Sequence[int] | None = None) -> list[Completion]:
         """``RolloutEngine.generate``'s contract (layout, caps, seeds), one request per sample."""
         prompts, seeds, caps = self.engine.reserve_call(prompt_token_ids, sampling, max_tokens)
+        return self.run(lambda: self._samples(prompts, sampling, seeds, caps)) if prompts else []
 
-        async def rollout() -> list[Completion]:
-            return list(await asyncio.gather(*(
-                self.sample(prompt, sampling, seed + j, cap, prompt_index=i, sample_index=j)
-                for i, (prompt, seed, cap) in enumerate(zip(prompts, seeds, caps)) for j in range(sampling.n))))
+    async def agenerate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
+                        max_tokens: Sequence[int] | None = None) -> list[Completion]:
+        """``generate`` as a coroutine, inside ``run``: beside other coroutines of the same loop (a weight sync
+        of ``meshrl.rollout.partial_rollout`` that interrupts it, tools). Seeded as ``generate`` (one call)."""
+        prompts, seeds, caps = self.engine.reserve_call(prompt_token_ids, sampling, max_tokens)
+        return await self._samples(prompts, sampling, seeds, caps)
 
-        return self.run(rollout) if prompts else []
+    async def _samples(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int],
+                       caps: list[int]) -> list[Completion]:
+        return list(await asyncio.gather(*(
+            self.sample(prompt, sampling, seed + j, cap, prompt_index=i, sample_index=j)
+            for i, (prompt, seed, cap) in enumerate(zip(prompts, seeds, caps)) for j in range(sampling.n))))
 
     def run(self, main: Callable[[], Awaitable[T]]) -> T:
         """``await main()`` on a new event loop with the engine's stepping task beside it; requests still
@@ -98,28 +106,46 @@ class AsyncEngine:
             if self._waiting:
                 self.engine.llm.llm_engine.abort_request(list(self._waiting))
                 self._waiting.clear()
+            self._work = None  # sample (and a partial rollout's sync) outside run: refused
 
     async def sample(self, prompt: Sequence[int], sampling: SamplingConfig, seed: int, max_tokens: int, *,
                      prompt_index: int = 0, sample_index: int = 0) -> Completion:
         """One response to ``prompt`` under ``sampling`` (its ``n`` aside) seeded with ``seed``, at most
         ``max_tokens`` long, as ``Completion(prompt_index, sample_index, ...)``. Only inside ``run``."""
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        if self._work is None:
-            raise RuntimeError("AsyncEngine.sample runs inside AsyncEngine.run")
-        if self._failure is not None:
-            raise self._failure
-        engine = self.engine.llm.llm_engine
+        self._check_serving()
         params = self.engine.sampling_params(sampling, seed, max_tokens, n=1)
         params.output_kind = RequestOutputKind.FINAL_ONLY
+        future = asyncio.get_running_loop().create_future()
+        self._add_request(prompt, params, future)
+        return completion(prompt_index, sample_index, (await future).outputs[0])
+
+    def _check_serving(self, what: str = "sample") -> None:
+        if self._work is None:
+            raise RuntimeError(f"{type(self).__name__}.{what} runs inside {type(self).__name__}.run")
+        if self._failure is not None:
+            raise self._failure
+
+    def _add_request(self, prompt: Sequence[int], params: Any, future: asyncio.Future) -> str:
+        """Submit one request of ``prompt`` under vLLM ``params``; ``future`` is what ``_deliver`` answers (and
+        what the stepper's error reaches). Returns the request id."""
+        from vllm.inputs import TokensPrompt
+
+        engine = self.engine.llm.llm_engine
         (request,) = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=list(map(int, prompt)))])
         request_id = f"meshrl-async-{next(self._ids)}"
-        future = asyncio.get_running_loop().create_future()
         engine.add_request(request_id, request, params, lora_request=self.engine.lora_request)
         self._waiting[request_id] = future
+        assert self._work is not None
         self._work.set()
-        return completion(prompt_index, sample_index, (await future).outputs[0])
+        return request_id
+
+    def _deliver(self, output: Any) -> None:
+        """One request's output of an engine step. ``FINAL_ONLY`` requests only report when finished: the
+        awaiting coroutine gets the whole ``RequestOutput``."""
+        if output.finished:
+            self._waiting.pop(output.request_id).set_result(output)
 
     async def _step_loop(self) -> None:
         engine = self.engine.llm.llm_engine
@@ -131,8 +157,7 @@ class AsyncEngine:
                     await self._work.wait()
                     continue
                 for output in engine.step():
-                    if output.finished:
-                        self._waiting.pop(output.request_id).set_result(output)
+                    self._deliver(output)
                 # Let the coroutines that can go on (outputs handed over, tools answered) add their requests.
                 await asyncio.sleep(0)
         except Exception as error:  # every waiting coroutine gets the engine's error, and later requests too

@@ -324,12 +324,18 @@ class Completion:
     # 1 where the policy sampled the token, 0 where it was appended (a tool's output in a multi-turn
     # sample, whose log-prob is 0); None: every token was sampled.
     loss_mask: list[int] | None = None
+    # The policy version (the caller's weights version) whose weights sampled each token, and so whose
+    # distribution its log-prob is: a partial rollout's sample spans every sync it lived through
+    # (meshrl.rollout.partial_rollout); None: not recorded (one version, that of the engine's weights).
+    policy_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
         if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.loss_mask)} loss-mask entries")
+        if self.policy_versions is not None and len(self.policy_versions) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.policy_versions)} policy versions")
 
 
 @dataclass

@@ -37,6 +37,10 @@ ATTENTION_MASK = "response_attention_mask"
 # meshrl.trainer.rollout_correction): every token the policy sampled; absent when nothing was rejected.
 SAMPLED_MASK = "sampled_mask"
 SEQUENCE_FIELDS = ("prompt_ids", "responses", "response_mask")
+# (B, R) int64: the policy version that sampled each response token (meshrl.rollout.partial_rollout: a sample
+# resumed across a weight sync spans several), -1 on padding and on tokens no version was recorded for; present
+# only when the completions carry versions.
+POLICY_VERSION = "rollout_policy_version"
 
 
 def attended(batch: Batch) -> torch.Tensor:
@@ -87,13 +91,15 @@ def responses_batch(prompts: Batch, completions, n: int, width: int, pad_id: int
     """The RL batch of ``n`` completions per prompt, prompt-major (row = prompt · n + sample): the prompts'
     fields repeated, ``responses`` (pad-filled), ``response_mask`` (a completion's ``loss_mask`` where it has
     one), ``rollout_log_probs`` (B, ``width``) and ``finish_reason``; when the completions carry loss masks
-    (multi-turn), also ``response_attention_mask``. Engines return completions in any order (vLLM: as they
+    (multi-turn), also ``response_attention_mask``; when they carry policy versions (a partial rollout), also
+    ``rollout_policy_version`` (``POLICY_VERSION``). Engines return completions in any order (vLLM: as they
     finish); each lands in its row."""
     out = prompts.repeat_interleave(n) if n > 1 else prompts.take(np.arange(len(prompts)))
     responses = torch.full((len(out), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(out), width), dtype=torch.float32)
     attention = torch.zeros((len(out), width), dtype=torch.float32)
     log_probs = torch.zeros((len(out), width), dtype=torch.float32)
+    versions = torch.full((len(out), width), -1, dtype=torch.long)
     finish_reasons = [""] * len(out)
     for c in completions:
         row, length = c.prompt_index * n + c.sample_index, len(c.token_ids)
@@ -101,12 +107,16 @@ def responses_batch(prompts: Batch, completions, n: int, width: int, pad_id: int
         attention[row, :length] = 1.0
         mask[row, :length] = 1.0 if c.loss_mask is None else torch.as_tensor(c.loss_mask, dtype=torch.float32)
         log_probs[row, :length] = torch.as_tensor(c.logprobs)
+        if c.policy_versions is not None:
+            versions[row, :length] = torch.as_tensor(c.policy_versions, dtype=torch.long)
         finish_reasons[row] = c.finish_reason
     out.set("responses", responses)
     out.set("response_mask", mask)
     if any(c.loss_mask is not None for c in completions):
         out.set(ATTENTION_MASK, attention)
     out.set("rollout_log_probs", log_probs)
+    if any(c.policy_versions is not None for c in completions):
+        out.set(POLICY_VERSION, versions)
     out.set("finish_reason", finish_reasons)
     return out
 

@@ -243,3 +243,121 @@ def test_megatron_dtype_names_are_the_model_builders():
     assert set(MEGATRON_DTYPES) == {"auto", *PARAM_DTYPES}
     assert param_dtype("auto") == default_dtype() and param_dtype("bfloat16") == torch.bfloat16
     validate_config(load_config(["actor_rollout_ref.actor.megatron.dtype=bfloat16"]))
+
+
+# ---- verl's asynchronous trainers' keys (meshrl.config.async_keys): present with verl's defaults, refused ----
+
+ASYNC_NOTE = "asynchronous training"
+
+
+def test_verls_async_keys_are_in_the_schema_with_verls_defaults():
+    from meshrl.config.loader import default_config
+
+    cfg = default_config()
+    # verl/experimental/fully_async_policy/config/fully_async_ppo_trainer.yaml (verl-project, 2026-08-22)
+    assert dict(cfg.async_training) | {"checkpoint_engine": None} == {
+        "staleness_threshold": 0.1, "trigger_parameter_sync_step": 4, "require_batches": 1, "partial_rollout": True,
+        "use_trainer_do_validate": False, "use_dynamic_resource_scheduling": False,
+        "dynamic_schedule_policy": "default", "dynamic_schedule_deactivate_ratio": 0.3,
+        "dynamic_schedule_enable_rebalance": True, "concurrent_samples_per_replica": 16,
+        "use_rollout_log_probs": True, "compute_prox_log_prob": False, "checkpoint_engine": None}  # the older verl's
+    assert (cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node, cfg.rollout.total_rollout_steps) == (1, 8, 100)
+    # verl/trainer/config/ppo_trainer.yaml, rollout/rollout.yaml, workers/config/actor.py
+    assert cfg.trainer.use_v1 is True and cfg.trainer.v1.trainer_mode == "sync" and cfg.trainer.v1.sync == {}
+    assert (cfg.trainer.v1.separate_async.parameter_sync_step, cfg.trainer.v1.colocate_async.num_warmup_batches,
+            cfg.trainer.v1.sampler.max_off_policy_threshold, cfg.trainer.v1.sampler.max_off_policy_strategy) == \
+        (4, 1, 8, "drop")
+    assert cfg.actor_rollout_ref.rollout.nnodes == 0 and cfg.actor_rollout_ref.actor.use_rollout_log_probs is False
+
+
+@pytest.mark.parametrize("overrides", [
+    ["async_training.staleness_threshold=0.1"],  # verl's default value still asks for the fully async trainer
+    ["async_training.partial_rollout=False", "rollout.total_rollout_steps=51200"],
+    ["rollout.nnodes=1", "rollout.n_gpus_per_node=8"],  # one-step-off's rollouter
+])
+def test_any_key_of_verls_async_sections_is_refused_at_load_in_one_message(overrides):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides + ["actor_rollout_ref.rollout.n=0"])  # a load problem of its own would stay apart
+    text = str(info.value)
+    assert text.count(ASYNC_NOTE) == 1 and "sample_queue" in text
+    for item in overrides:
+        assert item in text and item.partition("=")[0] in info.value.keys
+
+
+def test_the_top_level_rollout_section_is_told_apart_from_the_engines():
+    with pytest.raises(ConfigError, match=r"rollout\.n: the top-level rollout section is the fully async rollouter's"):
+        load_config(["rollout.n=8"])
+
+
+def test_a_recipe_with_an_async_section_is_refused(tmp_path):
+    (tmp_path / "mine.yaml").write_text("async_training:\n  require_batches: 1\n")
+    with pytest.raises(ConfigError, match=f"async_training.require_batches=1: {ASYNC_NOTE}"):
+        load_config(recipe=tmp_path / "mine.yaml")
+
+
+@pytest.mark.parametrize("name", ["fully_async_ppo_megatron_trainer", "fully_async_ppo_trainer.yaml",
+                                  "one_step_off_ppo_megatron_trainer.yaml", "one_step_off_ppo_trainer"])
+def test_verls_async_config_names_are_refused(name, tmp_path):
+    (tmp_path / "fully_async_ppo_trainer.yaml").write_text("defaults:\n  - ppo_trainer\n")  # a copy of verl's
+    with pytest.raises(ConfigError, match=f"--config-name {name.removesuffix('.yaml')}: {ASYNC_NOTE}"):
+        load_config(recipe=tmp_path / name)
+
+
+def test_the_v1_trainers_async_modes_are_refused_with_the_standalone_pool_in_one_message():
+    cfg = load_config(["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=2",
+                       "trainer.v1.separate_async.parameter_sync_step=8"])
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    text = str(info.value)
+    assert "1 problem" in text and text.count(ASYNC_NOTE) == 1
+    for item in ("trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=2",
+                 "trainer.v1.separate_async.parameter_sync_step=8"):
+        assert item in text
+    with pytest.raises(ConfigError, match=f"trainer.v1.trainer_mode=colocate_async: {ASYNC_NOTE}"):
+        validate_config(load_config(["trainer.v1.trainer_mode=colocate_async"]))
+
+
+def test_the_v1_sync_mode_is_meshrls_trainer_and_v0_ignores_trainer_v1():
+    assert validate_config(load_config(["trainer.use_v1=True", "trainer.v1.trainer_mode=sync"])).warnings == ()
+    warnings = validate_config(load_config(["trainer.use_v1=False", "trainer.v1.trainer_mode=colocate_async"])).warnings
+    assert any("trainer.v1.trainer_mode=colocate_async has no effect with trainer.use_v1=False" in w for w in warnings)
+    assert any("trainer.use_v1=False" in w and "one synchronous trainer" in w for w in warnings)
+    for overrides, match in ((["+trainer.v1.sync.parameter_sync_step=2"], "trainer.v1.sync="),
+                             (["trainer.v1.sampler.sync_refill_failed_groups=True"], "failed prompt groups"),
+                             (["trainer.v1.sampler.custom_sampler.path=x.py"], "custom samplers")):
+        with pytest.raises(ConfigError, match=match):
+            validate_config(load_config(overrides))
+
+
+def test_use_rollout_log_probs_points_at_bypass_mode():
+    warnings = validate_config(load_config(["actor_rollout_ref.actor.use_rollout_log_probs=True"])).warnings
+    assert any("use_rollout_log_probs=True" in w and "bypass_mode=True" in w for w in warnings)
+
+
+@pytest.mark.parametrize("key, value, bound", [
+    ("async_training.staleness_threshold", -0.5, ">= 0"),
+    ("async_training.trigger_parameter_sync_step", 0, ">= 1"),
+    ("async_training.require_batches", 0, ">= 1"),
+    ("async_training.concurrent_samples_per_replica", 0, ">= 1"),
+    ("async_training.dynamic_schedule_deactivate_ratio", 1.5, "in (0, 1]"),
+    ("rollout.total_rollout_steps", 0, ">= 1"),
+    ("rollout.nnodes", -1, ">= 0"),
+    ("rollout.n_gpus_per_node", 0, ">= 1"),
+    ("actor_rollout_ref.rollout.nnodes", -1, ">= 0"),
+    ("trainer.v1.trainer_mode", "fast", "one of sync, colocate_async, separate_async"),
+    ("trainer.v1.separate_async.parameter_sync_step", 0, ">= 1"),
+    ("trainer.v1.colocate_async.num_warmup_batches", -1, ">= 0"),
+    ("trainer.v1.separate_async.hybrid_rollout.switch_threshold_ratio", 0.0, "in (0, 1]"),
+    ("trainer.v1.sampler.max_off_policy_threshold", 0, "> 0"),
+    ("trainer.v1.sampler.max_off_policy_strategy", "keep", "one of drop, wait"),
+])
+def test_async_values_out_of_range_name_the_key(key, value, bound):
+    """The ranges verl asserts (the async sections' keys are refused at load now; the drivers will read them)."""
+    from meshrl.config.async_keys import async_problems
+    from meshrl.config.loader import default_config
+
+    cfg = default_config()
+    OmegaConf.update(cfg, key, value)
+    problems, _, _ = async_problems(cfg)
+    (problem,) = problems
+    assert problem.startswith(f"{key}: must be {bound}") and problem.endswith(f"got {value!r}")
