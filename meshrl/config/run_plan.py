@@ -95,6 +95,8 @@ class UpdateSchedule:
     mini_batch_responses: int
     epochs: int
     shuffle: bool
+    # seq-mean-token-sum-norm's divisor L_max (verl's loss_scale_factor; None there: the response width)
+    loss_scale: int
 
 
 @dataclass(frozen=True)
@@ -236,13 +238,15 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
                         f"width of every role (data.max_response_length={data.max_response_length} is not used), "
                         "as in verl")
     n = rollout.n
-    actor_update = UpdateSchedule(actor.ppo_mini_batch_size * n, actor.ppo_epochs, bool(actor.shuffle))
+    actor_scale = actor.loss_scale_factor or width
+    actor_update = UpdateSchedule(actor.ppo_mini_batch_size * n, actor.ppo_epochs, bool(actor.shuffle), actor_scale)
     critic_update = None
     if use_critic:
         critic_update = UpdateSchedule(
             (critic.ppo_mini_batch_size if critic.ppo_mini_batch_size is not None else actor.ppo_mini_batch_size) * n,
             critic.ppo_epochs if critic.ppo_epochs is not None else actor.ppo_epochs,
-            bool(critic.shuffle if critic.shuffle is not None else actor.shuffle))
+            bool(critic.shuffle if critic.shuffle is not None else actor.shuffle),
+            critic.loss_scale_factor or actor_scale)  # verl's critic follows the actor's unless set
     kl_in_reward = algo.kl_penalty if algo.use_kl_in_reward else None
     kl_loss = actor.kl_loss_type if actor.use_kl_loss else None
     rm_kind = reward_model_kind(cfg)

@@ -313,6 +313,8 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None  # None: clip_ratio
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm's divisor (verl's key); None: the response width (run_plan.UpdateSchedule.loss_scale)
+    loss_scale_factor: Optional[int] = None
     entropy_coeff: float = 0.0
     tau_pos: float = 1.0  # sapo: the temperature of the gate for A > 0
     tau_neg: float = 1.05  # sapo: the temperature of the gate for A <= 0
@@ -554,6 +556,7 @@ class CriticConfig:
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
     loss_agg_mode: Optional[str] = None  # None: actor's
+    loss_scale_factor: Optional[int] = None  # None: actor's (verl's oc.select), then the response width
     ulysses_sequence_parallel_size: int = 1
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

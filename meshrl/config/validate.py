@@ -187,6 +187,9 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.positive(algo.kl_ctrl.horizon, "algorithm.kl_ctrl.horizon")
     p.positive(algo.kl_ctrl.target_kl, "algorithm.kl_ctrl.target_kl")
     p.choice(algo.gpg.alpha_mode, "algorithm.gpg.alpha_mode", ("paper", "verl"))
+    for key, factor in (("actor_rollout_ref.actor", actor.loss_scale_factor), ("critic", critic.loss_scale_factor)):
+        p.require(factor is None or factor > 0, f"{key}.loss_scale_factor",
+                  f"seq-mean-token-sum-norm divides by it: must be > 0 or null (the response width), got {factor}")
     if plan is not None and "uid" in estimator_inputs(plan.adv_estimator) and rollout.n < 2:
         if plan.adv_estimator in SOLO_GROUP_ADVANTAGE:
             notes.append(f"actor_rollout_ref.rollout.n={rollout.n}: every response is a group of one, whose "

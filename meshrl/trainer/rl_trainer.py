@@ -258,8 +258,7 @@ class RLTrainer:
         return out
 
     def mini_batches(self, batch: Batch, schedule: UpdateSchedule, stream: int = 0) -> list[tuple[Batch, GlobalNorm]]:
-        return mini_batches(batch, schedule, width=self.plan.response_length, seed=[self.cfg.trainer.seed, self.step],
-                            stream=stream)
+        return mini_batches(batch, schedule, seed=[self.cfg.trainer.seed, self.step], stream=stream)
 
     def validate(self) -> dict[str, float]:
         """Greedy (``rollout.val_kwargs``) generation on the validation set (``data.val_max_samples`` rows);
@@ -336,10 +335,10 @@ def prompts_batch(dataset: RLDataset, indices, raw_chat: bool = False) -> Batch:
     return Batch(tensors={"uid": torch.arange(len(prompts.indices))}, non_tensors=non_tensors)
 
 
-def mini_batches(batch: Batch, schedule: UpdateSchedule, *, width: int, seed: list[int], stream: int = 0
+def mini_batches(batch: Batch, schedule: UpdateSchedule, *, seed: list[int], stream: int = 0
                  ) -> list[tuple[Batch, GlobalNorm]]:
     """``schedule.epochs`` × mini-batches of ``schedule.mini_batch_responses`` responses, each with its global
-    normaliser (responses ``width`` wide); shuffled per epoch from ``seed`` (the run's seed and the step)
+    normaliser (seq-mean-token-sum-norm's divisor: ``schedule.loss_scale``); shuffled per epoch from ``seed`` (the run's seed and the step)
     when ``schedule.shuffle``; ``stream`` keeps a role's shuffling apart from another's (0: actor, 1: critic)."""
     size = schedule.mini_batch_responses
     rng = np.random.default_rng(seed + ([stream] if stream else []))
@@ -351,7 +350,7 @@ def mini_batches(batch: Batch, schedule: UpdateSchedule, *, width: int, seed: li
         order = rng.permutation(len(batch)) if shuffle else np.arange(len(batch))
         for start in range(0, len(batch), size):
             mini = batch.take(order[start:start + size])
-            updates.append((mini, GlobalNorm.from_mask(mini["response_mask"], max_len=width)))
+            updates.append((mini, GlobalNorm.from_mask(mini["response_mask"], max_len=schedule.loss_scale)))
     return updates
 
 

@@ -145,6 +145,7 @@ def test_free_form_sections_accept_new_keys():
     (["actor_rollout_ref.ref.megatron.dtype=bf16"], "actor_rollout_ref.ref.megatron.dtype"),
     (["algorithm.adv_estimator=gae", "critic.megatron.dtype=fp32"], "critic.megatron.dtype"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=dro"], "actor_rollout_ref.actor.policy_loss.dro_beta"),
+    (["actor_rollout_ref.actor.loss_scale_factor=0"], "actor_rollout_ref.actor.loss_scale_factor"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=0"],
      "actor_rollout_ref.actor.tau_neg"),
 ])

@@ -95,8 +95,8 @@ def test_the_critic_has_its_own_mini_batches_epochs_and_shuffle():
     assert (plan.actor_update.mini_batch_responses, plan.actor_update.epochs, plan.actor_update.shuffle) == (8, 1, False)
     assert (plan.critic_update.mini_batch_responses, plan.critic_update.epochs, plan.critic_update.shuffle) == (2, 3, True)
     batch = _batch(8)
-    actor = mini_batches(batch, plan.actor_update, width=plan.response_length, seed=[1, 1])
-    critic = mini_batches(batch, plan.critic_update, width=plan.response_length, seed=[1, 1], stream=1)
+    actor = mini_batches(batch, plan.actor_update, seed=[1, 1])
+    critic = mini_batches(batch, plan.critic_update, seed=[1, 1], stream=1)
     assert [len(m) for m, _ in actor] == [8]
     assert [len(m) for m, _ in critic] == [2] * 12
     epochs = [np.concatenate([m["row"].numpy() for m, _ in critic[e * 4:(e + 1) * 4]]) for e in range(3)]
@@ -106,6 +106,19 @@ def test_the_critic_has_its_own_mini_batches_epochs_and_shuffle():
     inherited = plan_of("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_epochs=2",
                         "actor_rollout_ref.actor.shuffle=True")
     assert inherited.critic_update == inherited.actor_update
+
+
+def test_loss_scale_factor_is_seq_mean_token_sum_norms_divisor_for_each_role():
+    """verl's loss_scale_factor: L_max of seq-mean-token-sum-norm (None: the response width); the critic's follows
+    the actor's unless set."""
+    width = plan_of().response_length
+    assert plan_of().actor_update.loss_scale == width
+    plan = plan_of("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.loss_scale_factor=4096")
+    assert plan.actor_update.loss_scale == plan.critic_update.loss_scale == 4096
+    plan = plan_of("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.loss_scale_factor=4096",
+                   "critic.loss_scale_factor=100")
+    assert (plan.actor_update.loss_scale, plan.critic_update.loss_scale) == (4096, 100)
+    assert all(norm.max_len == 100 for _, norm in mini_batches(_batch(8), plan.critic_update, seed=[1, 1]))
 
 
 def test_completions_land_in_their_rows_whatever_the_engine_order():
