@@ -35,7 +35,8 @@ from meshrl.algorithms.validation import (
 class AdvantageOutput:
     advantages: Tensor  # (B, T), 0 at masked tokens
     returns: Tensor | None = None  # (B, T) return targets, for estimators that define them (a critic's target)
-    metrics: dict[str, Tensor] = field(default_factory=dict)  # scalars worth logging (e.g. GPG's α)
+    # scalars worth logging (e.g. GPG's α), logged as algo/<name>; a name with its own prefix keeps it (gdpo/...)
+    metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
 def _prepare(token_rewards: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -378,7 +379,11 @@ def gdpo(
         stats = group_stats(component, uid)
         centred = component - stats.mean
         total = total + weight * (centred / (stats.std + epsilon) if norm_adv_by_std_in_grpo else centred)
-    return AdvantageOutput(advantages=masked_whiten(_broadcast(total, mask), mask))
+    # verl's per-component statistics over the batch (std: the population's, as np.std)
+    metrics = {f"gdpo/{key}/{name}": value for key, component in zip(gdpo_reward_keys or (), components)
+               for name, value in (("mean", component.double().mean()), ("std", component.double().std(correction=0)),
+                                   ("max", component.max()), ("min", component.min()))}
+    return AdvantageOutput(advantages=masked_whiten(_broadcast(total, mask), mask), metrics=metrics)
 
 
 def _path_variance(mask: Tensor, old_log_probs: Tensor, sum_pi_squared: Tensor,

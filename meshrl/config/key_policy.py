@@ -244,6 +244,11 @@ READ_ENTRIES = tuple(f"*.megatron.override_transformer_config.{name}"
                      for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
                                   "moe_router_bias_update_rate", "moe_router_dtype", "moe_permute_fusion"))
 
+# override_transformer_config's switches of Transformer Engine's fused CUDA kernels: honoured where the kernels run,
+# else turned off by meshrl.parallel.model_builder (fused_kernel_switches_off) and named in one start-up note
+# (meshrl.config.validate).
+FUSED_KERNEL_SWITCHES = ("moe_permute_fusion", "apply_rope_fusion")
+
 
 def _match(key: str, patterns) -> str | None:
     return next((p for p in patterns if fnmatch.fnmatchcase(key, p)), None)

@@ -14,7 +14,7 @@ import difflib
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.config.async_keys import async_problems, with_async_keys
-from meshrl.config.key_policy import ROLLOUT_ROUTING, key_policy
+from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES, ROLLOUT_ROUTING, key_policy
 from meshrl.config.schema import ROUTER_REPLAY_MODES
 from meshrl.config.loader import ConfigError, default_config
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS
@@ -242,15 +242,24 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
 
 
-def _sequence_parallel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
-    """megatron.sequence_parallel=True where a role runs at TP 1: turned off there, with this note, as verl's
-    Megatron engine does (it splits activations over the TP ranks; there are none to split over). The reference
-    takes the actor's (_check_reference_layout refuses any other)."""
+def _megatron_sections(cfg: DictConfig, use_critic: bool, with_reference: bool) -> dict[str, DictConfig]:
+    """The ``megatron`` sections of the roles this run builds, by key: the actor's (and the reference's when
+    ``with_reference``), the critic's with a critic, the reward model's when enabled."""
     sections = {"actor_rollout_ref.actor.megatron": cfg.actor_rollout_ref.actor.megatron}
+    if with_reference:
+        sections["actor_rollout_ref.ref.megatron"] = cfg.actor_rollout_ref.ref.megatron
     if use_critic:
         sections["critic.megatron"] = cfg.critic.megatron
     if cfg.reward_model.enable:
         sections["reward_model.megatron"] = cfg.reward_model.megatron
+    return sections
+
+
+def _sequence_parallel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
+    """megatron.sequence_parallel=True where a role runs at TP 1: turned off there, with this note, as verl's
+    Megatron engine does (it splits activations over the TP ranks; there are none to split over). The reference
+    takes the actor's (_check_reference_layout refuses any other)."""
+    sections = _megatron_sections(cfg, use_critic, with_reference=False)
     return [f"{key}.sequence_parallel=True at tensor_model_parallel_size=1: off, as in verl (sequence parallelism "
             "splits activations over the TP ranks)" for key, mg in sections.items()
             if mg["sequence_parallel"] and mg["tensor_model_parallel_size"] == 1]
@@ -258,9 +267,6 @@ def _sequence_parallel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
 
 # megatron's TransformerConfig.moe_router_dtype (null: the parameters' dtype)
 MOE_ROUTER_DTYPES = ("fp32", "fp64")
-# override_transformer_config's switches of Transformer Engine's fused CUDA kernels
-# (meshrl.parallel.model_builder.FUSED_KERNEL_SWITCHES, which turns them off in a process without the kernels)
-FUSED_KERNEL_SWITCHES = ("moe_permute_fusion", "apply_rope_fusion")
 
 
 def _fused_kernel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
@@ -271,12 +277,7 @@ def _fused_kernel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
 
     if cfg.trainer.device != "cpu" and importlib.util.find_spec("transformer_engine") is not None:
         return []
-    sections = {"actor_rollout_ref.actor.megatron": cfg.actor_rollout_ref.actor.megatron,
-                "actor_rollout_ref.ref.megatron": cfg.actor_rollout_ref.ref.megatron}
-    if use_critic:
-        sections["critic.megatron"] = cfg.critic.megatron
-    if cfg.reward_model.enable:
-        sections["reward_model.megatron"] = cfg.reward_model.megatron
+    sections = _megatron_sections(cfg, use_critic, with_reference=True)
     on = [f"{key}.override_transformer_config.{switch}=True" for key, mg in sections.items()
           for switch in FUSED_KERNEL_SWITCHES if mg.override_transformer_config.get(switch)]
     if not on:
@@ -291,12 +292,12 @@ def _fused_kernel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
 # with a note saying what the advantage is. The other group estimators have nothing to train on there: verl's
 # rloo_vectorized gives a group of one advantage 0, and grpo_passk refuses it (it credits the best of >= 2 samples).
 _RAW_SCORE = "its raw score: REINFORCE without a baseline, as in verl"
+_GRPO_RAW_SCORE = ("its raw score (/ (1 + epsilon) with norm_adv_by_std_in_grpo: std 1): REINFORCE without a baseline, "
+                   "as in verl")
 SOLO_GROUP_ADVANTAGE = {
     "rloo": _RAW_SCORE,
-    "grpo": "its raw score (/ (1 + epsilon) with norm_adv_by_std_in_grpo: std 1): REINFORCE without a baseline, as "
-            "in verl",
-    "grpo_vectorized": "its raw score (/ (1 + epsilon) with norm_adv_by_std_in_grpo: std 1): REINFORCE without a "
-                       "baseline, as in verl",
+    "grpo": _GRPO_RAW_SCORE,
+    "grpo_vectorized": _GRPO_RAW_SCORE,
     "opo": _RAW_SCORE,
     "gpg": "its raw score times GPG's alpha: REINFORCE without a baseline, as in verl",
     "reinforce_plus_plus_baseline": "its raw score whitened over the batch (REINFORCE++'s batch baseline only), as in "

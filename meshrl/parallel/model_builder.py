@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES
 from meshrl.models.families import ModelSpec, layer_spec_options, model_spec, transformer_options
 from meshrl.parallel import layers, state
 
@@ -126,8 +127,8 @@ def transformer_engine_available() -> bool:
 # override_transformer_config): moe_permute_fusion (the MoE token permutation), apply_rope_fusion (RoPE). Honoured
 # where those kernels run: CUDA with a Transformer Engine that has them (megatron's own test: its imports of them
 # are not None). Elsewhere megatron would refuse to build; the same computation runs unfused instead, and the run
-# plan says so in one start-up note (``meshrl.config.validate``; ``fused_kernel_switches_off`` here).
-FUSED_KERNEL_SWITCHES = ("moe_permute_fusion", "apply_rope_fusion")
+# plan says so in one start-up note (``meshrl.config.validate``; ``fused_kernel_switches_off`` here). The switches:
+# ``meshrl.config.key_policy.FUSED_KERNEL_SWITCHES``.
 
 
 def fused_kernels_run(switch: str) -> bool:

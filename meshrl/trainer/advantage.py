@@ -84,12 +84,5 @@ def compute_advantages(batch: Batch, algo: DictConfig) -> dict[str, float]:
     valid = out.advantages[mask]
     metrics = {"critic/advantages/mean": float(valid.mean()), "critic/advantages/max": float(valid.max()),
                "critic/advantages/min": float(valid.min())}
-    metrics.update({f"algo/{k}": float(v) for k, v in out.metrics.items()})
-    if algo.adv_estimator == "gdpo":  # verl's per-component statistics (std: the population's, as np.std)
-        for key in keys or ():
-            if key in extras:
-                values = torch.tensor([0.0 if v is None else float(v) for v in extras[key]], dtype=torch.float64)
-                metrics.update({f"gdpo/{key}/mean": float(values.mean()),
-                                f"gdpo/{key}/std": float(values.std(correction=0)),
-                                f"gdpo/{key}/max": float(values.max()), f"gdpo/{key}/min": float(values.min())})
+    metrics.update({(k if "/" in k else f"algo/{k}"): float(v) for k, v in out.metrics.items()})
     return metrics
