@@ -171,6 +171,27 @@ def _keep_default_process_group(keep: bool) -> Iterator[None]:
         dist.destroy_process_group = real
 
 
+@contextmanager
+def _model_inspection_in_process(cpu: bool) -> Iterator[None]:
+    """On CPU, vLLM's first look at a model class (``ModelRegistry.inspect_model_cls``: is it a generator, does it
+    take LoRA...) runs in this process instead of a fresh interpreter. vLLM starts that subprocess only to keep CUDA
+    uninitialised in its caller; a CPU engine has no CUDA to protect, and the subprocess re-imports torch and vLLM:
+    ~6 s (2-core VM) per model class the first time a machine serves it. The answer is the same either way and
+    vLLM caches it (``$VLLM_CACHE_ROOT/modelinfos``). The helper is private to vLLM (pinned): where a vLLM lacks
+    it, its own subprocess runs, as without meshrl."""
+    from vllm.model_executor.models import registry
+
+    if not cpu or not hasattr(registry, "_run_in_subprocess"):
+        yield
+        return
+    real = registry._run_in_subprocess
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = real
+
+
 # Set by vLLM's CPU platform during construction for the worker processes it may spawn; kept, they
 # would leak into every process the trainer starts later (LOCAL_WORLD_SIZE is also torchrun's).
 _CHILD_PROCESS_ENVIRON = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
@@ -301,7 +322,7 @@ class VLLMEngine(RolloutEngine):
                 # contained_process_state unfreezes the heap on the way out.
                 gc.freeze()
             try:
-                with segments.naming() if segments else nullcontext():
+                with segments.naming() if segments else nullcontext(), _model_inspection_in_process(not self._cuda):
                     llm = LLM(**kwargs)
             except BaseException:
                 if segments:
