@@ -19,7 +19,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["meshrl", "meshrl.*"]),
-    package_data={"meshrl": ["config/*.yaml"]},
+    package_data={"meshrl": ["config/*.yaml", "config/verl_async/*.yaml"]},
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",

@@ -1,5 +1,4 @@
-"""verl's asynchronous trainers' keys: which ask for asynchronous training (refused until its drivers exist), and
-their ranges.
+"""verl's asynchronous trainers' keys: which trainer reads them, which ask for what meshrl lacks, and their ranges.
 
 verl trains asynchronously in three ways, each chosen by how it is started rather than by one switch:
 
@@ -16,11 +15,11 @@ verl trains asynchronously in three ways, each chosen by how it is started rathe
   synchronous colocated trainer, which meshrl's is; with ``use_v1=False`` verl runs its V0 trainer, also
   synchronous, and reads nothing of ``trainer.v1``.
 
-meshrl has the sample queue with verl's staleness accounting (``meshrl.trainer.sample_queue``) but not the drivers
-that run generation and training side by side. Until it does, every way of asking for them stops at config time
-with ``ASYNC_TRAINING``: verl's asynchronous config names and any key of the two sections that only those configs
-have (``meshrl.config.loader``, whatever the value: verl's defaults there still ask for asynchronous training), the
-other keys away from their defaults (``meshrl.config.key_policy``), and an asynchronous ``trainer_mode`` (here).
+meshrl runs the first two (``meshrl.trainer.async_trainer``), selected by ``trainer.async_mode``, which verl's config
+names set (``meshrl/config/verl_async/``). A key of ``async_training`` asks for the fully async trainer, one of the
+top-level ``rollout`` for either: in a run of another trainer it is refused at load time, whatever its value
+(``meshrl.config.loader``), all such keys in one message. The V1 modes are not built: an asynchronous
+``trainer_mode`` and the keys that tune those modes are refused (``V1_ASYNC``; here and ``meshrl.config.key_policy``).
 """
 
 from __future__ import annotations
@@ -28,12 +27,17 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 ASYNC_TRAINING = (
-    "asynchronous training (verl's fully async and one-step-off trainers, the V1 trainer's colocate_async / "
-    "separate_async modes, a standalone rollout pool) is not built yet: meshrl has the sample queue with verl's "
-    "staleness accounting (meshrl.trainer.sample_queue), not the drivers that generate while training. It trains "
-    "synchronously and colocated (verl's trainer.v1.trainer_mode=sync; staleness_threshold=0 with "
-    "trigger_parameter_sync_step=1 is that loop with data.train_batch_size = ppo_mini_batch_size × require_batches): "
-    "drop these settings")
+    "the asynchronous trainers' sections are read by those trainers only: async_training.* by the fully async "
+    "trainer (--config-name=fully_async_ppo_trainer or fully_async_ppo_megatron_trainer, as verl's fully async "
+    "scripts start; or trainer.async_mode=fully_async), the top-level rollout.* by it and the one-step-off trainer "
+    "(--config-name=one_step_off_ppo_trainer / one_step_off_ppo_megatron_trainer; trainer.async_mode=one_step_off). "
+    "Start the run with one of those config names, or drop these settings")
+V1_ASYNC = (
+    "verl's V1 trainer's asynchronous modes (trainer.v1.trainer_mode=colocate_async / separate_async, standalone "
+    "rollout nodes actor_rollout_ref.rollout.nnodes) are not built yet; meshrl's asynchronous trainers are verl's "
+    "one-step-off and fully async ones (--config-name=one_step_off_ppo_trainer / fully_async_ppo_trainer, or "
+    "trainer.async_mode=one_step_off / fully_async): drop these settings or use one of those")
+ASYNC_MODES = ("one_step_off", "fully_async")
 
 # verl's --config-name values of its asynchronous trainers (meshrl.config.loader refuses them)
 ASYNC_CONFIG_NAMES = ("fully_async_ppo_trainer", "fully_async_ppo_megatron_trainer", "one_step_off_ppo_trainer",
@@ -49,10 +53,18 @@ def asks_for_async(key: str) -> bool:
     return key.split(".", 1)[0] in ASYNC_SECTIONS
 
 
+def section_read(cfg: DictConfig, key: str) -> bool:
+    """True when ``cfg``'s trainer reads ``key`` (``key`` or ``key=value``) of ``ASYNC_SECTIONS``: ``async_training``
+    the fully async trainer, the top-level ``rollout`` both asynchronous trainers."""
+    section = key.partition("=")[0].split(".", 1)[0]
+    mode = cfg.trainer.async_mode
+    return mode == "fully_async" if section == "async_training" else mode in ASYNC_MODES
+
+
 def async_problems(cfg: DictConfig) -> tuple[list[str], list[str], list[str]]:
     """(problems, notes, async_keys) of ``cfg``'s asynchronous-training keys: values out of range (each naming its
     key), the ``trainer_mode`` that asks for asynchronous training (``async_keys``, to be refused with
-    ``ASYNC_TRAINING``), and the note that ``trainer.v1`` is not read with ``use_v1=False``."""
+    ``V1_ASYNC``), and the note that ``trainer.v1`` is not read with ``use_v1=False``."""
     problems: list[str] = []
 
     def check(ok: bool, key: str, what: str, value) -> None:
@@ -89,6 +101,18 @@ def async_problems(cfg: DictConfig) -> tuple[list[str], list[str], list[str]]:
     check(v1.sampler.max_off_policy_strategy in OFF_POLICY_STRATEGIES, "trainer.v1.sampler.max_off_policy_strategy",
           f"one of {', '.join(OFF_POLICY_STRATEGIES)}", f"'{v1.sampler.max_off_policy_strategy}'")
 
+    mode = trainer.async_mode
+    check(mode is None or mode in ASYNC_MODES, "trainer.async_mode", f"null or one of {', '.join(ASYNC_MODES)}",
+          f"'{mode}'")
+    # verl's fully async trainer keeps pi_old at the weights of the version's start through the version's local
+    # steps (its save/restore of the model); meshrl's old-log-prob pass uses the weights of the step: the same only
+    # when every step syncs, or in bypass mode (verl's async configs' default: pi_old = the rollout's log-probs).
+    if mode == "fully_async" and not cfg.algorithm.rollout_correction.bypass_mode:
+        check(at.trigger_parameter_sync_step == 1, "async_training.trigger_parameter_sync_step",
+              "1 with algorithm.rollout_correction.bypass_mode=False (the fully async trainer's old-log-prob pass "
+              "would use weights newer than the version that generated the samples: verl keeps that version's for "
+              "the pass, meshrl does not yet); set bypass_mode=True as verl's fully async configs do, or sync every "
+              "step", at.trigger_parameter_sync_step)
     notes, async_keys = [], []
     if v1.trainer_mode in V1_TRAINER_MODES and v1.trainer_mode != "sync":
         if trainer.use_v1:
@@ -100,11 +124,11 @@ def async_problems(cfg: DictConfig) -> tuple[list[str], list[str], list[str]]:
 
 
 def with_async_keys(problems: list[str], keys: list[str]) -> list[str]:
-    """``problems`` with ``keys`` added to the one ``ASYNC_TRAINING`` problem (or that problem added): one message
+    """``problems`` with ``keys`` added to the one ``V1_ASYNC`` problem (or that problem added): one message
     for every way a config asks for asynchronous training."""
     if not keys:
         return problems
     for i, line in enumerate(problems):
-        if line.endswith(f": {ASYNC_TRAINING}"):
+        if line.endswith(f": {V1_ASYNC}"):
             return [*problems[:i], f"{', '.join(keys)}, {line}", *problems[i + 1:]]
-    return [*problems, f"{', '.join(keys)}: {ASYNC_TRAINING}"]
+    return [*problems, f"{', '.join(keys)}: {V1_ASYNC}"]

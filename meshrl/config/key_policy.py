@@ -27,7 +27,7 @@ import fnmatch
 
 from omegaconf import DictConfig, OmegaConf
 
-from meshrl.config.async_keys import ASYNC_TRAINING
+from meshrl.config.async_keys import V1_ASYNC
 from meshrl.config.loader import default_config
 
 # verl's critic FSDP section has had three places: critic.fsdp_config, critic.model.fsdp_config, critic.fsdp.
@@ -110,7 +110,18 @@ INERT = {
     "*.profiler.*": PROFILER,
     # verl's asynchronous trainers' keys that cannot ask for asynchronous training (meshrl.config.async_keys)
     "trainer.use_v1": "it picks between verl's V0 and V1 trainers, both synchronous unless trainer.v1.trainer_mode "
-                      "says otherwise; meshrl has one synchronous trainer",
+                      "says otherwise; meshrl's trainer is the one trainer.async_mode names",
+    "async_training.dynamic_schedule_*": "read only with async_training.use_dynamic_resource_scheduling (refused)",
+    "async_training.concurrent_samples_per_replica": "meshrl's rollouter hands every admitted sample to its engine at "
+                                                     "once, and vLLM's scheduler batches them "
+                                                     "(actor_rollout_ref.rollout.max_num_seqs)",
+    "async_training.use_trainer_do_validate": "it picks whether verl's trainer or rollouter validates; meshrl's "
+                                              "trainer validates on the training ranks' engines, which are the "
+                                              "rollouter's",
+    "async_training.checkpoint_engine.*": "the older verl's trainer-to-rollouter weight transfer: meshrl's rollouter "
+                                          "is the training ranks' engines, synced in process",
+    "rollout.n": "verl reads actor_rollout_ref.rollout.n; the top-level rollout.n of its fully async config is read "
+                 "by neither",
     "actor_rollout_ref.rollout.n_gpus_per_node": "it sizes verl's standalone rollout pool "
                                                  "(actor_rollout_ref.rollout.nnodes > 0, refused)",
     "actor_rollout_ref.actor.use_rollout_log_probs": "verl's code reads it nowhere (its fully async config sets it); "
@@ -198,14 +209,25 @@ REFUSED = {
                                                                  "meshrl's is the naive one: leave it empty",
     "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": "custom checkpoint engines are not built; "
                                                                          "leave it unset",
-    # asynchronous training (meshrl.config.async_keys; the loader refuses any key of the two sections already)
-    "async_training.*": ASYNC_TRAINING,
-    "rollout.*": ASYNC_TRAINING,
-    "actor_rollout_ref.rollout.nnodes": ASYNC_TRAINING,
-    "trainer.v1.colocate_async.*": ASYNC_TRAINING,
-    "trainer.v1.separate_async.*": ASYNC_TRAINING,
+    # asynchronous training (meshrl.config.async_keys; the loader refuses any key of async_training and the
+    # top-level rollout in a run of a trainer that does not read them)
+    "async_training.use_dynamic_resource_scheduling": "lending the trainer's GPUs to a standalone rollout pool "
+                                                      "(verl's dynamic resource scheduling) is not built: meshrl's "
+                                                      "rollouter runs on the training ranks' engines; leave it False",
+    "async_training.use_rollout_log_probs": "the older verl's switch for the rollout's log-probs as the old ones: "
+                                            "meshrl's is algorithm.rollout_correction.bypass_mode; leave this True",
+    "async_training.compute_prox_log_prob": "the older verl's proximal log-prob pass is not built; use "
+                                            "algorithm.rollout_correction (bypass mode, or IS weights against the "
+                                            "recomputed old log-probs)",
+    "rollout.total_epochs": "the older verl's rollouter epochs: meshrl's rollouter reads trainer.total_epochs "
+                            "(and rollout.total_rollout_steps); set those",
+    "rollout.test_freq": "the older verl's rollouter validation frequency: meshrl's trainer validates every "
+                         "trainer.test_freq steps; set that",
+    "actor_rollout_ref.rollout.nnodes": V1_ASYNC,
+    "trainer.v1.colocate_async.*": V1_ASYNC,
+    "trainer.v1.separate_async.*": V1_ASYNC,
     # verl's V1 sampler drops or waits for prompt groups this many versions old in its asynchronous modes only
-    "trainer.v1.sampler.max_off_policy_*": ASYNC_TRAINING,
+    "trainer.v1.sampler.max_off_policy_*": V1_ASYNC,
     "trainer.v1.sync": "verl's V1 sync trainer reads parameter_sync_step from it, to sample the train batch in that "
                        "many parts, each generated and trained in turn; meshrl generates the whole train batch each "
                        "step: leave it empty",

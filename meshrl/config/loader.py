@@ -15,10 +15,11 @@ Contract:
 - A list-of-strings key given one string holds a one-element list (verl's ``trainer.logger=console``).
 - verl's base configs as recipe names, ``ppo_trainer`` and ``ppo_megatron_trainer`` (``.yaml`` or not,
   in any folder that has no such file), are the schema defaults: verl's tree is the schema's.
-- verl's asynchronous trainers are not built (``meshrl.config.async_keys``): their config names
-  (``fully_async_ppo_trainer``, ``one_step_off_ppo_megatron_trainer``, ...) and any key of the sections only
-  their configs have (``async_training.*``, the top-level ``rollout.*``), whatever its value, are one problem
-  naming them.
+- verl's asynchronous trainers' config names (``fully_async_ppo_trainer``, ``one_step_off_ppo_megatron_trainer``,
+  ...) are meshrl's copies of them (``meshrl/config/verl_async/``, which set ``trainer.async_mode``), wherever the
+  script's ``--config-path`` points. A key of the sections only those configs have (``async_training.*`` for the
+  fully async trainer, the top-level ``rollout.*`` for both), whatever its value, is refused in a run of another
+  trainer, all such keys in one problem naming them (``meshrl.config.async_keys``).
 - ``model_engine`` selects verl's training backend: megatron; verl's FSDP names load with one warning
   (meshrl trains with its Megatron backend); any other engine is refused.
 - A recipe may list other recipes to start from: ``defaults: [base_recipe, ...]`` (names resolve in
@@ -43,11 +44,12 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from meshrl.config.async_keys import ASYNC_CONFIG_NAMES, ASYNC_TRAINING, asks_for_async
+from meshrl.config.async_keys import ASYNC_CONFIG_NAMES, ASYNC_TRAINING, asks_for_async, section_read
 from meshrl.config.schema import MODEL_ENGINES, MeshRLConfig
 
 _ABSENT = object()
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+VERL_ASYNC_CONFIGS_DIR = Path(__file__).resolve().parent / "verl_async"
 # verl's --config-name values for its FSDP and Megatron trainers; both trees are the schema's.
 VERL_BASE_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
 
@@ -168,8 +170,14 @@ def _is_string_list(cfg: DictConfig, key: str) -> bool:
 
 
 def _set(cfg: DictConfig, key: str, value: object, source: str) -> None:
+    """Set ``key``; a key of an asynchronous trainer's sections is set, then reported (``_AsyncTrainingKey``):
+    ``load_config`` drops the report once the whole config is known to run that trainer."""
+    _update(cfg, key, value, source)
     if asks_for_async(key):
         raise _AsyncTrainingKey(ASYNC_TRAINING, [f"{key}={value}"])
+
+
+def _update(cfg: DictConfig, key: str, value: object, source: str) -> None:
     free_form = _is_free_form(cfg, key)
     if not free_form and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
         raise _unknown_key_error(key, source)
@@ -251,7 +259,7 @@ def resolve_recipe(name: str | Path, relative_to: Path | None = None) -> Path | 
     candidates = [Path(name)]
     stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
     if Path(stem).stem in ASYNC_CONFIG_NAMES:  # verl's, or a copy of it: the name says what it is
-        raise ConfigError(f"--config-name {Path(stem).stem}: {ASYNC_TRAINING}", ["--config-name"])
+        return VERL_ASYNC_CONFIGS_DIR / f"{Path(stem).stem}.yaml"
     if relative_to is not None:
         candidates.append(relative_to / stem)
     candidates.append(RECIPES_DIR / stem)
@@ -340,6 +348,9 @@ def load_config(overrides: Sequence[str] = (), recipe: str | Path | None = None)
             _set(cfg, key, value, source=f"override '{item}'")
         except ConfigError as exc:
             problems.append(exc)
+    # the asynchronous trainers' keys are theirs: refused only in a run of a trainer that does not read them
+    problems = [p for p in problems if not (isinstance(p, _AsyncTrainingKey) and all(section_read(cfg, k) for k in
+                                                                                    p.keys))]
     if problems:
         raise _one_error(problems)
     _check_model_engine(cfg)

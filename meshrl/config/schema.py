@@ -946,6 +946,10 @@ class TrainerConfig:
     # otherwise: meshrl has one synchronous trainer (key_policy: inert; trainer.v1: meshrl.config.async_keys)
     use_v1: bool = True
     v1: TrainerV1Config = field(default_factory=TrainerV1Config)
+    # meshrl's: which trainer drives the run. verl picks it by entry module and --config-name; meshrl's one entry
+    # reads it from here, set by those config names (one_step_off_ppo[_megatron]_trainer: one_step_off,
+    # fully_async_ppo[_megatron]_trainer: fully_async; meshrl.trainer.async_trainer). null: the synchronous trainer.
+    async_mode: Optional[str] = None
 
 
 @dataclass

@@ -48,6 +48,7 @@ from meshrl.trainer.alarms import MismatchAlarm
 from meshrl.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager, hf_export_roles
 from meshrl.trainer.dumps import GenerationDumps, decode_responses, set_reward_extras
 from meshrl.trainer.rollout_correction import apply_rollout_correction, use_rollout_log_probs
+from meshrl.trainer.sample_queue import async_training_steps
 from meshrl.trainer.startup import StartupClock
 from meshrl.trainer.tracking import Timer, Tracker
 from meshrl.workers.sequences import attended, sampled
@@ -141,52 +142,76 @@ class RLTrainer:
         return {**clock.metrics(), "startup/first_step_s": clock.elapsed_s()}
 
     def train_step(self) -> dict[str, float]:
-        cfg, plan = self.cfg, self.plan
         timer, metrics = Timer(), {}
         with timer("step"):
             with timer("gen"):
                 prompts = self.next_prompts()
                 batch = self.generate(prompts, mode="train")  # rollout.n rows per prompt
-            with timer("reward"):
-                scoring = self.start_scoring(batch)  # launch_reward_fn_async: the passes below run meanwhile
-            if plan.greedy_baseline:
-                with timer("gen_greedy"):
-                    greedy = self.generate(prompts, mode="greedy")
-                    metrics.update(self.score(greedy, prefix="greedy_score"))
-                    baseline = greedy["token_level_scores"].sum(-1)
-                batch.set("greedy_scores", baseline[batch["uid"]])
-            if plan.use_reference:
-                with timer("ref"):
-                    batch = self.policy.compute_log_probs(batch, model="ref")
-            if plan.old_log_prob_pass:
-                with timer("old_log_prob"):
-                    batch = self.policy.compute_log_probs(batch, model="actor")
-            elif plan.rollout_correction.bypass:  # verl's bypass mode: logπ_old ← logπ_rollout
-                use_rollout_log_probs(batch)
-            if plan.use_critic:
-                with timer("values"):
-                    batch = self.critic.compute_values(batch)
-            with timer("reward"):
-                metrics.update(self.apply_scores(batch, scoring.result(), prefix="score"))
-            with timer("adv"):
-                metrics.update(compute_token_rewards(batch, cfg.algorithm, self.kl_ctrl))
-                metrics.update(apply_rollout_correction(batch, plan.rollout_correction))  # IS weights, rejection
-                metrics.update(compute_advantages(batch, cfg.algorithm))
-            if plan.use_critic:
-                with timer("update_critic"):
-                    metrics.update(self.critic.update(self.mini_batches(batch, plan.critic_update, stream=1)))
-            if self.step > cfg.trainer.critic_warmup:
-                with timer("update_actor"):
-                    actor_metrics, log_probs = self.policy.update(self.mini_batches(batch, plan.actor_update),
-                                                                  on_policy=plan.on_policy)
-                metrics.update(actor_metrics)
-                if log_probs is not None:  # on-policy: logπ_θ before the step, what the recompute gives
-                    batch = batch.union(log_probs)
+            batch = self.learn(batch, prompts, timer, metrics)
+        return self.step_metrics(batch, timer, metrics)
+
+    def learn(self, batch: Batch, prompts: Batch, timer: Timer, metrics: dict[str, float]) -> Batch:
+        """The step after generation: score, the log-prob and value passes, advantages, the updates, and the weight
+        sync (``sync_after_update``). ``prompts``: the batch's prompts, ``uid`` = their position (the greedy
+        baseline's). Adds to ``metrics``; returns the batch with what the passes added."""
+        cfg, plan = self.cfg, self.plan
+        with timer("reward"):
+            scoring = self.start_scoring(batch)  # launch_reward_fn_async: the passes below run meanwhile
+        if plan.greedy_baseline:
+            with timer("gen_greedy"):
+                greedy = self.generate(prompts, mode="greedy")
+                metrics.update(self.score(greedy, prefix="greedy_score"))
+                baseline = greedy["token_level_scores"].sum(-1)
+            batch.set("greedy_scores", baseline[batch["uid"]])
+        if plan.use_reference:
+            with timer("ref"):
+                batch = self.policy.compute_log_probs(batch, model="ref")
+        if plan.old_log_prob_pass:
+            with timer("old_log_prob"):
+                batch = self.policy.compute_log_probs(batch, model="actor")
+        elif plan.rollout_correction.bypass:  # verl's bypass mode: logπ_old ← logπ_rollout
+            use_rollout_log_probs(batch)
+        if plan.use_critic:
+            with timer("values"):
+                batch = self.critic.compute_values(batch)
+        with timer("reward"):
+            metrics.update(self.apply_scores(batch, scoring.result(), prefix="score"))
+        with timer("adv"):
+            metrics.update(compute_token_rewards(batch, cfg.algorithm, self.kl_ctrl))
+            metrics.update(apply_rollout_correction(batch, plan.rollout_correction))  # IS weights, rejection
+            metrics.update(compute_advantages(batch, cfg.algorithm))
+        if plan.use_critic:
+            with timer("update_critic"):
+                metrics.update(self.critic.update(self.mini_batches(batch, plan.critic_update, stream=1)))
+        if self.step > cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                actor_metrics, log_probs = self.policy.update(self.mini_batches(batch, plan.actor_update),
+                                                              on_policy=plan.on_policy)
+            metrics.update(actor_metrics)
+            if log_probs is not None:  # on-policy: logπ_θ before the step, what the recompute gives
+                batch = batch.union(log_probs)
+            if self.sync_after_update():
                 with timer("sync"):
                     metrics.update(self.policy.sync_weights())
+        return batch
+
+    def sync_after_update(self) -> bool:
+        """Whether the engines take the policy's weights after this step's update: after every one here; the
+        asynchronous trainers sync every ``trigger_parameter_sync_step`` (``meshrl.trainer.async_trainer``)."""
+        return True
+
+    def alarm_applies(self) -> bool:
+        """Whether the engine-versus-trainer alarm judges this step: always here (the engine serves the policy the
+        trainer evaluates); the asynchronous trainers' stale samples come from older weights by design."""
+        return True
+
+    def step_metrics(self, batch: Batch, timer: Timer, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` with the trained batch's diagnostics, the engine-versus-trainer alarm's, timings, throughput
+        and the epoch; dumps the batch (``trainer.rollout_data_dir``)."""
         self.dumps.rollouts(self.step, batch)
-        metrics.update(batch_metrics(batch, plan))
-        metrics.update(self.mismatch.check(self.step, metrics))
+        metrics.update(batch_metrics(batch, self.plan))
+        if self.alarm_applies():
+            metrics.update(self.mismatch.check(self.step, metrics))
         metrics.update(timer.metrics())
         metrics["perf/tokens_per_s"] = float(sampled(batch).sum() + sum(map(len, batch["prompt_ids"]))) \
             / max(timer.total("step"), 1e-9)
@@ -355,9 +380,12 @@ def mini_batches(batch: Batch, schedule: UpdateSchedule, *, seed: list[int], str
 
 
 def total_training_steps(cfg: DictConfig, num_prompts: int) -> int:
-    """``trainer.total_training_steps`` if set, else ``total_epochs`` × full batches per epoch."""
+    """``trainer.total_training_steps`` if set, else the fully async trainer's prompt budget in steps
+    (``meshrl.trainer.async_trainer``), else ``total_epochs`` × full batches per epoch."""
     if cfg.trainer.total_training_steps is not None:
         return int(cfg.trainer.total_training_steps)
+    if (steps := async_training_steps(cfg, num_prompts)) is not None:
+        return steps
     return cfg.trainer.total_epochs * (num_prompts // cfg.data.train_batch_size)
 
 

@@ -380,6 +380,30 @@ class SampleQueue:
         self._update_idle(now)
         return metrics
 
+    # ---- checkpoints ----
+
+    def queued_payloads(self) -> list[Any]:
+        """The finished samples not yet taken, oldest first."""
+        return [sample.payload for sample in self._queue]
+
+    def counters(self) -> dict[str, int]:
+        """The running totals a resumed run continues (its metrics count on from them)."""
+        return {"admitted": self.admitted, "total_generated_samples": self.total_generated_samples,
+                "abandoned_samples": self.abandoned_samples, "consumed": self.consumed,
+                "stale_samples_processed": self.stale_samples_processed,
+                "stale_trajectory_processed": self.stale_trajectory_processed}
+
+    def restore_counters(self, counters: dict[str, int], version: int) -> None:
+        """A resumed run's queue: empty, at parameter ``version`` (the checkpoint's weights, synced at load), a new
+        version's first local step, with ``counters``; the samples that were queued or not started at the save are
+        started again (so they leave ``admitted``)."""
+        if self._queue or self.in_flight or self.admitted:
+            raise RuntimeError("restore_counters() on a queue already in use")
+        for key, value in counters.items():
+            setattr(self, key, int(value))
+        self.admitted = self.consumed + self.abandoned_samples
+        self.param_version = self.rollout_version = int(version)
+
     # ---- metrics ----
 
     def statistics(self) -> dict[str, float]:
@@ -432,3 +456,21 @@ class SampleQueue:
         elif not blocked and self._rollouter_idle_since is not None:
             self._rollouter_idle += (self.clock() if now is None else now) - self._rollouter_idle_since
             self._rollouter_idle_since = None
+
+
+def staleness_budget(cfg, num_prompts: int) -> StalenessBudget:
+    """The sample queue's budget of ``cfg``'s asynchronous trainer (``meshrl.trainer.async_trainer``): verl's
+    one-step-off trainer is this queue with one train batch per version and a threshold of 1 (one batch ahead)."""
+    if cfg.trainer.async_mode == "one_step_off":
+        return StalenessBudget(required_samples=cfg.data.train_batch_size, trigger_parameter_sync_step=1,
+                               staleness_threshold=1.0)
+    return StalenessBudget.from_config(cfg, num_prompts)
+
+
+def async_training_steps(cfg, num_prompts: int) -> int | None:
+    """The fully async trainer's steps when ``trainer.total_training_steps`` is unset: its prompts' budget ÷
+    ``required_samples``; None for the other trainers (the synchronous count applies)."""
+    if cfg.trainer.async_mode != "fully_async":
+        return None
+    budget = staleness_budget(cfg, num_prompts)
+    return budget.total_rollout_steps // budget.required_samples

@@ -7,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from meshrl.config import ConfigError, load_config
+from meshrl.config.loader import default_config
 from meshrl.config.run_plan import build_run_plan
 from meshrl.config.validate import validate_against_model, validate_config
 from seed_commands import SEED_COMMANDS
@@ -248,11 +249,11 @@ def test_megatron_dtype_names_are_the_model_builders():
 
 # ---- verl's asynchronous trainers' keys (meshrl.config.async_keys): present with verl's defaults, refused ----
 
-ASYNC_NOTE = "asynchronous training"
+ASYNC_NOTE = "the asynchronous trainers' sections are read by those trainers only"
+V1_NOTE = "V1 trainer's asynchronous modes"
 
 
 def test_verls_async_keys_are_in_the_schema_with_verls_defaults():
-    from meshrl.config.loader import default_config
 
     cfg = default_config()
     # verl/experimental/fully_async_policy/config/fully_async_ppo_trainer.yaml (verl-project, 2026-08-22)
@@ -276,13 +277,24 @@ def test_verls_async_keys_are_in_the_schema_with_verls_defaults():
     ["async_training.partial_rollout=False", "rollout.total_rollout_steps=51200"],
     ["rollout.nnodes=1", "rollout.n_gpus_per_node=8"],  # one-step-off's rollouter
 ])
-def test_any_key_of_verls_async_sections_is_refused_at_load_in_one_message(overrides):
+def test_a_key_of_verls_async_sections_is_refused_in_a_synchronous_run_in_one_message(overrides):
     with pytest.raises(ConfigError) as info:
         load_config(overrides + ["actor_rollout_ref.rollout.n=0"])  # a load problem of its own would stay apart
     text = str(info.value)
-    assert text.count(ASYNC_NOTE) == 1 and "sample_queue" in text
+    assert text.count(ASYNC_NOTE) == 1 and "--config-name=fully_async_ppo_trainer" in text
     for item in overrides:
         assert item in text and item.partition("=")[0] in info.value.keys
+    # the same keys in a run of the trainer that reads them, in any order
+    async_mode = "trainer.async_mode=fully_async"
+    assert load_config(overrides + [async_mode]).trainer.async_mode == load_config([async_mode, *overrides]) \
+        .trainer.async_mode == "fully_async"
+
+
+def test_the_one_step_off_trainer_reads_the_rollout_section_not_async_training():
+    cfg = load_config(["trainer.async_mode=one_step_off", "rollout.n_gpus_per_node=4"])
+    assert cfg.rollout.n_gpus_per_node == 4
+    with pytest.raises(ConfigError, match=f"async_training.require_batches=2: {ASYNC_NOTE}"):
+        load_config(["trainer.async_mode=one_step_off", "async_training.require_batches=2"])
 
 
 def test_the_top_level_rollout_section_is_told_apart_from_the_engines():
@@ -290,18 +302,26 @@ def test_the_top_level_rollout_section_is_told_apart_from_the_engines():
         load_config(["rollout.n=8"])
 
 
-def test_a_recipe_with_an_async_section_is_refused(tmp_path):
+def test_a_recipe_with_an_async_section_is_refused_unless_it_runs_that_trainer(tmp_path):
     (tmp_path / "mine.yaml").write_text("async_training:\n  require_batches: 1\n")
     with pytest.raises(ConfigError, match=f"async_training.require_batches=1: {ASYNC_NOTE}"):
         load_config(recipe=tmp_path / "mine.yaml")
+    (tmp_path / "async.yaml").write_text("defaults:\n  - fully_async_ppo_trainer\n  - _self_\n"
+                                         "async_training:\n  require_batches: 2\n")
+    assert load_config(recipe=tmp_path / "async.yaml").async_training.require_batches == 2
 
 
-@pytest.mark.parametrize("name", ["fully_async_ppo_megatron_trainer", "fully_async_ppo_trainer.yaml",
-                                  "one_step_off_ppo_megatron_trainer.yaml", "one_step_off_ppo_trainer"])
-def test_verls_async_config_names_are_refused(name, tmp_path):
-    (tmp_path / "fully_async_ppo_trainer.yaml").write_text("defaults:\n  - ppo_trainer\n")  # a copy of verl's
-    with pytest.raises(ConfigError, match=f"--config-name {name.removesuffix('.yaml')}: {ASYNC_NOTE}"):
-        load_config(recipe=tmp_path / name)
+@pytest.mark.parametrize("name, mode", [
+    ("fully_async_ppo_megatron_trainer", "fully_async"), ("fully_async_ppo_trainer.yaml", "fully_async"),
+    ("one_step_off_ppo_megatron_trainer.yaml", "one_step_off"), ("one_step_off_ppo_trainer", "one_step_off")])
+def test_verls_async_config_names_run_meshrls_asynchronous_trainers(name, mode, tmp_path):
+    """Whatever folder --config-path names (a copy of verl's there is not read): verl's config, as meshrl's
+    meshrl/config/verl_async/ copy of it; bypass mode, as verl's async configs set it."""
+    (tmp_path / "fully_async_ppo_trainer.yaml").write_text("trainer:\n  total_epochs: 3\n")
+    cfg = load_config(recipe=tmp_path / name)
+    assert cfg.trainer.async_mode == mode and cfg.algorithm.rollout_correction.bypass_mode is True
+    assert cfg.trainer.total_epochs == default_config().trainer.total_epochs
+    validate_config(cfg)
 
 
 def test_the_v1_trainers_async_modes_are_refused_with_the_standalone_pool_in_one_message():
@@ -310,11 +330,11 @@ def test_the_v1_trainers_async_modes_are_refused_with_the_standalone_pool_in_one
     with pytest.raises(ConfigError) as info:
         validate_config(cfg)
     text = str(info.value)
-    assert "1 problem" in text and text.count(ASYNC_NOTE) == 1
+    assert "1 problem" in text and text.count(V1_NOTE) == 1
     for item in ("trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=2",
                  "trainer.v1.separate_async.parameter_sync_step=8"):
         assert item in text
-    with pytest.raises(ConfigError, match=f"trainer.v1.trainer_mode=colocate_async: {ASYNC_NOTE}"):
+    with pytest.raises(ConfigError, match=f"trainer.v1.trainer_mode=colocate_async: verl's {V1_NOTE}"):
         validate_config(load_config(["trainer.v1.trainer_mode=colocate_async"]))
 
 
@@ -322,7 +342,7 @@ def test_the_v1_sync_mode_is_meshrls_trainer_and_v0_ignores_trainer_v1():
     assert validate_config(load_config(["trainer.use_v1=True", "trainer.v1.trainer_mode=sync"])).warnings == ()
     warnings = validate_config(load_config(["trainer.use_v1=False", "trainer.v1.trainer_mode=colocate_async"])).warnings
     assert any("trainer.v1.trainer_mode=colocate_async has no effect with trainer.use_v1=False" in w for w in warnings)
-    assert any("trainer.use_v1=False" in w and "one synchronous trainer" in w for w in warnings)
+    assert any("trainer.use_v1=False" in w and "trainer.async_mode names" in w for w in warnings)
     for overrides, match in ((["+trainer.v1.sync.parameter_sync_step=2"], "trainer.v1.sync="),
                              (["trainer.v1.sampler.sync_refill_failed_groups=True"], "failed prompt groups"),
                              (["trainer.v1.sampler.custom_sampler.path=x.py"], "custom samplers")):
@@ -353,9 +373,8 @@ def test_use_rollout_log_probs_points_at_bypass_mode():
     ("trainer.v1.sampler.max_off_policy_strategy", "keep", "one of drop, wait"),
 ])
 def test_async_values_out_of_range_name_the_key(key, value, bound):
-    """The ranges verl asserts (the async sections' keys are refused at load now; the drivers will read them)."""
+    """The ranges verl asserts."""
     from meshrl.config.async_keys import async_problems
-    from meshrl.config.loader import default_config
 
     cfg = default_config()
     OmegaConf.update(cfg, key, value)

@@ -70,9 +70,10 @@ CONFIGS = {
         "actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp}/tools.yaml",
         "actor_rollout_ref.rollout.multi_turn.function_tool_path={tmp}/function_tools.py",
         "actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp}/interactions.yaml"],
-    "reward_model_peft_lora": [
+    "reward_model_peft_lora_fully_async": [
         "reward_model.enable=True", "reward_model.model.path=tiny-rm:llama",
-        "actor_rollout_ref.model.lora_adapter_path={tmp}/adapter"],
+        "actor_rollout_ref.model.lora_adapter_path={tmp}/adapter", "trainer.async_mode=fully_async",
+        "algorithm.rollout_correction.bypass_mode=True"],
     "judge_megatron_lora": [
         "reward_model.enable=True", "reward_model.model.path=tiny:llama",
         "custom_reward_function.path={tmp}/judged_reward.py", "actor_rollout_ref.model.lora.rank=8"],
