@@ -53,6 +53,17 @@ def asks_for_async(key: str) -> bool:
     return key.split(".", 1)[0] in ASYNC_SECTIONS
 
 
+def fill_fully_async_batch(cfg: DictConfig) -> None:
+    """The fully async trainer's batch is ``required_samples = actor.ppo_mini_batch_size × require_batches`` prompts
+    (verl's trainer reads no other; its scripts set ``data.train_batch_size=0``): a 0 there, or the schema's default
+    (which verl's config leaves), becomes that number, so every check and plan of the train batch sees the batch the
+    trainer takes. Another value is checked to be it (``async_problems``)."""
+    from meshrl.config.schema import DataConfig
+
+    if cfg.trainer.async_mode == "fully_async" and cfg.data.train_batch_size in (0, DataConfig.train_batch_size):
+        cfg.data.train_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * cfg.async_training.require_batches
+
+
 def section_read(cfg: DictConfig, key: str) -> bool:
     """True when ``cfg``'s trainer reads ``key`` (``key`` or ``key=value``) of ``ASYNC_SECTIONS``: ``async_training``
     the fully async trainer, the top-level ``rollout`` both asynchronous trainers."""
@@ -104,6 +115,25 @@ def async_problems(cfg: DictConfig) -> tuple[list[str], list[str], list[str]]:
     mode = trainer.async_mode
     check(mode is None or mode in ASYNC_MODES, "trainer.async_mode", f"null or one of {', '.join(ASYNC_MODES)}",
           f"'{mode}'")
+    # verl's asynchronous trainers require a rollouter apart from the trainer (hybrid_engine=False); meshrl's
+    # rollouter is the training ranks' engines either way (its start-up note says so), a synchronous run's too
+    check(cfg.actor_rollout_ref.hybrid_engine or mode is not None, "actor_rollout_ref.hybrid_engine",
+          "True outside the asynchronous trainers (a rollout engine apart from the trainer is not built: meshrl "
+          "colocates it, verl's hybrid engine); the one-step-off and fully async trainers accept False, as verl's "
+          "scripts set it, and run their rollouter on the training ranks' engines", False)
+    gen_batch = cfg.data.gen_batch_size
+    if mode == "fully_async":  # verl's rollouter generates prompt by prompt ("currently only support 1")
+        check(gen_batch in (None, 1), "data.gen_batch_size", "1 (or null) with the fully async trainer, whose "
+              "rollouter starts one prompt at a time", gen_batch)
+        required = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * at.require_batches
+        check(cfg.data.train_batch_size == required, "data.train_batch_size",
+              f"0 (as verl's fully async scripts set it) or the trainer's batch, actor.ppo_mini_batch_size x "
+              f"async_training.require_batches = {required} prompts, with the fully async trainer",
+              cfg.data.train_batch_size)
+    else:
+        check(gen_batch in (None, cfg.data.train_batch_size), "data.gen_batch_size",
+              f"null or data.train_batch_size ({cfg.data.train_batch_size}): generating more prompts than a train "
+              "batch is DAPO's dynamic sampling (algorithm.filter_groups), not built", gen_batch)
     # verl's fully async trainer keeps pi_old at the weights of the version's start through the version's local
     # steps (its save/restore of the model); meshrl's old-log-prob pass uses the weights of the step: the same only
     # when every step syncs, or in bypass mode (verl's async configs' default: pi_old = the rollout's log-probs).

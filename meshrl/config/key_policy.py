@@ -168,8 +168,6 @@ REFUSED = {
     "reward.reward_kwargs": REWARD_MANAGER,
     "algorithm.use_pf_ppo": PF_PPO,
     "algorithm.pf_ppo.*": PF_PPO,
-    "actor_rollout_ref.hybrid_engine": "meshrl always colocates the rollout engine with the trainer (verl's hybrid "
-                                       "engine); set True",
     "actor_rollout_ref.model.external_lib": "meshrl builds its own model families and imports no model code",
     "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts": "it repeats a conversation in verl's SGLang rollout, "
                                                                 "which meshrl does not run (samples per prompt are "

@@ -44,7 +44,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from meshrl.config.async_keys import ASYNC_CONFIG_NAMES, ASYNC_TRAINING, asks_for_async, section_read
+from meshrl.config.async_keys import (ASYNC_CONFIG_NAMES, ASYNC_TRAINING, asks_for_async, fill_fully_async_batch,
+                                      section_read)
 from meshrl.config.schema import MODEL_ENGINES, MeshRLConfig
 
 _ABSENT = object()
@@ -358,4 +359,5 @@ def load_config(overrides: Sequence[str] = (), recipe: str | Path | None = None)
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"config interpolation failed: {exc}") from None
+    fill_fully_async_batch(cfg)
     return cfg

@@ -67,6 +67,9 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024
+    # verl's prompts per generation call (DAPO's dynamic sampling generates more than a train batch; verl's fully
+    # async rollouter takes 1): null or the train batch, or 1 with the fully async trainer (meshrl.config.async_keys)
+    gen_batch_size: Optional[int] = None
     val_batch_size: Optional[int] = None  # None: the whole validation set in one generate call
     val_max_samples: int = -1  # as train_max_samples, for the validation files
     # Each training and validation row keeps its chat messages (verl's raw_prompt) on the driver, for

@@ -84,7 +84,9 @@ class AsyncRLTrainer(RLTrainer):
         pool = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
         lines = [f"{name} training: the rollouter generates on the training ranks' engines, in turns with the "
                  f"updates (verl's staleness and versions; not its overlap): the rollout pool of rollout.nnodes x "
-                 f"rollout.n_gpus_per_node = {pool} devices is not started (a standalone rollout pool is not built)"]
+                 f"rollout.n_gpus_per_node = {pool} devices is not started (a standalone rollout pool is not built"
+                 + ("; actor_rollout_ref.hybrid_engine=False asks for one" if not cfg.actor_rollout_ref.hybrid_engine
+                    else "") + ")"]
         if cfg.trainer.async_mode == "fully_async" and cfg.async_training.partial_rollout:
             lines.append("async_training.partial_rollout: no sample is in flight at a parameter sync while generation "
                          "and training take turns, so none is interrupted")

@@ -26,15 +26,17 @@ if TYPE_CHECKING:
     from meshrl.data.dataset import RLDataset
 
 
-def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+def parse_args(argv: Sequence[str], default_config_name: str | None = None,
+               prog: str = "python -m meshrl.trainer.main") -> tuple[str | None, list[str]]:
     """``[--config-name NAME] [--config-path DIR] key=value ...`` → (recipe, overrides).
 
     Hydra's forms as verl's scripts write them: ``--config-name=NAME`` or ``--config-name NAME`` (also
     ``-cn``; ``--config-path`` / ``-cp`` likewise), anywhere among the overrides. verl's own configs
     (``--config-path=config --config-name=ppo_megatron_trainer``) name the schema defaults
-    (``meshrl.config.loader.VERL_BASE_CONFIGS``).
+    (``meshrl.config.loader.VERL_BASE_CONFIGS``). ``default_config_name``: the config without ``--config-name``
+    (the entry module's, as Hydra's ``config_name`` is verl's: ``meshrl.trainer.fully_async_main``).
     """
-    parser = argparse.ArgumentParser(prog="python -m meshrl.trainer.main",
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Train a policy with RL; every verl key=value override works.")
     parser.add_argument("--config-name", "--config", "-cn", dest="config_name", default=None,
                         help="recipe name in recipes/ or a YAML path (verl's ppo_trainer / ppo_megatron_trainer: "
@@ -43,8 +45,8 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
                         help="folder to find --config-name in")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. algorithm.adv_estimator=grpo")
     args = parser.parse_intermixed_args(list(argv))
-    recipe = args.config_name
-    if recipe is not None and args.config_path is not None:
+    recipe = args.config_name or default_config_name
+    if args.config_name is not None and args.config_path is not None:
         recipe = str(Path(args.config_path) / recipe)
     return recipe, args.overrides
 
@@ -386,8 +388,9 @@ def model_config(cfg):
         raise ConfigError(f"actor_rollout_ref.model.path: {exc}", ["actor_rollout_ref.model.path"]) from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command: 0 when the run finishes, 2 for a config or data problem (one message, before any worker
+def main(argv: Sequence[str] | None = None, default_config_name: str | None = None,
+         prog: str = "python -m meshrl.trainer.main") -> int:
+    """The command (``default_config_name``, ``prog``: ``parse_args``'): 0 when the run finishes, 2 for a config or data problem (one message, before any worker
     starts), 1 when a worker, the rewards or an alarm stopped it (one report: ``meshrl.trainer.failures``),
     130 / 143 when SIGINT / SIGTERM stopped it (``meshrl.trainer.interrupts``)."""
     configure_environment()
@@ -396,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from meshrl.trainer.failures import RunFailed
     from meshrl.trainer.interrupts import Interrupted
 
-    recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv, default_config_name, prog)
     clock = StartupClock(process_age_s())  # time to the first step, from the command's start
     try:
         with clock.phase("checks"):

@@ -53,10 +53,18 @@ SCRIPTS = {
     # with sequence IS weights applied by the REINFORCE loss; GRPO under PPO's clip with token and sequence rejection
     "rollout_corr_rloo": ("verl-project/verl", "examples/rollout_correction/run_qwen2_5_7b_fsdp.sh"),
     "rollout_corr_multi_rs": ("verl-project/verl", "examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh"),
+    # verl's asynchronous trainers' scripts (their entry modules: meshrl.trainer.one_step_off_main, fully_async_main):
+    # one-step-off GRPO on GSM8K (FSDP keys, hybrid_engine=False, a rollout pool of its own); fully async GRPO with a
+    # KL loss at Megatron TP2 (train_batch_size=0: the trainer's batch is ppo_mini_batch_size x require_batches; its
+    # Qwen2.5-VL and geometry data swapped for the tiny Llama and GSM8K, as every script's model and data are)
+    "one_step_off_fsdp": ("verl-project/verl", "verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh"),
+    "fully_async_megatron": ("verl-project/verl",
+                             "verl/experimental/fully_async_policy/shell/geo3k_qwen25vl_7b_megatron_4_4.sh"),
 }
+ASYNC = {"one_step_off_fsdp": "one_step_off", "fully_async_megatron": "fully_async"}
 # verl's rollout-correction scripts run in bypass mode: the trainer computes no log-probs of its own to compare with
 # the engine's (rollout/log_prob_*); the actor compares the policy it trains with the engine's (rollout_corr/kl, ...).
-BYPASS = {"rollout_corr_rloo", "rollout_corr_multi_rs"}
+BYPASS = {"rollout_corr_rloo", "rollout_corr_multi_rs", *ASYNC}
 # Swaps appended after the CPU sizes, by script name.
 AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
                                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]}
@@ -67,13 +75,15 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
 # is gemma2_ppo's and test_algorithms_e2e.py's PPO case's; CISPO's step is GRPO's with the loss checked against
 # verl's in tests/algorithms/test_verl_reference.py, and the FSDP keys' warnings are the key-policy unit tests'.
 # The adapters at inference TP2 take lora_megatron's path to the engine; only vLLM's slicing per TP rank is new.
+# The one-step-off trainer trains in tests/e2e/test_async_e2e.py (three steps, each batch one version late), and its
+# script's keys load and validate in the unit tests; fully_async_megatron runs the same driver from a verl script.
 # The method scripts: each loss and estimator is checked against verl's in tests/algorithms/test_verl_reference.py and
 # trains GRPO's path (test_algorithms_e2e.py's grpo case); GDPO's reward components reach its estimator in
 # tests/trainer/test_advantage_glue.py; rollout correction (IS, rejection, bypass mode) trains in
 # test_algorithms_e2e.py's remax and ppo cases; Qwen3-MoE matches HF in tests/parallel/test_moe_parallel.py.
 EXTENDED = {"qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2", "gdpo_fsdp",
             "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp", "sapo_moe_fsdp", "rollout_corr_rloo",
-            "rollout_corr_multi_rs"}
+            "rollout_corr_multi_rs", "one_step_off_fsdp"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
 # conflict with its deprecated twin, e.g. ppo_micro_batch_size vs ppo_micro_batch_size_per_gpu).
@@ -83,6 +93,7 @@ SIZES = {
     r"actor_rollout_ref\.rollout\.n": "2", r".*\.megatron\.(tensor|pipeline)_model_parallel_size": "1",
     r"actor_rollout_ref\.rollout\.tensor_model_parallel_size": "1", r"trainer\.n_gpus_per_node": "1",
     r"trainer\.nnodes": "1", r"reward_model\.rollout\.tensor_model_parallel_size": "1",
+    r"rollout\.nnodes": "1", r"rollout\.n_gpus_per_node": "1",  # the asynchronous trainers' rollout pool
 }
 MODEL_KEYS = r"(actor_rollout_ref|critic)\.model\.path"
 # with a reward file of verl's repository swapped for meshrl's test reward (classify.PATH_SWAPS)
@@ -90,11 +101,16 @@ DATA = {r"data\.train_files": "embedded:gsm8k/train", r"data\.val_files": "embed
         r"reward_model\.model\.path": "tiny-rm:llama", **classify.PATH_SWAPS}
 
 
-def vendored_args(mirror: str, path: str) -> list[str]:
+def vendored_call(mirror: str, path: str) -> tuple[str, list[str]]:
+    """The script's verl entry module and its arguments."""
     scripts = json.loads(VENDORED.read_text())["scripts"]
     (script,) = [s for s in scripts if s["mirror"] == mirror and s["path"] == path]
     (call,) = script["calls"]
-    return call["args"]
+    return call["module"], call["args"]
+
+
+def vendored_args(mirror: str, path: str) -> list[str]:
+    return vendored_call(mirror, path)[1]
 
 
 def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = DATA,
@@ -119,8 +135,9 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
     from meshrl.trainer.main import run
 
     mirror, path, *model = SCRIPTS[name]
-    script = swapped(vendored_args(mirror, path), tmp_path, model[0] if model else "tiny:llama") + AFTER.get(name, [])
-    recipe, overrides = parse_args(script)
+    module, args = vendored_call(mirror, path)
+    script = swapped(args, tmp_path, model[0] if model else "tiny:llama") + AFTER.get(name, [])
+    recipe, overrides = parse_args(script, classify.entry_config(module))  # the entry module's config, as verl's
     cfg = load_config(overrides, recipe=recipe)
     plan = preflight(cfg)
     final = run(cfg, plan)
@@ -131,8 +148,8 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
         assert not {key for key in step if key.startswith("rollout/log_prob")}
     else:
         assert step["rollout/log_prob_max_abs_diff"] < 1e-3  # the engine serves the policy the trainer evaluates
-    if plan.use_reference:
-        assert step["actor/ref_log_prob_max_abs_diff"] == 0.0  # step 1: the policy is still the reference
+    if plan.use_reference:  # step 1: the policy is still the reference (bypass mode: the engine's log-probs of it)
+        assert step["actor/ref_log_prob_max_abs_diff"] <= (1e-5 if name in BYPASS else 0.0)
     if name in ("ppo_megatron", "gemma2_ppo"):
         assert plan.use_critic and step["critic/optimizer_steps"] >= 1
     if name == "rm_ppo":  # the reward model's scores are the rewards
@@ -164,6 +181,12 @@ def check_method(name: str, plan, step: dict) -> None:
         assert plan.policy_loss == "sapo" and "actor/ppo_kl" in step
     if name == "dppo_moe_megatron":
         assert plan.policy_loss == "dppo_tv" and {"actor/clipfrac", "actor/clipfrac_lower"} <= set(step)
+    if name in ASYNC:  # verl's trainer, its staleness metrics: step 1 trains on the first weights' samples
+        assert plan.rollout_correction.bypass
+        assert step["fully_async/count/current_param_version"] == 0
+        assert step["training/off_policy/trajectory_staleness/max"] == 0
+        assert step["fully_async/static/required_samples"] == 4 and step["fully_async/count/total_generated_samples"] \
+            >= 4
     if name == "rollout_corr_rloo":  # sequence IS weights, batch-normalised (mean 1), applied by REINFORCE's loss
         assert plan.adv_estimator == "rloo" and plan.rollout_correction.bypass
         assert step["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-5)

@@ -73,7 +73,7 @@ CONFIGS = {
     "reward_model_peft_lora_fully_async": [
         "reward_model.enable=True", "reward_model.model.path=tiny-rm:llama",
         "actor_rollout_ref.model.lora_adapter_path={tmp}/adapter", "trainer.async_mode=fully_async",
-        "algorithm.rollout_correction.bypass_mode=True"],
+        "algorithm.rollout_correction.bypass_mode=True", "async_training.require_batches=2"],
     "judge_megatron_lora": [
         "reward_model.enable=True", "reward_model.model.path=tiny:llama",
         "custom_reward_function.path={tmp}/judged_reward.py", "actor_rollout_ref.model.lora.rank=8"],

@@ -57,6 +57,12 @@ CPU_SWAPS = [
 # file of verl's repository scores verl's data; meshrl's test reward (GSM8K rows in verl's dict form, with GDPO's
 # components accuracy_reward and format_reward beside the score) stands in for it, as the data's paths are swapped.
 PATH_SWAPS = {r"(reward\.)?custom_reward_function\.path": str(HERE / "gdpo_reward.py")}
+# The asynchronous trainers' rollout pool, sized like the training processes where a script sets it.
+SIZE_SWAPS = {r"rollout\.nnodes": "1", r"rollout\.n_gpus_per_node": "1"}
+# verl's entry module -> meshrl's config without --config-name (meshrl.trainer.one_step_off_main, fully_async_main)
+ENTRY_CONFIGS = {"verl.trainer.main_ppo": None,
+                 "verl.experimental.one_step_off_policy.main_ppo": "one_step_off_ppo_trainer",
+                 "verl.experimental.fully_async_policy.fully_async_main": "fully_async_ppo_trainer"}
 # The verl feature a key that meshrl refuses belongs to: (feature, pattern searched in the key).
 FEATURES = [
     ("other training engines (VeOmni, Megatron Lite, Hydra config groups)",
@@ -94,17 +100,23 @@ def script_id(script: dict) -> str:
 
 
 def path_swaps(args: list[str]) -> list[str]:
-    """``PATH_SWAPS`` for the keys ``args`` set, as overrides."""
+    """``PATH_SWAPS`` and ``SIZE_SWAPS`` for the keys ``args`` set, as overrides."""
     keys = [arg.lstrip("+").partition("=")[0] for arg in args]
-    return [f"{key}={value}" for key in keys for pattern, value in PATH_SWAPS.items() if re.fullmatch(pattern, key)]
+    return [f"{key}={value}" for key in keys for pattern, value in {**PATH_SWAPS, **SIZE_SWAPS}.items()
+            if re.fullmatch(pattern, key)]
 
 
-def classify(args: list[str]) -> dict:
-    """The outcome of one call's arguments (module docstring): ``{"outcome": ..., "keys": [...]}``."""
+def entry_config(module: str) -> str | None:
+    """The config a call of verl's entry ``module`` loads without --config-name (``ENTRY_CONFIGS``)."""
+    return ENTRY_CONFIGS[next(m for m in ENTRY_CONFIGS if module.startswith(m))]
+
+
+def classify(args: list[str], module: str = "verl.trainer.main_ppo") -> dict:
+    """The outcome of one call of ``module`` with ``args`` (module docstring): ``{"outcome": ..., "keys": [...]}``."""
     from meshrl.config import ConfigError, load_config
     from meshrl.trainer.main import parse_args, preflight
 
-    recipe, overrides = parse_args([*args, *CPU_SWAPS, *path_swaps(args)])
+    recipe, overrides = parse_args([*args, *CPU_SWAPS, *path_swaps(args)], entry_config(module))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # model_engine=dp's note, expected for verl's FSDP scripts
@@ -124,7 +136,7 @@ def classify_script(script: dict) -> dict:
         return {"outcome": "no call", "keys": []}
     # Every script in the folders makes one trainer call (extract.py records them all).
     (call,) = script["calls"]
-    return classify(call["args"])
+    return classify(call["args"], call["module"])
 
 
 def feature_of(key: str) -> str:

@@ -2,8 +2,9 @@
 
     python tests/verl_scripts/extract.py [--mirror NAME=GIT_DIR ...] [--out FILE]
 
-For every ``.sh`` under the algorithm folders of ``examples/`` (``FOLDERS``) in each verl mirror, the
-script runs under bash in a sandbox that records the argv of every ``verl.trainer.main_ppo*`` call,
+For every ``.sh`` under the algorithm folders of ``examples/`` (``FOLDERS``) and the asynchronous trainers' ``shell/``
+folders (``ASYNC_SHELLS``) in each verl mirror, the script runs under bash in a sandbox that records the argv of every
+call of a verl trainer module (``MODULE_PREFIXES``),
 so the arguments are exactly what bash hands verl after variable substitution, arrays and branches.
 The sandbox's environment is the representative one a user launches in:
 
@@ -39,7 +40,11 @@ MIRRORS = {
 FOLDERS = ("remax_trainer", "gpg_trainer", "grpo_trainer", "ppo_trainer", "rloo_trainer",
            "reinforce_plus_plus_trainer", "cispo_trainer", "dppo_trainer", "gdpo_trainer", "gmpo_trainer",
            "gspo_trainer", "otb_trainer", "sapo_trainer", "rollout_correction")
-MODULE_PREFIX = "verl.trainer.main_ppo"
+# the asynchronous trainers' scripts (each folder's shell/*.sh)
+ASYNC_SHELLS = ("verl/experimental/one_step_off_policy/shell/", "verl/experimental/fully_async_policy/shell/")
+# verl's trainer entry modules (main_ppo*: the synchronous trainer; then the one-step-off and fully async ones)
+MODULE_PREFIXES = ("verl.trainer.main_ppo", "verl.experimental.one_step_off_policy.main_ppo",
+                   "verl.experimental.fully_async_policy.fully_async_main")
 HOME = "/home/user"
 FIXED_DATE = "20260101"
 # Variables some scripts read without a default (they exit otherwise): where the user keeps things.
@@ -68,7 +73,7 @@ PRELUDE = r"""
 command_not_found_handle() {
     local arg
     for arg in "$@"; do
-        if [[ "$arg" == MODULE_PREFIX* ]]; then
+        if MODULE_TEST; then
             local calls=("$CALLS_DIR"/*)
             [[ -e "${calls[0]}" ]] || calls=()
             printf '%s\0' "$@" > "$CALLS_DIR/$(printf '%04d' "${#calls[@]}")"
@@ -89,13 +94,13 @@ source() {
 ulimit() {
     builtin ulimit "$@" 2>/dev/null || true
 }
-""".replace("MODULE_PREFIX", MODULE_PREFIX)
+""".replace("MODULE_TEST", " || ".join(f'[[ "$arg" == {prefix}* ]]' for prefix in MODULE_PREFIXES))
 
 
 def list_scripts(git_dir: str) -> list[str]:
-    names = subprocess.run(["git", "-C", git_dir, "ls-tree", "-r", "--name-only", "HEAD", "examples/"],
-                           check=True, capture_output=True, text=True).stdout.split()
-    return sorted(n for n in names if n.endswith(".sh") and n.split("/")[1] in FOLDERS)
+    names = subprocess.run(["git", "-C", git_dir, "ls-tree", "-r", "--name-only", "HEAD", "examples/",
+                            *ASYNC_SHELLS], check=True, capture_output=True, text=True).stdout.split()
+    return sorted(n for n in names if n.endswith(".sh") and (n.split("/")[1] in FOLDERS or n.startswith(ASYNC_SHELLS)))
 
 
 def run_script(text: str, rel_path: str, sandbox: Path) -> list[dict]:
@@ -116,7 +121,7 @@ def run_script(text: str, rel_path: str, sandbox: Path) -> list[dict]:
         argv = path.read_bytes().decode().split("\0")[:-1]
         # Paths a script derives from its own location point into the sandbox: name verl's root instead.
         argv = [a.replace(str(root), "/verl") for a in argv]
-        start = next(i for i, a in enumerate(argv) if a.startswith(MODULE_PREFIX))
+        start = next(i for i, a in enumerate(argv) if a.startswith(MODULE_PREFIXES))
         calls.append({"module": argv[start], "args": argv[start + 1:]})
     return calls
 
