@@ -6,10 +6,11 @@ sample queue of ``meshrl.trainer.sample_queue``, whose admission rule bounds how
 
     for step in 1..T:                                    (T: trainer.total_training_steps, or the prompts' budget)
         while queue admits a sample:  pending ← next prompt          (verl's rollouter runs ahead up to the bound)
-        samples  ← policy.generate(pending)  with version v           (each trajectory tagged with v)
-        batch    ← queue.take(required_samples), oldest first          (+ fully_async/* and training/off_policy/*)
+        rollouter: generate(pending) with version v, during this step's learn        (each trajectory tagged v)
+        batch    ← queue.take(required_samples), oldest first          (+ fully_async/* and training/off_policy/*;
+                                                                         waiting for the rollouter if none is queued)
         learn(batch)                                                    (bypass mode: logπ_old ← logπ_rollout)
-        every trigger_parameter_sync_step steps:  engine ← policy;  v ← v + 1
+        every trigger_parameter_sync_step steps:  wait for the rollouter;  engine ← policy;  v ← v + 1
 
 - **fully async** (verl ``fully_async_policy``): ``required_samples = ppo_mini_batch_size × require_batches``
   prompts per step, ``trigger_parameter_sync_step`` steps per version, ``staleness_threshold`` of verl's bound.
@@ -20,14 +21,18 @@ sample queue of ``meshrl.trainer.sample_queue``, whose admission rule bounds how
   ``staleness_threshold = 1``: the rollouter may run one batch ahead (step 1 trains on the first weights' batch,
   as verl's does; every later batch is one version behind the trainer).
 
-**The schedule, not the overlap.** verl runs the rollouter on its own GPUs (the top-level ``rollout.nnodes`` ×
-``n_gpus_per_node``) at the same time as the trainer. meshrl's rollouter is the training ranks' colocated engines,
-so generation and training take turns on the same devices: the samples, their versions and the staleness each
-step trains on are verl's (both sides equally fast), the wall time is the synchronous loop's. The standalone
-rollout pool is not built; the run says so once. Consequences: a sync never finds a sample in flight, so
-``partial_rollout`` has nothing to interrupt (``meshrl.rollout.partial_rollout`` is the engine side, for the
-overlapped form); with ``staleness_threshold=0`` and one step per version the run is the synchronous one, metric for
-metric (``tests/e2e/test_async_e2e.py``).
+**The overlap.** verl runs its rollouter on GPUs of its own (the top-level ``rollout.nnodes`` × ``n_gpus_per_node``)
+at the same time as the trainer. meshrl's rollouter is the training ranks' colocated engines: each policy worker
+generates on a thread of its own (``ActorRolloutRefWorker.start_generate``) while its main thread runs the step's
+log-prob passes and updates, and a parameter sync waits for that generation first (so it never finds a sample in
+flight: ``partial_rollout`` has nothing to interrupt; ``meshrl.rollout.partial_rollout`` is the engine side for a
+rollouter that does not wait). The samples are those the serial schedule draws (same prompts, weights and seeds, one
+engine call per sync); only when they are made differs. Where the two would share something (``why_serial``: an
+inference replica across ranks, offloaded trainer state, ReMax's greedy pass, multi-turn tools) generation and
+training take turns instead, and the run says why. The engine and the trainer then hold their memory at once (on a
+GPU: the KV cache beside the training state). The standalone rollout pool is not built; the run says so once. With
+``staleness_threshold=0`` and one step per version the run is the synchronous one, metric for metric
+(``tests/e2e/test_async_e2e.py``).
 
 **The engine-versus-trainer alarm** (``trainer.on_mismatch``) judges only steps whose samples all come from the
 weights the trainer evaluates: a stale sample's gap is the policy's progress, not a broken sync.
@@ -39,6 +44,7 @@ at load: the resumed run's first version starts there).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import deque
 from typing import Any
@@ -53,6 +59,23 @@ from meshrl.trainer.tracking import Timer
 from meshrl.workers.sequences import POLICY_VERSION
 
 STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
+
+
+def why_serial(cfg, plan) -> str | None:
+    """Why the rollouter cannot generate on the workers' threads while they train (``start_generate``), or None: an inference replica across ranks generates with collectives, trainer state offloaded while the engine
+    generates would leave the update without it, and ReMax's greedy pass and multi-turn tools use the engine (or its
+    worker) from the step itself."""
+    arr = cfg.actor_rollout_ref
+    if arr.rollout.tensor_model_parallel_size != 1:
+        return "rollout.tensor_model_parallel_size > 1"
+    if any((arr.actor.megatron.param_offload, arr.actor.megatron.optimizer_offload, arr.actor.megatron.grad_offload,
+            arr.actor.fsdp_config.param_offload, arr.actor.fsdp_config.optimizer_offload)):
+        return "the actor's state is offloaded while the engine generates (*_offload)"
+    if plan.greedy_baseline:
+        return "ReMax's greedy baseline generates inside the step"
+    if arr.rollout.multi_turn.enable:
+        return "multi-turn rollouts"
+    return None
 
 
 class AsyncRLTrainer(RLTrainer):
@@ -72,7 +95,10 @@ class AsyncRLTrainer(RLTrainer):
         self.queue = SampleQueue(self.budget)
         self.pending: deque[int] = deque()  # prompts (dataset rows) the sampler gave and the rollouter has not started
         self.version = 0  # the engine's weights: parameter syncs so far
-        self._sync_due = False
+        # the rollouter overlaps the trainer: it generates on the workers' threads during the updates (why_serial)
+        self.serial_reason = why_serial(cfg, self.plan)
+        self.overlap = self.serial_reason is None
+        self._in_flight: tuple[list[int], Any] | None = None  # (prompts, what waits for their rows)
         self._fresh = True  # every trajectory of the step's batch came from the weights the trainer evaluates
         for line in self.notes():
             print(f"meshrl: note: {line}", file=sys.stderr)
@@ -82,14 +108,15 @@ class AsyncRLTrainer(RLTrainer):
         cfg = self.cfg
         name = {"one_step_off": "one-step-off", "fully_async": "fully async"}[cfg.trainer.async_mode]
         pool = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
-        lines = [f"{name} training: the rollouter generates on the training ranks' engines, in turns with the "
-                 f"updates (verl's staleness and versions; not its overlap): the rollout pool of rollout.nnodes x "
-                 f"rollout.n_gpus_per_node = {pool} devices is not started (a standalone rollout pool is not built"
+        how = ("generates on the training ranks' engines, on a thread of each worker while it trains" if self.overlap
+               else f"generates on the training ranks' engines, in turns with the updates ({self.serial_reason})")
+        lines = [f"{name} training: the rollouter {how}; the rollout pool of rollout.nnodes x rollout.n_gpus_per_node "
+                 f"= {pool} devices is not started (a standalone rollout pool is not built"
                  + ("; actor_rollout_ref.hybrid_engine=False asks for one" if not cfg.actor_rollout_ref.hybrid_engine
                     else "") + ")"]
         if cfg.trainer.async_mode == "fully_async" and cfg.async_training.partial_rollout:
-            lines.append("async_training.partial_rollout: no sample is in flight at a parameter sync while generation "
-                         "and training take turns, so none is interrupted")
+            lines.append("async_training.partial_rollout: a parameter sync waits for the rollouter's generation in "
+                         "flight (one engine call per sync), so no sample is interrupted")
         return lines
 
     # ------------------------------------------------------------------------------- the step
@@ -97,42 +124,96 @@ class AsyncRLTrainer(RLTrainer):
         timer, metrics = Timer(), {}
         with timer("step"):
             with timer("gen"):
-                self.generate_admitted()
+                if self._in_flight is None:  # the rollouter starts what the queue admits, with the engine's weights
+                    self._in_flight = self.start_generation()
+                if not self.overlap or not self.queue.batch_ready():
+                    self.finish_generation()  # its rows: at once when it does not overlap, else when they are due
                 self.queue.request_batch()
                 consumed = self.queue.take_batch()
             metrics.update(consumed.metrics)
             self._fresh = consumed.metrics[STALENESS_MAX] == 0
-            self._sync_due = self.queue.finish_train_step()
+            sync_due = self.queue.finish_train_step()
             indices = [index for index, _ in consumed.payloads]
             prompts = prompts_batch(self.train_data, indices, raw_chat=self.raw_chat)
             batch = Batch.concat([group for _, group in consumed.payloads])
             batch.set("uid", torch.arange(len(indices)).repeat_interleave(len(batch) // len(indices)))
-            batch = self.learn(batch, prompts, timer, metrics)
-            if self._sync_due:  # the weights are in the engine (or unchanged: a critic warm-up step)
+            batch = self.learn(batch, prompts, timer, metrics)  # the rollouter's generation runs meanwhile
+            if sync_due:
+                with timer("gen"):
+                    self.finish_generation()  # nothing may touch the engine while it generates
+                if self.step > self.cfg.trainer.critic_warmup:  # the policy was updated
+                    with timer("sync"):
+                        metrics.update(self.policy.sync_weights())
                 self.version += 1
                 metrics.update(self.queue.reset_staleness())
         return self.step_metrics(batch, timer, metrics)
 
-    def generate_admitted(self) -> None:
-        """Start every sample the queue admits now, generate them in one engine call with the engine's weights, and
-        queue each prompt's ``rollout.n`` trajectories with their versions."""
+    def start_generation(self) -> tuple[list[int], Any] | None:
+        """Start every sample the queue admits now, in one engine call with the engine's weights: on the workers'
+        generation threads when the rollouter overlaps the trainer, else at once. (prompts, what waits for the
+        rows); None when nothing is admitted."""
         count = 0
         while self.queue.try_admit():
             count += 1
         if not count:
-            return
+            return None
         while len(self.pending) < count:
             self.pending.extend(int(i) for i in self.sampler.next_batch())
         indices = [self.pending.popleft() for _ in range(count)]
-        rows = self.generate(prompts_batch(self.train_data, indices, raw_chat=self.raw_chat), mode="train")
-        n = len(rows) // count
+        prompts = prompts_batch(self.train_data, indices, raw_chat=self.raw_chat)
+        if self.overlap:
+            return indices, self.start_policy_generation(prompts)
+        rows = self.generate(prompts, mode="train")
+        return indices, lambda: rows
+
+    def start_policy_generation(self, prompts: Batch):
+        """``RLTrainer.generate`` begun on the workers' generation threads; the function that waits for its rows."""
+        raw = prompts["raw_prompt"] if "raw_prompt" in prompts else None
+        wait = self.policy.start_generate(prompts.select([k for k in prompts.keys() if k != "raw_prompt"]), "train")
+
+        def rows() -> Batch:
+            batch = wait()
+            if raw is not None:
+                batch.set("raw_prompt", raw[batch["uid"].numpy()])
+            return batch
+        return rows
+
+    def finish_generation(self) -> None:
+        """Queue the rows of the generation in flight, if any: each prompt's ``rollout.n`` trajectories with their
+        versions."""
+        started, self._in_flight = self._in_flight, None
+        if started is None:
+            return
+        indices, wait = started
+        rows = wait()
+        n = len(rows) // len(indices)
         for position, index in enumerate(indices):
             group = rows.take(list(range(position * n, (position + 1) * n)))
             versions = list(group[POLICY_VERSION]) if POLICY_VERSION in group else None
             self.queue.put((index, group), versions, n_trajectories=n)
 
+    def fit(self) -> dict[str, float]:
+        """``RLTrainer.fit``, leaving the engine idle before anything stops it (a generation ahead is discarded; after
+        a failure, waiting for it may fail too: the first error is the one raised)."""
+        try:
+            last = super().fit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.finish_generation()
+            raise
+        self.finish_generation()
+        return last
+
+    def validate(self) -> dict[str, float]:
+        self.finish_generation()  # one engine, one caller at a time
+        return super().validate()
+
+    def save(self):
+        self.finish_generation()  # the engine's state and the queue's prompts, as of no generation in flight
+        return super().save()
+
     def sync_after_update(self) -> bool:
-        return self._sync_due
+        return False  # train_step syncs, once the rollouter's generation is in
 
     def alarm_applies(self) -> bool:
         return self._fresh
@@ -145,17 +226,13 @@ class AsyncRLTrainer(RLTrainer):
                           "queue": self.queue.counters()}
         return state
 
-    def resume(self) -> None:
-        super().resume()
-        path = self.checkpoints.resolve(self.cfg.trainer.resume_mode, self.cfg.trainer.resume_from_path)
-        if path is None:
-            return
-        saved = self.checkpoints.load_driver_state(path).get("async")
+    def restore_trainer_state(self, state: dict[str, Any], path) -> None:
+        saved = state.get("async")
         if saved is None:
-            raise ConfigError(f"{path} was saved by the synchronous trainer; resuming it with trainer.async_mode="
-                              f"{self.cfg.trainer.async_mode} would lose no samples but start a new schedule from a "
-                              "checkpoint that has none: resume it with the trainer that saved it",
-                              ["trainer.async_mode"])
+            raise ConfigError(f"{path} was saved by the synchronous trainer: it holds no rollouter state to resume "
+                              f"trainer.async_mode={self.cfg.trainer.async_mode} from; resume it with the "
+                              "synchronous trainer (trainer.async_mode=null), or start this run afresh in another "
+                              "trainer.default_local_dir", ["trainer.async_mode"])
         self.pending = deque(saved["prompts"])
         self.version = saved["version"]
         self.queue.restore_counters(saved["queue"], version=self.version)

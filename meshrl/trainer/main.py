@@ -390,7 +390,8 @@ def model_config(cfg):
 
 def main(argv: Sequence[str] | None = None, default_config_name: str | None = None,
          prog: str = "python -m meshrl.trainer.main") -> int:
-    """The command (``default_config_name``, ``prog``: ``parse_args``'): 0 when the run finishes, 2 for a config or data problem (one message, before any worker
+    """The command (``default_config_name``, ``prog``: ``parse_args``'):
+    0 when the run finishes, 2 for a config or data problem (one message, before any worker
     starts), 1 when a worker, the rewards or an alarm stopped it (one report: ``meshrl.trainer.failures``),
     130 / 143 when SIGINT / SIGTERM stopped it (``meshrl.trainer.interrupts``)."""
     configure_environment()

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms import GlobalNorm, make_kl_controller
 from meshrl.algorithms.rollout_correction import off_policy_metrics
+from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import RunPlan, UpdateSchedule
 from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
@@ -305,6 +306,14 @@ class RLTrainer:
         return out
 
     # ------------------------------------------------------------------------------- checkpoints
+    def restore_trainer_state(self, state: dict[str, Any], path: Path) -> None:
+        """What a trainer keeps beyond the loop's state (``driver_state``), restored before the weights load: none
+        here, and a checkpoint of an asynchronous trainer (its queue's prompts and version) is refused."""
+        if "async" in state:
+            raise ConfigError(f"{path} was saved by an asynchronous trainer (trainer.async_mode), whose prompts "
+                              "generated but not trained yet this trainer would skip: resume it with the config "
+                              "that saved it", ["trainer.async_mode"])
+
     def driver_state(self) -> dict[str, Any]:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "mismatch_alarm": self.mismatch.state_dict(),
@@ -331,6 +340,7 @@ class RLTrainer:
             self.dumps.truncate_after(0)
             return
         state = self.checkpoints.load_driver_state(path)
+        self.restore_trainer_state(state, path)
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])

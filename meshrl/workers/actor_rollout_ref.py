@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from meshrl.parallel import router_replay
 from meshrl.parallel.router_replay import ROUTES
@@ -98,6 +98,8 @@ LORA_ADAPTER_DIR = "lora_adapter"
 
 class ActorRolloutRefWorker(RankWorker):
     SECTION = "actor_rollout_ref"
+    _background = None  # the generation start_generate began (a Future), until finish_generate
+    _generation_thread = None  # its one thread, made on first use
 
     # ---------------------------------------------------------------------------------- set-up
     def setup(self, address: tuple[str, int]) -> dict[str, Any]:
@@ -222,6 +224,30 @@ class ActorRolloutRefWorker(RankWorker):
         if self.agent_loop is not None:
             out.set(AGENT_STATS, stats)
         return out if self.rank % self.section.rollout.tensor_model_parallel_size == 0 else None
+
+    def start_generate(self, prompts: Batch, mode: str) -> None:
+        """``generate`` on a thread of this worker, while its next calls (log-prob passes, the update) run: the
+        asynchronous trainers' rollouter overlapping the trainer (``meshrl.trainer.async_trainer``). Only where the
+        two share nothing: an inference replica of one rank (no collective in generation) and no trainer state
+        offloaded while the engine generates; ``finish_generate`` returns the result, and nothing may touch the
+        engine (a weight sync) before it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._background is not None:
+            raise RuntimeError("start_generate() while a generation is in flight: finish_generate() first")
+        if self.section.rollout.tensor_model_parallel_size != 1 or self._offload_hooks()[0] is not None:
+            raise RuntimeError("overlapped generation needs rollout.tensor_model_parallel_size=1 and no trainer "
+                               "offload (meshrl.trainer.async_trainer.overlaps decides before calling)")
+        if self._generation_thread is None:
+            self._generation_thread = ThreadPoolExecutor(1, thread_name_prefix="meshrl-rollouter")
+        self._background = self._generation_thread.submit(self.generate, prompts, mode)
+
+    def finish_generate(self) -> Batch | None:
+        """The result of the generation ``start_generate`` began (waiting for it); its error if it failed."""
+        if self._background is None:
+            raise RuntimeError("finish_generate() without a generation in flight")
+        future, self._background = self._background, None
+        return future.result()
 
     def _offload_hooks(self):
         """Trainer state to move to host memory while the engine generates (``*_offload`` keys)."""
@@ -432,6 +458,17 @@ class ActorRolloutRefGroup(DispatchGroup):
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         return self.dispatch("generate", prompts, by="replica", mode=mode)
+
+    def start_generate(self, prompts: Batch, mode: str) -> Callable[[], Batch]:
+        """``generate`` begun on each rank's generation thread (``ActorRolloutRefWorker.start_generate``) while the
+        driver goes on calling the workers; the returned function waits for it and gives what ``generate`` gives."""
+        import ray
+
+        parts = self.split(prompts, self.num_replicas, balance=False)
+        refs = [ray.put(prompts.take(p)) for p in parts]
+        self.group.call_per_rank("start_generate", [(refs[lay["replica"]],) for lay in self.layouts], mode=mode)
+        return lambda: self.in_row_order(parts, self.group.call("finish_generate"), coord="replica",
+                                         collect="replica_leader")
 
     def compute_log_probs(self, batch: Batch, model: str) -> Batch:
         needed = batch.select(sequence_fields(batch))

@@ -57,7 +57,8 @@ SCRIPTS = {
     # one-step-off GRPO on GSM8K (FSDP keys, hybrid_engine=False, a rollout pool of its own); fully async GRPO with a
     # KL loss at Megatron TP2 (train_batch_size=0: the trainer's batch is ppo_mini_batch_size x require_batches; its
     # Qwen2.5-VL and geometry data swapped for the tiny Llama and GSM8K, as every script's model and data are)
-    "one_step_off_fsdp": ("verl-project/verl", "verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh"),
+    "one_step_off_fsdp": ("verl-project/verl",
+                          "verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh"),
     "fully_async_megatron": ("verl-project/verl",
                              "verl/experimental/fully_async_policy/shell/geo3k_qwen25vl_7b_megatron_4_4.sh"),
 }

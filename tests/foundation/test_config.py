@@ -1,5 +1,6 @@
 """Config: every key of the seed's commands and YAML blocks parses; typos and bad values fail clearly."""
 
+import re
 import shlex
 
 import pytest
@@ -295,6 +296,35 @@ def test_the_one_step_off_trainer_reads_the_rollout_section_not_async_training()
     assert cfg.rollout.n_gpus_per_node == 4
     with pytest.raises(ConfigError, match=f"async_training.require_batches=2: {ASYNC_NOTE}"):
         load_config(["trainer.async_mode=one_step_off", "async_training.require_batches=2"])
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["actor_rollout_ref.hybrid_engine=False"],
+     "actor_rollout_ref.hybrid_engine: must be True outside the asynchronous"),
+    (["data.gen_batch_size=8"], "generating more prompts than a train batch is DAPO's dynamic sampling"),
+    (["trainer.async_mode=fully_async", "data.gen_batch_size=4", "async_training.require_batches=2"],
+     "data.gen_batch_size: must be 1 (or null) with the fully async trainer"),
+    (["trainer.async_mode=fully_async", "data.train_batch_size=8", "async_training.require_batches=2"],
+     "data.train_batch_size: must be 0 (as verl's fully async scripts set it) or the trainer's batch"),
+    (["trainer.async_mode=fully_async", "async_training.trigger_parameter_sync_step=2",
+      "async_training.require_batches=2"], "1 with algorithm.rollout_correction.bypass_mode=False"),
+    (["trainer.async_mode=colocate_async"], "trainer.async_mode: must be null or one of one_step_off, fully_async"),
+])
+def test_the_asynchronous_trainers_settings_are_checked(overrides, problem):
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        validate_config(load_config(overrides, recipe="cpu_tiny_grpo"))
+
+
+def test_the_asynchronous_trainers_take_verls_separate_rollouter_keys_and_batch():
+    """hybrid_engine=False and gen_batch_size=1, as verl's fully async scripts set them; train_batch_size=0 is the
+    trainer's batch, ppo_mini_batch_size (2) x require_batches (2)."""
+    cfg = load_config(["trainer.async_mode=fully_async", "actor_rollout_ref.hybrid_engine=False",
+                       "data.gen_batch_size=1", "data.train_batch_size=0", "async_training.require_batches=2",
+                       "algorithm.rollout_correction.bypass_mode=True"], recipe="cpu_tiny_grpo")
+    assert cfg.data.train_batch_size == 4
+    validate_config(cfg)
+    validate_config(load_config(["trainer.async_mode=one_step_off", "actor_rollout_ref.hybrid_engine=False",
+                                 "data.gen_batch_size=4"], recipe="cpu_tiny_grpo"))
 
 
 def test_the_top_level_rollout_section_is_told_apart_from_the_engines():

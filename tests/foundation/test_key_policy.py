@@ -171,6 +171,11 @@ def canned(worker, method: str, *args, **kwargs):
         (prompts,), n = args, worker.sampling[kwargs["mode"]].n
         completions = [Completion(p, s, [7, 8], [0.0, 0.0], "stop") for p in range(len(prompts)) for s in range(n)]
         return responses_batch(prompts, completions, n, worker.response_length, pad_id=0)
+    if method == "start_generate":  # the asynchronous trainers' rollouter: generate's result, given by finish_generate
+        worker.canned_generation = canned(worker, "generate", *args, **kwargs)
+        return None
+    if method == "finish_generate":
+        return worker.canned_generation
     if method == "compute_log_probs":
         field = "ref_log_probs" if kwargs["model"] == "ref" else "old_log_probs"
         return Batch(tensors={field: torch.zeros(args[0]["responses"].shape)})

@@ -21,6 +21,7 @@ from meshrl.rewards.pool import RewardPool
 from meshrl.rollout.base import Completion
 from meshrl.trainer.checkpoint import CheckpointManager, parts_to_keep
 from meshrl.trainer.dumps import VAL_GENERATIONS_FILE
+from meshrl.trainer.async_trainer import AsyncRLTrainer
 from meshrl.trainer.rl_trainer import RLTrainer
 from meshrl.trainer.tracking import Tracker, read_metrics
 from meshrl.workers.sequences import responses_batch
@@ -39,15 +40,21 @@ class FakeRole:
         self.role, self.width = role, width
         self.response = tokenizer("The answer is 2", add_special_tokens=False)["input_ids"]
         self.generated: list[tuple[str, list[str]]] = []  # (mode, fields sent)
+        self.prompts: list[list[list[int]]] = []  # each generate call's prompts (token ids)
         self.updates: list[Batch] = []
         self.exports: list[Path] = []
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         self.generated.append((mode, sorted(prompts.keys())))
+        self.prompts.append([list(p) for p in prompts["prompt_ids"]])
         n = 2 if mode == "train" else 1
         completions = [Completion(p, s, self.response, [-0.5] * len(self.response), "stop")
                        for p in range(len(prompts)) for s in range(n)]
         return responses_batch(prompts, completions, n, self.width, pad_id=0)
+
+    def start_generate(self, prompts: Batch, mode: str):
+        rows = self.generate(prompts, mode)  # at once: what a generation thread would give, for the driver's order
+        return lambda: rows
 
     def compute_log_probs(self, batch: Batch, model: str) -> Batch:
         batch.set(f"{'ref' if model == 'ref' else 'old'}_log_probs", batch["rollout_log_probs"].clone())
@@ -102,10 +109,11 @@ def run(tmp_path, smollm2_dir):
         run_dir = Path(cfg.trainer.default_local_dir)
         with RewardPool(RewardSpec(str(tmp_path / "reward.py")), num_workers=0) as reward, \
                 Tracker(["jsonl"], run_dir, "p", "e", {}, 2) as tracker:
-            trainer = RLTrainer(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer, train_data=train_data,
-                                val_data=val_data, reward=reward, tracker=tracker,
-                                checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)),
-                                stop_requested=stop_requested, reward_model=reward_model)
+            trainer_class = AsyncRLTrainer if cfg.trainer.async_mode else RLTrainer
+            trainer = trainer_class(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer,
+                                    train_data=train_data, val_data=val_data, reward=reward, tracker=tracker,
+                                    checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)),
+                                    stop_requested=stop_requested, reward_model=reward_model)
             trainer.fit()
         return trainer, policy
 
@@ -231,6 +239,32 @@ def test_resume_says_where_it_starts_and_a_fresh_start_forgets_the_old_run(run, 
     assert f"meshrl: resumed from step 2, {tmp_path / 'run' / 'global_step_2'}\n" in capsys.readouterr().out
     run("trainer.resume_mode=disable")  # a fresh run in the used folder: its own step 0 only
     assert [record["step"] for record in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_an_asynchronous_checkpoint_resumes_its_queue_and_no_trainer_resumes_the_others(run, tmp_path):
+    """Fully async at staleness 1 (4 prompts a step, up to 8 ahead), the rollouter overlapping the trainer: after step
+    2 the queue holds the 4 prompts that step's rollouter generated; a resume generates those first (with the
+    checkpoint's weights), counts on, and takes them at step 3. A synchronous checkpoint does not resume
+    asynchronously, nor the other way round."""
+    fully_async = ("trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=True",
+                   "async_training.staleness_threshold=1", "async_training.require_batches=2",
+                   "async_training.trigger_parameter_sync_step=1", "trainer.save_freq=1")
+    trainer, policy = run(*fully_async)  # the recipe's 2 steps
+    assert trainer.overlap
+    trained = [p for (mode, _), p in zip(policy.generated, policy.prompts) if mode == "train"]
+    assert [len(p) for p in trained] == [8, 4]  # one step ahead of the trainer, then what step 2 freed
+    saved = CheckpointManager(tmp_path / "run").load_driver_state(tmp_path / "run" / "global_step_2")["async"]
+    assert len(saved["prompts"]) == 4
+    assert saved["version"] == 2
+    resumed, policy = run(*fully_async, "trainer.total_training_steps=3")
+    generated = next(p for (mode, _), p in zip(policy.generated, policy.prompts) if mode == "train")
+    assert len(generated) == 8 and generated[:4] == trained[1]
+    assert resumed.version == 3 and resumed.queue.counters()["consumed"] == 12
+    with pytest.raises(ConfigError, match="saved by an asynchronous trainer"):
+        run("trainer.total_training_steps=4")
+    run("trainer.resume_mode=disable", "trainer.save_freq=1")  # a synchronous run's checkpoints
+    with pytest.raises(ConfigError, match="saved by the synchronous trainer"):
+        run(*fully_async, "trainer.total_training_steps=3")
 
 
 def test_a_stop_request_saves_the_step_in_progress_and_stops(run, tmp_path):
