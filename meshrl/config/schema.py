@@ -858,9 +858,9 @@ class AsyncCheckpointEngineConfig:
 @dataclass
 class AsyncTrainingConfig:
     """verl's ``async_training``, which only its fully async trainer's config has, with that config's defaults
-    (``fully_async_ppo_trainer.yaml``; the older verl's keys too, so its scripts parse). Any of its keys asks for
-    asynchronous training, refused until meshrl's drivers exist (``meshrl.config.async_keys``); the sample queue
-    they will drive takes these (``meshrl.trainer.sample_queue.StalenessBudget``)."""
+    (``fully_async_ppo_trainer.yaml``; the older verl's keys too, so its scripts parse). Read by meshrl's fully async
+    trainer (``meshrl.trainer.async_trainer``, its sample queue: ``meshrl.trainer.sample_queue.StalenessBudget``);
+    in a run of another trainer any of its keys is refused (``meshrl.config.async_keys``)."""
 
     staleness_threshold: float = 0.1
     trigger_parameter_sync_step: int = 4
@@ -946,12 +946,13 @@ class TrainerConfig:
     verbose: bool = False
     seed: int = 1
     # verl's choice between its V0 and V1 trainers (V1 is its default); both synchronous unless trainer.v1 says
-    # otherwise: meshrl has one synchronous trainer (key_policy: inert; trainer.v1: meshrl.config.async_keys)
+    # otherwise: meshrl's trainer is trainer.async_mode's (use_v1: key_policy, inert; trainer.v1: async_keys)
     use_v1: bool = True
     v1: TrainerV1Config = field(default_factory=TrainerV1Config)
-    # meshrl's: which trainer drives the run. verl picks it by entry module and --config-name; meshrl's one entry
-    # reads it from here, set by those config names (one_step_off_ppo[_megatron]_trainer: one_step_off,
-    # fully_async_ppo[_megatron]_trainer: fully_async; meshrl.trainer.async_trainer). null: the synchronous trainer.
+    # meshrl's: which trainer drives the run. verl picks it by entry module and --config-name; meshrl reads it from
+    # here, set by those config names (one_step_off_ppo[_megatron]_trainer: one_step_off,
+    # fully_async_ppo[_megatron]_trainer: fully_async; the default configs of meshrl.trainer.one_step_off_main and
+    # fully_async_main; meshrl.trainer.async_trainer). null: the synchronous trainer.
     async_mode: Optional[str] = None
 
 

@@ -56,20 +56,21 @@ from meshrl.protocol import Batch
 from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch
 from meshrl.trainer.sample_queue import SampleQueue, staleness_budget
 from meshrl.trainer.tracking import Timer
+from meshrl.workers.actor_rollout_ref import actor_offload
 from meshrl.workers.sequences import POLICY_VERSION
 
 STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
 
 
 def why_serial(cfg, plan) -> str | None:
-    """Why the rollouter cannot generate on the workers' threads while they train (``start_generate``), or None: an inference replica across ranks generates with collectives, trainer state offloaded while the engine
-    generates would leave the update without it, and ReMax's greedy pass and multi-turn tools use the engine (or its
-    worker) from the step itself."""
+    """Why the rollouter cannot generate on the workers' threads while they train (``start_generate``), or None:
+    an inference replica across ranks generates with collectives, trainer state offloaded while the engine generates
+    would leave the update without it, and ReMax's greedy pass and multi-turn tools use the engine (or its worker)
+    from the step itself."""
     arr = cfg.actor_rollout_ref
     if arr.rollout.tensor_model_parallel_size != 1:
         return "rollout.tensor_model_parallel_size > 1"
-    if any((arr.actor.megatron.param_offload, arr.actor.megatron.optimizer_offload, arr.actor.megatron.grad_offload,
-            arr.actor.fsdp_config.param_offload, arr.actor.fsdp_config.optimizer_offload)):
+    if any(actor_offload(arr.actor)):
         return "the actor's state is offloaded while the engine generates (*_offload)"
     if plan.greedy_baseline:
         return "ReMax's greedy baseline generates inside the step"
@@ -94,7 +95,6 @@ class AsyncRLTrainer(RLTrainer):
                 "lower trainer.total_training_steps", ["trainer.total_training_steps", "rollout.total_rollout_steps"])
         self.queue = SampleQueue(self.budget)
         self.pending: deque[int] = deque()  # prompts (dataset rows) the sampler gave and the rollouter has not started
-        self.version = 0  # the engine's weights: parameter syncs so far
         # the rollouter overlaps the trainer: it generates on the workers' threads during the updates (why_serial)
         self.serial_reason = why_serial(cfg, self.plan)
         self.overlap = self.serial_reason is None
@@ -144,7 +144,6 @@ class AsyncRLTrainer(RLTrainer):
                 if self.step > self.cfg.trainer.critic_warmup:  # the policy was updated
                     with timer("sync"):
                         metrics.update(self.policy.sync_weights())
-                self.version += 1
                 metrics.update(self.queue.reset_staleness())
         return self.step_metrics(batch, timer, metrics)
 
@@ -161,22 +160,7 @@ class AsyncRLTrainer(RLTrainer):
             self.pending.extend(int(i) for i in self.sampler.next_batch())
         indices = [self.pending.popleft() for _ in range(count)]
         prompts = prompts_batch(self.train_data, indices, raw_chat=self.raw_chat)
-        if self.overlap:
-            return indices, self.start_policy_generation(prompts)
-        rows = self.generate(prompts, mode="train")
-        return indices, lambda: rows
-
-    def start_policy_generation(self, prompts: Batch):
-        """``RLTrainer.generate`` begun on the workers' generation threads; the function that waits for its rows."""
-        raw = prompts["raw_prompt"] if "raw_prompt" in prompts else None
-        wait = self.policy.start_generate(prompts.select([k for k in prompts.keys() if k != "raw_prompt"]), "train")
-
-        def rows() -> Batch:
-            batch = wait()
-            if raw is not None:
-                batch.set("raw_prompt", raw[batch["uid"].numpy()])
-            return batch
-        return rows
+        return indices, self.start_generate(prompts, mode="train", background=self.overlap)
 
     def finish_generation(self) -> None:
         """Queue the rows of the generation in flight, if any: each prompt's ``rollout.n`` trajectories with their
@@ -222,7 +206,7 @@ class AsyncRLTrainer(RLTrainer):
     def driver_state(self) -> dict[str, Any]:
         state = super().driver_state()
         queued = [index for index, _ in self.queue.queued_payloads()]
-        state["async"] = {"prompts": queued + list(self.pending), "version": self.version,
+        state["async"] = {"prompts": queued + list(self.pending), "version": self.queue.rollout_version,
                           "queue": self.queue.counters()}
         return state
 
@@ -234,5 +218,4 @@ class AsyncRLTrainer(RLTrainer):
                               "synchronous trainer (trainer.async_mode=null), or start this run afresh in another "
                               "trainer.default_local_dir", ["trainer.async_mode"])
         self.pending = deque(saved["prompts"])
-        self.version = saved["version"]
-        self.queue.restore_counters(saved["queue"], version=self.version)
+        self.queue.restore_counters(saved["queue"], version=saved["version"])

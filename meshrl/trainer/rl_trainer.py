@@ -226,11 +226,21 @@ class RLTrainer:
     def generate(self, prompts: Batch, mode: str) -> Batch:
         """``policy.generate``. The prompts' chat messages (``raw_prompt``), which the engines never read, stay
         on the driver unless interactions read them, and join the responses by ``uid``."""
+        return self.start_generate(prompts, mode)()
+
+    def start_generate(self, prompts: Batch, mode: str, background: bool = False) -> Callable[[], Batch]:
+        """``generate``, returning the function that gives its batch: generated at once, or with ``background`` on
+        the policy workers' generation threads while the driver goes on calling them (``policy.start_generate``)."""
         raw = prompts["raw_prompt"] if "raw_prompt" in prompts else None
         sent = prompts if self.workers_read_chat else prompts.select([k for k in prompts.keys() if k != "raw_prompt"])
-        batch = self.policy.generate(sent, mode=mode)
-        if raw is not None:
-            batch.set("raw_prompt", raw[batch["uid"].numpy()])
+        wait = self.policy.start_generate(sent, mode) if background else None
+        done = None if background else self.policy.generate(sent, mode=mode)
+
+        def batch() -> Batch:
+            out = wait() if background else done
+            if raw is not None:
+                out.set("raw_prompt", raw[out["uid"].numpy()])
+            return out
         return batch
 
     def score(self, batch: Batch, prefix: str) -> dict[str, float]:
@@ -373,8 +383,9 @@ def prompts_batch(dataset: RLDataset, indices, raw_chat: bool = False) -> Batch:
 def mini_batches(batch: Batch, schedule: UpdateSchedule, *, seed: list[int], stream: int = 0
                  ) -> list[tuple[Batch, GlobalNorm]]:
     """``schedule.epochs`` × mini-batches of ``schedule.mini_batch_responses`` responses, each with its global
-    normaliser (seq-mean-token-sum-norm's divisor: ``schedule.loss_scale``); shuffled per epoch from ``seed`` (the run's seed and the step)
-    when ``schedule.shuffle``; ``stream`` keeps a role's shuffling apart from another's (0: actor, 1: critic)."""
+    normaliser (seq-mean-token-sum-norm's divisor: ``schedule.loss_scale``); shuffled per epoch from ``seed`` (the
+    run's seed and the step) when ``schedule.shuffle``; ``stream`` keeps a role's shuffling apart from another's (0:
+    actor, 1: critic)."""
     size = schedule.mini_batch_responses
     rng = np.random.default_rng(seed + ([stream] if stream else []))
     updates = []

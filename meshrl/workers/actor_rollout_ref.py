@@ -96,6 +96,14 @@ def with_lora(chunks, plan):
 LORA_ADAPTER_DIR = "lora_adapter"
 
 
+def actor_offload(actor) -> tuple[bool, bool, bool]:
+    """Which of the actor's parameters, optimizer state and gradients go to host memory while the engine generates
+    (``actor_rollout_ref.actor``'s ``*_offload`` keys: Megatron's, or verl's FSDP spelling of the first two)."""
+    return (bool(actor.megatron.param_offload or actor.fsdp_config.param_offload),
+            bool(actor.megatron.optimizer_offload or actor.fsdp_config.optimizer_offload),
+            bool(actor.megatron.grad_offload))
+
+
 class ActorRolloutRefWorker(RankWorker):
     SECTION = "actor_rollout_ref"
     _background = None  # the generation start_generate began (a Future), until finish_generate
@@ -235,9 +243,9 @@ class ActorRolloutRefWorker(RankWorker):
 
         if self._background is not None:
             raise RuntimeError("start_generate() while a generation is in flight: finish_generate() first")
-        if self.section.rollout.tensor_model_parallel_size != 1 or self._offload_hooks()[0] is not None:
+        if self.section.rollout.tensor_model_parallel_size != 1 or any(actor_offload(self.section.actor)):
             raise RuntimeError("overlapped generation needs rollout.tensor_model_parallel_size=1 and no trainer "
-                               "offload (meshrl.trainer.async_trainer.overlaps decides before calling)")
+                               "offload (meshrl.trainer.async_trainer.why_serial decides before calling)")
         if self._generation_thread is None:
             self._generation_thread = ThreadPoolExecutor(1, thread_name_prefix="meshrl-rollouter")
         self._background = self._generation_thread.submit(self.generate, prompts, mode)
@@ -253,10 +261,7 @@ class ActorRolloutRefWorker(RankWorker):
         """Trainer state to move to host memory while the engine generates (``*_offload`` keys)."""
         from meshrl.parallel.offload import offload
 
-        actor = self.section.actor
-        params = actor.megatron.param_offload or actor.fsdp_config.param_offload
-        optimizer_state = actor.megatron.optimizer_offload or actor.fsdp_config.optimizer_offload
-        grads = actor.megatron.grad_offload
+        params, optimizer_state, grads = actor_offload(self.section.actor)
         if not (params or optimizer_state or grads):
             return None, None
         held = []
@@ -462,13 +467,9 @@ class ActorRolloutRefGroup(DispatchGroup):
     def start_generate(self, prompts: Batch, mode: str) -> Callable[[], Batch]:
         """``generate`` begun on each rank's generation thread (``ActorRolloutRefWorker.start_generate``) while the
         driver goes on calling the workers; the returned function waits for it and gives what ``generate`` gives."""
-        import ray
-
-        parts = self.split(prompts, self.num_replicas, balance=False)
-        refs = [ray.put(prompts.take(p)) for p in parts]
-        self.group.call_per_rank("start_generate", [(refs[lay["replica"]],) for lay in self.layouts], mode=mode)
-        return lambda: self.in_row_order(parts, self.group.call("finish_generate"), coord="replica",
-                                         collect="replica_leader")
+        parts, args = self.scatter(prompts, by="replica")
+        self.group.call_per_rank("start_generate", args, mode=mode)
+        return lambda: self.gathered(parts, self.group.call("finish_generate"), by="replica")
 
     def compute_log_probs(self, batch: Batch, model: str) -> Batch:
         needed = batch.select(sequence_fields(batch))

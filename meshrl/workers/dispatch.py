@@ -124,12 +124,22 @@ class DispatchGroup:
 
     def dispatch(self, method: str, batch: Batch, *, by: str = "dp", **kwargs: Any) -> Batch:
         """Run ``method(shard, **kwargs)`` on every rank; the collected shards as one batch in row order."""
+        parts, args = self.scatter(batch, by)
+        return self.gathered(parts, self.group.call_per_rank(method, args, **kwargs), by)
+
+    def scatter(self, batch: Batch, by: str) -> tuple[list[np.ndarray], list[tuple]]:
+        """``batch`` split for ``dispatch``: the shards' row indices (one per replica, or per DP rank balanced by
+        workload) and each rank's argument tuple (its shard, in Ray's object store)."""
         import ray
 
         parts = self.split(batch, self.num_replicas if by == "replica" else self.dp_size, balance=by == "dp")
         refs = [ray.put(batch.take(p)) for p in parts]
+        coord = "replica" if by == "replica" else "dp_rank"
+        return parts, [(refs[lay[coord]],) for lay in self.layouts]
+
+    def gathered(self, parts: list[np.ndarray], results: list[Any], by: str) -> Batch:
+        """The ranks' ``results`` for ``scatter``'s shards ``parts``, as one batch in row order."""
         coord, collect = ("replica", "replica_leader") if by == "replica" else ("dp_rank", "collect")
-        results = self.group.call_per_rank(method, [(refs[lay[coord]],) for lay in self.layouts], **kwargs)
         return self.in_row_order(parts, results, coord=coord, collect=collect)
 
     def in_row_order(self, parts: list[np.ndarray], results: list[Any], *, coord: str, collect: str) -> Batch:

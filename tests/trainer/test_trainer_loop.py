@@ -259,7 +259,7 @@ def test_an_asynchronous_checkpoint_resumes_its_queue_and_no_trainer_resumes_the
     resumed, policy = run(*fully_async, "trainer.total_training_steps=3")
     generated = next(p for (mode, _), p in zip(policy.generated, policy.prompts) if mode == "train")
     assert len(generated) == 8 and generated[:4] == trained[1]
-    assert resumed.version == 3 and resumed.queue.counters()["consumed"] == 12
+    assert resumed.queue.rollout_version == 3 and resumed.queue.counters()["consumed"] == 12
     with pytest.raises(ConfigError, match="saved by an asynchronous trainer"):
         run("trainer.total_training_steps=4")
     run("trainer.resume_mode=disable", "trainer.save_freq=1")  # a synchronous run's checkpoints
