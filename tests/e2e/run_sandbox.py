@@ -3,8 +3,8 @@
 Each run gets its own temporary folder as ``TMPDIR`` and ``RAY_TMPDIR`` (Ray's session goes there): the run's processes are
 the ones whose environment carries that ``TMPDIR`` or a folder in it (every process it starts inherits it, and
 a daemon that outlives a killed driver still has it), its temporary files are that folder's contents, and its shared-memory
-segments are the entries of ``/dev/shm`` that appeared while it ran, less those of engines that a live process outside
-the sandbox leads (``meshrl-<pid>-...``: ``make test`` runs another test file beside this one). Ray keeps a folder per session under
+segments are the entries of ``/dev/shm`` that appeared while it ran, less those a live process outside the sandbox
+leads or has mapped (``make test`` runs another test file beside this one: its engines, its spawn semaphores). Ray keeps a folder per session under
 ``RAY_TMPDIR`` on purpose (logs, the post-mortem of a failed run; ``meshrl.runtime`` prunes old ones): not counted.
 """
 
@@ -36,11 +36,32 @@ def _shm_entries() -> set[str]:
     return set(os.listdir(SHM)) if SHM.is_dir() else set()
 
 
-def _held_elsewhere(name: str, sandbox_pids: set[int]) -> bool:
-    """Whether ``name`` is a meshrl engine's segment (``meshrl.rollout.vllm_shm``: ``meshrl-<pid>-...``) whose
-    leader is alive outside the sandbox: an engine of a test running beside this one."""
+def _mapped_inodes(skip_pids: set[int]) -> set[int]:
+    """Inodes of the ``/dev/shm`` files that live processes other than ``skip_pids`` have mapped (a named semaphore
+    or segment in use: ``sem_open`` and ``shm_open`` map the file)."""
+    inodes = set()
+    for pid in psutil.pids():
+        if pid in skip_pids:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                inodes.update(int(line.split()[4]) for line in maps if "/dev/shm/" in line)
+        except (OSError, IndexError, ValueError):
+            continue  # gone, or another user's
+    return inodes
+
+
+def _held_elsewhere(name: str, sandbox_pids: set[int], mapped: set[int]) -> bool:
+    """Whether ``name`` belongs to a live process outside the sandbox (a test running beside this one): a meshrl
+    engine's segment (``meshrl.rollout.vllm_shm``: ``meshrl-<pid>-...``) whose leader is alive, or an entry such a
+    process has mapped (e.g. a ``torch.multiprocessing`` spawn's ``sem.mp-*`` semaphore)."""
     match = re.match(r"meshrl-(\d+)-", name)
-    return match is not None and int(match[1]) not in sandbox_pids and psutil.pid_exists(int(match[1]))
+    if match is not None:
+        return int(match[1]) not in sandbox_pids and psutil.pid_exists(int(match[1]))
+    try:
+        return (SHM / name).stat().st_ino in mapped
+    except FileNotFoundError:
+        return True  # removed meanwhile: not left behind
 
 
 @dataclass
@@ -81,9 +102,17 @@ class RunSandbox:
                 continue  # Ray's session folders: its post-mortem archive (meshrl prunes the old ones)
             files.append(str(relative))
         ours = {p.pid for p in alive}
+        # A neighbour's entry can outlive its process for a moment (Python's resource tracker removes a killed
+        # process's semaphores after it): an entry counts once it stayed a few seconds with no holder outside.
+        settle = time.monotonic() + 5.0
+        while True:
+            mapped = _mapped_inodes(ours | {os.getpid()})
+            shm = sorted(name for name in _shm_entries() - self.shm_before if not _held_elsewhere(name, ours, mapped))
+            if not shm or time.monotonic() > settle:
+                break
+            time.sleep(0.5)
         return {"processes": [" ".join(p.cmdline())[:120] for p in alive if p.is_running()],
-                "files": files, "shm": sorted(name for name in _shm_entries() - self.shm_before
-                                              if not _held_elsewhere(name, ours))}
+                "files": files, "shm": shm}
 
     def assert_clean(self, files: bool = True) -> None:
         """Nothing left; ``files=False`` after a ``kill -9`` of the driver, whose temporary folder the next start
