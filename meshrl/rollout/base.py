@@ -130,6 +130,8 @@ class SamplingConfig:
     model's EOS ids and at ``stop_token_ids``, unless ``ignore_eos`` (then only at
     ``stop_token_ids`` or the length cap). ``seed`` is the base seed: an engine on data-parallel
     replica ``r`` samples with ``seed + r``, so the ranks of one replica draw the same tokens.
+    ``validation``: seeds come from each prompt's tokens instead of the engine's call counter
+    (``RolloutEngine.reserve_call``).
     """
 
     n: int = 1
@@ -140,6 +142,7 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int = 0
+    validation: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -186,7 +189,7 @@ class SamplingConfig:
         config = cls(n=int(source("n", 1)), temperature=float(source("temperature", 1.0)),
                      top_p=float(source("top_p", 1.0)), top_k=int(source("top_k", -1)),
                      max_response_length=int(length), ignore_eos=bool(get("ignore_eos", False)),
-                     seed=int(get("seed", 0)))
+                     seed=int(get("seed", 0)), validation=validation)
         return config if source("do_sample", True) else config.as_greedy()
 
 
@@ -389,7 +392,10 @@ class RolloutEngine(abc.ABC):
         Seeding: call ``c`` of this engine gives prompt ``i`` the seed derived from
         ``(sampling.seed + dp_rank, c, i)``, so engines of one replica (same ``dp_rank``, same call
         sequence) agree token for token, other replicas and later calls differ. The call counter is
-        part of ``state_dict()``.
+        part of ``state_dict()``. Validation sampling (``sampling.validation``) takes no call index: a
+        prompt's seed derives from ``(sampling.seed + dp_rank, its tokens)``, so every validation draws the
+        same numbers for it (the curve compares policies, not draws) and validating never shifts the
+        training calls' seeds (a run that validated at its last step resumes like one that did not).
         """
         prompts, seeds, caps = self.reserve_call(prompt_token_ids, sampling, max_tokens)
         if not prompts:
@@ -414,6 +420,8 @@ class RolloutEngine(abc.ABC):
             raise ValueError(f"max_tokens must give each of the {len(prompts)} prompts a cap in "
                              f"[1, {sampling.max_response_length}], got {list(max_tokens or [])[:8]}")
         replica_seed = sampling.seed + self.dp_rank
+        if sampling.validation:
+            return prompts, [request_seed(replica_seed, "val", _tokens_digest(p)) for p in prompts], caps
         seeds = [request_seed(replica_seed, self._calls, i) for i in range(len(prompts))]
         self._calls += 1
         return prompts, seeds, caps
@@ -510,10 +518,14 @@ class RolloutEngine(abc.ABC):
                                    f"({self._weights.reason}); run a full weight sync before generating")
 
 
-def request_seed(replica_seed: int, call_index: int, prompt_index: int) -> int:
+def request_seed(replica_seed: int, call_index: int | str, prompt_index: int | str) -> int:
     """A 62-bit seed for one prompt of one call (room left for vLLM's per-sample ``seed + j``)."""
     digest = hashlib.blake2b(f"{replica_seed}:{call_index}:{prompt_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
+
+
+def _tokens_digest(tokens: Sequence[int]) -> str:
+    return hashlib.blake2b(",".join(map(str, tokens)).encode(), digest_size=8).hexdigest()
 
 
 def eos_token_ids(model_path: str | os.PathLike) -> list[int]:

@@ -20,10 +20,13 @@ PP2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.pipeline_m
 @pytest.mark.extended  # the same claim at TP2, after a kill -9 mid-save: test_reliability_e2e.py
 def test_resume_continues_exactly_at_pp2(train, tmp_path):
     _, straight = train(*COMMON, *PP2, "trainer.total_training_steps=4", run_dir=tmp_path / "straight")
-    train(*COMMON, *PP2, "trainer.total_training_steps=2", run_dir=tmp_path / "resumed")
+    # One step, then the same run extended to four: step 1 is the short run's last, so it validates (and
+    # saves) where the straight run does not; validating must not shift the training samples' seeds.
+    train(*COMMON, *PP2, "trainer.total_training_steps=1", run_dir=tmp_path / "resumed")
     _, resumed = train(*COMMON, *PP2, "trainer.total_training_steps=4", run_dir=tmp_path / "resumed")
     assert sorted(resumed) == [0, 1, 2, 3, 4]  # no duplicated or missing step after the resume
-    for step in (3, 4):
+    assert "val/score" in resumed[1] and "val/score" not in straight[1]
+    for step in (2, 3, 4):
         for key in COMPARED:
             if key in straight[step]:  # val/* only on test_freq steps
                 assert resumed[step][key] == straight[step][key], (step, key)

@@ -94,6 +94,24 @@ def test_seeds_replicas_and_calls(tiny_llama_dir, engine):
     assert first == [c.token_ids for c in engine.generate(PROMPTS, sampling)]
 
 
+def test_validation_seeds_follow_the_prompt_not_the_call_counter(engine):
+    """A validation draws the same numbers for a prompt every time, and validating between two training calls
+    leaves the second's seeds as they were (a run that validated at its last step resumes like one that did not)."""
+    train = SamplingConfig(n=2, temperature=1.0, max_response_length=8, seed=11)
+    val = SamplingConfig(n=2, temperature=1.0, max_response_length=8, seed=11, validation=True)
+    engine.load_state_dict({"calls": 0})
+    engine.generate(PROMPTS, train)
+    second = [c.token_ids for c in engine.generate(PROMPTS, train)]
+    engine.load_state_dict({"calls": 0})
+    engine.generate(PROMPTS, train)
+    seen = [c.token_ids for c in engine.generate(PROMPTS, val)]
+    assert engine.state_dict() == {"calls": 1}
+    assert [c.token_ids for c in engine.generate(PROMPTS, train)] == second
+    engine.generate(PROMPTS, train)
+    assert [c.token_ids for c in engine.generate(PROMPTS, val)] == seen  # a later validation: the same samples
+    assert seen[0] != seen[1]  # a prompt's samples still differ from each other
+
+
 def test_stops_at_a_stop_token_and_includes_it(engine):
     free = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_response_length=10, ignore_eos=True))[0]
     stop = free.token_ids[4]
