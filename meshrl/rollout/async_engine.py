@@ -130,12 +130,8 @@ class AsyncEngine:
     def _add_request(self, prompt: Sequence[int], params: Any, future: asyncio.Future) -> str:
         """Submit one request of ``prompt`` under vLLM ``params``; ``future`` is what ``_deliver`` answers (and
         what the stepper's error reaches). Returns the request id."""
-        from vllm.inputs import TokensPrompt
-
-        engine = self.engine.llm.llm_engine
-        (request,) = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=list(map(int, prompt)))])
         request_id = f"meshrl-async-{next(self._ids)}"
-        engine.add_request(request_id, request, params, lora_request=self.engine.lora_request)
+        add_engine_request(self.engine, request_id, prompt, params)
         self._waiting[request_id] = future
         assert self._work is not None
         self._work.set()
@@ -165,6 +161,16 @@ class AsyncEngine:
             for future in self._waiting.values():
                 future.set_exception(error)
             raise
+
+
+def add_engine_request(engine: RolloutEngine, request_id: str, prompt: Sequence[int], params: Any) -> None:
+    """Put one request of ``prompt`` under vLLM ``params`` into the in-process ``LLMEngine`` of ``engine``; the
+    next ``step()`` schedules it."""
+    from vllm.inputs import TokensPrompt
+
+    core = engine.llm.llm_engine
+    (request,) = core.renderer.render_cmpl([TokensPrompt(prompt_token_ids=list(map(int, prompt)))])
+    core.add_request(request_id, request, params, lora_request=engine.lora_request)
 
 
 def async_engine_for(rollout: Any, engine: RolloutEngine) -> AsyncEngine | None:

@@ -1,5 +1,7 @@
 """Partial rollout (``meshrl.rollout.partial_rollout``) on the real in-process vLLM engine (fp32, CPU): a weight sync
-in the middle of an async rollout aborts the in-flight samples and resumes them on the new weights, token-exact.
+in the middle of an async rollout aborts the in-flight samples and resumes them on the new weights, token-exact; and
+across training steps (``meshrl.rollout.rollout_stream``, verl V1 ``colocate_async``): a run stops once enough groups
+finished, aborting the others, which the next run resumes on the weights synced meanwhile.
 
 The engine's side is recorded at vLLM's ``LLMEngine`` API (every ``add_request``, every step's outputs, every
 ``abort_request``), independently of the driver's bookkeeping; the log-probs are recomputed with transformers on the
@@ -22,6 +24,7 @@ from meshrl.rollout import Completion, EngineConfig, SamplingConfig, WeightSyncE
 from meshrl.rollout.async_engine import AsyncEngine
 from meshrl.rollout.base import request_seed
 from meshrl.rollout.partial_rollout import PartialRollout, resume_seed
+from meshrl.rollout.rollout_stream import RolloutStream
 from meshrl.rollout.vllm_engine import VLLMEngine
 from meshrl.workers.sequences import POLICY_VERSION, responses_batch
 
@@ -209,3 +212,70 @@ def test_the_batch_carries_policy_versions_only_when_the_completions_do():
     assert batch[POLICY_VERSION].tolist() == [[2, 3, -1, -1], [-1, -1, -1, -1]]
     with pytest.raises(ValueError, match="policy versions"):
         Completion(0, 0, [5, 6], [-0.1, -0.2], "length", policy_versions=[1])
+
+
+# --- across steps: RolloutStream --------------------------------------------------------------------------------
+
+SHORT = SamplingConfig(n=2, temperature=0.8, top_k=50, top_p=0.95, max_response_length=4, ignore_eos=True, seed=7)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(240)
+def test_a_stream_never_paused_draws_the_async_engines_samples(engine):
+    state = engine.state_dict()
+    expected = AsyncEngine(engine).generate(PROMPTS, SAMPLING)
+    engine.load_state_dict(state)
+    stream = RolloutStream(engine)
+    stream.submit(["a", "b", "c", "d"], PROMPTS, SAMPLING)
+    assert sorted(stream.run(until=4, version=3)) == ["a", "b", "c", "d"]
+    got = [c for group in stream.take(["a", "b", "c", "d"]) for c in group]
+    for want, have in zip(expected, got):
+        assert (have.prompt_index, have.sample_index) == (want.prompt_index, want.sample_index)
+        assert (have.token_ids, have.logprobs, have.finish_reason) == (want.token_ids, want.logprobs,
+                                                                       want.finish_reason)
+        assert have.policy_versions == [3] * len(have.token_ids)
+    assert not engine.llm.llm_engine.has_unfinished_requests() and stream.unfinished() == []
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(240)
+def test_a_stream_stops_at_enough_groups_and_resumes_the_rest_token_exact_on_new_weights(engine, engine_log, policy,
+                                                                                         model_dir):
+    """Group "short" (4 tokens) finishes first; the run stops there and aborts the long groups mid-sample; the
+    weights change; the next run resumes them. Each long sample is the chain of its requests (the resumed one's
+    prompt = the prompt + what vLLM delivered), its first segment version 0 and the rest version 1, each segment's
+    log-probs those of its weights (transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    log = engine_log
+    stream = RolloutStream(engine)
+    stream.submit(["long0", "long1"], PROMPTS[2:4], SAMPLING)  # 20 tokens each
+    stream.submit(["short"], PROMPTS[:1], SHORT)
+    assert stream.run(until=1, version=0) == ["short"]
+    assert stream.unfinished() == ["long0", "long1"] and not engine.llm.llm_engine.has_unfinished_requests()
+    assert len(log.aborted) == 4 and all(0 < len(v) < 20 for key in ("long0", "long1")
+                                         for v in stream.versions_of(key))
+    (short,) = stream.take(["short"])
+    assert [len(c.token_ids) for c in short] == [4, 4] and all(c.policy_versions == [0] * 4 for c in short)
+
+    perturb(policy, seed=5, scale=0.05)
+    engine.load_weights(fresh_copies(policy))
+    log.phase = 1
+    assert stream.run(until=2, version=1) == ["long0", "long1"]
+    versions = {0: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), 1: policy.eval()}
+    for group, prompt in zip(stream.take(["long0", "long1"]), PROMPTS[2:4]):
+        for c in group:
+            cut = c.policy_versions.count(0)
+            assert 0 < cut < 20 and c.policy_versions == [0] * cut + [1] * (20 - cut)
+            assert len(c.token_ids) == 20 and c.finish_reason == "length"
+            first = [rid for rid, (context, _, _, phase) in log.added.items() if phase == 0 and context == prompt
+                     and log.tokens[rid] == c.token_ids[:cut]]
+            second = [rid for rid, (context, max_tokens, _, phase) in log.added.items()
+                      if phase == 1 and context == prompt + c.token_ids[:cut] and max_tokens == 20 - cut]
+            assert len(first) == 1 and first[0] in log.aborted and len(second) == 1
+            assert log.tokens[second[0]] == c.token_ids[cut:] and second[0] in log.finished
+            for start, end, version in segments(c):
+                expected = hf_logprobs(versions[version], prompt + c.token_ids[:start], c.token_ids[start:end],
+                                       SAMPLING)
+                assert (torch.tensor(c.logprobs[start:end]) - expected).abs().max() <= 1e-4, version
+    assert stream.unfinished() == []
