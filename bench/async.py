@@ -1,4 +1,4 @@
-"""The main job under each of meshrl's trainers (issue 35): synchronous, one-step-off, fully async.
+"""The main job under each of meshrl's trainers: synchronous, one-step-off, fully async, verl V1 colocate_async.
 
 Each mode runs ``python -m meshrl.trainer.main --config-name cpu_smollm2_grpo`` (SmolLM2-135M-Instruct, GRPO on the
 arithmetic task, 4 prompts x 8 samples a step, greedy validation every 4 steps) with the same seeds, one after the
@@ -7,7 +7,10 @@ other, ``--steps`` steps each:
 - ``sync``: meshrl's synchronous trainer;
 - ``one_step_off``: verl's one-step-off trainer (``trainer.async_mode=one_step_off``, bypass mode);
 - ``fully_async``: verl's fully async trainer at ``staleness_threshold=0.5``, ``require_batches=2`` (4 prompts a
-  step, as the others), a sync every step, bypass mode.
+  step, as the others), a sync every step, bypass mode;
+- ``colocate_async``: verl V1's colocate_async trainer (``trainer.v1.trainer_mode=colocate_async``) with its
+  defaults: one warm-up batch, the 4 groups that finish first trained, the others cut and finished on the next
+  weights (``meshrl.trainer.colocate_async_trainer``).
 
 Per mode: trained samples per second (responses trained / the steps' wall time, and over the whole command), the
 validation curve, the staleness the steps trained on, and the time per phase (``timing/*``, averaged over the steps
@@ -15,7 +18,7 @@ after the first), which explains the ratios: the asynchronous trainers' rolloute
 (``meshrl.trainer.async_trainer``), so generation and training take turns, and what differs is only how many samples
 each generation call makes and how stale they are. Writes bench/results/async.json and .png.
 
-    python -m bench.async [--steps 16] [--modes sync,one_step_off,fully_async]
+    python -m bench.async [--steps 16] [--modes sync,one_step_off,fully_async,colocate_async]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ MODES = {
     "fully_async": ["trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=True",
                     "async_training.staleness_threshold=0.5", "async_training.require_batches=2",
                     "async_training.trigger_parameter_sync_step=1"],
+    "colocate_async": ["trainer.v1.trainer_mode=colocate_async"],
 }
 
 
@@ -66,6 +70,7 @@ def run_mode(mode: str, steps: int, folder: Path) -> dict:
         "validation": {int(r["step"]): r["val/score"] for r in rows if "val/score" in r},
         "score_mean": [round(r["score/mean"], 4) for r in trained],
         "staleness_mean": [r.get("training/off_policy/trajectory_staleness/mean", 0.0) for r in trained],
+        "spans_max": [r.get("training/off_policy/trajectory_spans/max", 1.0) for r in trained],
         "generated_samples": trained[-1].get("fully_async/count/total_generated_samples",
                                              float(4 * len(trained))),
         "phases_s": {p.removeprefix("timing/"): round(statistics.mean(r.get(p, 0.0) for r in later), 3)

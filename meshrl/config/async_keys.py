@@ -18,13 +18,15 @@ verl trains asynchronously in three ways, each chosen by how it is started rathe
 meshrl runs the first two (``meshrl.trainer.async_trainer``), selected by ``trainer.async_mode``, which verl's config
 names set (``meshrl/config/verl_async/``). A key of ``async_training`` asks for the fully async trainer, one of the
 top-level ``rollout`` for either: in a run of another trainer it is refused at load time, whatever its value
-(``meshrl.config.loader``), all such keys in one message. The V1 modes are not built: an asynchronous
-``trainer_mode`` and the keys that tune those modes are refused (``V1_ASYNC``; here and ``meshrl.config.key_policy``).
+(``meshrl.config.loader``), all such keys in one message. Of the V1 modes, ``colocate_async`` runs
+(``meshrl.trainer.colocate_async_trainer``; ``trainer.v1.colocate_async.*`` and the sampler's
+``max_off_policy_*`` are read by it alone and refused elsewhere: ``COLOCATE_ONLY``); ``separate_async`` is not built:
+it and the keys that tune it are refused (``V1_ASYNC``; here and ``meshrl.config.key_policy``).
 """
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 ASYNC_TRAINING = (
     "the asynchronous trainers' sections are read by those trainers only: async_training.* by the fully async "
@@ -33,10 +35,14 @@ ASYNC_TRAINING = (
     "(--config-name=one_step_off_ppo_trainer / one_step_off_ppo_megatron_trainer; trainer.async_mode=one_step_off). "
     "Start the run with one of those config names, or drop these settings")
 V1_ASYNC = (
-    "verl's V1 trainer's asynchronous modes (trainer.v1.trainer_mode=colocate_async / separate_async, standalone "
-    "rollout nodes actor_rollout_ref.rollout.nnodes) are not built yet; meshrl's asynchronous trainers are verl's "
-    "one-step-off and fully async ones (--config-name=one_step_off_ppo_trainer / fully_async_ppo_trainer, or "
-    "trainer.async_mode=one_step_off / fully_async): drop these settings or use one of those")
+    "verl's V1 trainer's asynchronous modes on standalone rollout nodes (trainer.v1.trainer_mode=separate_async, "
+    "actor_rollout_ref.rollout.nnodes) are not built yet; meshrl's asynchronous trainers are verl's V1 "
+    "colocate_async (trainer.v1.trainer_mode=colocate_async) and its one-step-off and fully async ones "
+    "(--config-name=one_step_off_ppo_trainer / fully_async_ppo_trainer, or trainer.async_mode=one_step_off / "
+    "fully_async): drop these settings or use one of those")
+# verl V1's colocate_async keys (with their defaults): read by that trainer only
+COLOCATE_ONLY = {"trainer.v1.colocate_async.num_warmup_batches": 1, "trainer.v1.sampler.max_off_policy_threshold": 8,
+                 "trainer.v1.sampler.max_off_policy_strategy": "drop"}
 ASYNC_MODES = ("one_step_off", "fully_async")
 
 # verl's --config-name values of its asynchronous trainers (meshrl.config.loader refuses them)
@@ -46,6 +52,11 @@ ASYNC_CONFIG_NAMES = ("fully_async_ppo_trainer", "fully_async_ppo_megatron_train
 ASYNC_SECTIONS = ("async_training", "rollout")
 V1_TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
+
+
+def colocate_async(cfg: DictConfig) -> bool:
+    """Whether ``cfg`` asks for verl V1's ``colocate_async`` trainer (``meshrl.trainer.colocate_async_trainer``)."""
+    return bool(cfg.trainer.use_v1) and cfg.trainer.v1.trainer_mode == "colocate_async"
 
 
 def asks_for_async(key: str) -> bool:
@@ -143,14 +154,44 @@ def async_problems(cfg: DictConfig) -> tuple[list[str], list[str], list[str]]:
               "would use weights newer than the version that generated the samples: verl keeps that version's for "
               "the pass, meshrl does not yet); set bypass_mode=True as verl's fully async configs do, or sync every "
               "step", at.trigger_parameter_sync_step)
+    if colocate_async(cfg):
+        problems.extend(_colocate_async_problems(cfg))
+    else:
+        set_keys = [f"{key}={OmegaConf.select(cfg, key)}" for key, default in COLOCATE_ONLY.items()
+                    if OmegaConf.select(cfg, key) != default]
+        if set_keys:
+            problems.append(f"{', '.join(set_keys)}: read by verl V1's colocate_async trainer only; set "
+                            "trainer.v1.trainer_mode=colocate_async (with trainer.use_v1=True), or drop these settings")
     notes, async_keys = [], []
     if v1.trainer_mode in V1_TRAINER_MODES and v1.trainer_mode != "sync":
-        if trainer.use_v1:
-            async_keys.append(f"trainer.v1.trainer_mode={v1.trainer_mode}")
-        else:
+        if not trainer.use_v1:
             notes.append(f"trainer.v1.trainer_mode={v1.trainer_mode} has no effect with trainer.use_v1=False: verl's "
                          "V0 trainer is synchronous and reads nothing of trainer.v1 (nor does meshrl)")
+        elif v1.trainer_mode == "separate_async":
+            async_keys.append(f"trainer.v1.trainer_mode={v1.trainer_mode}")
     return problems, notes, async_keys
+
+
+def _colocate_async_problems(cfg: DictConfig) -> list[str]:
+    """What verl V1's colocate_async trainer cannot run with: its partial rollout drives one in-process vLLM engine
+    per rank request by request (``meshrl.rollout.rollout_stream``), single-turn. (ReMax's greedy pass runs inside
+    the step, between two of the stream's runs, when no request is in the engine.)"""
+    rollout, problems = cfg.actor_rollout_ref.rollout, []
+    mode = "trainer.v1.trainer_mode=colocate_async"
+    if cfg.trainer.async_mode is not None:
+        problems.append(f"trainer.async_mode={cfg.trainer.async_mode}: one asynchronous trainer at a time; {mode} "
+                        "asks for verl V1's colocate_async: set trainer.async_mode=null or trainer.v1.trainer_mode=sync")
+    if rollout.name != "vllm":
+        problems.append(f"actor_rollout_ref.rollout.name={rollout.name}: {mode} drives the vLLM engine request by "
+                        "request (partial rollout); set rollout.name=vllm")
+    if rollout.tensor_model_parallel_size != 1:
+        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: "
+                        f"{mode}'s partial rollout runs at inference TP 1 (the ranks of a TP replica would have to "
+                        "abort at the same engine step); set it to 1")
+    if rollout.multi_turn.enable:
+        problems.append(f"actor_rollout_ref.rollout.multi_turn.enable=True: {mode}'s partial rollout is single-turn; "
+                        "use the synchronous trainer (trainer.v1.trainer_mode=sync) for multi-turn rollouts")
+    return problems
 
 
 def with_async_keys(problems: list[str], keys: list[str]) -> list[str]:

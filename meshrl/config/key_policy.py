@@ -109,8 +109,6 @@ INERT = {
     "global_profiler.*": PROFILER,
     "*.profiler.*": PROFILER,
     # verl's asynchronous trainers' keys that cannot ask for asynchronous training (meshrl.config.async_keys)
-    "trainer.use_v1": "it picks between verl's V0 and V1 trainers, both synchronous unless trainer.v1.trainer_mode "
-                      "says otherwise; meshrl's trainer is the one trainer.async_mode names",
     "async_training.dynamic_schedule_*": "read only with async_training.use_dynamic_resource_scheduling (refused)",
     "async_training.concurrent_samples_per_replica": "meshrl's rollouter hands every admitted sample to its engine at "
                                                      "once, and vLLM's scheduler batches them "
@@ -222,10 +220,7 @@ REFUSED = {
     "rollout.test_freq": "the older verl's rollouter validation frequency: meshrl's trainer validates every "
                          "trainer.test_freq steps; set that",
     "actor_rollout_ref.rollout.nnodes": V1_ASYNC,
-    "trainer.v1.colocate_async.*": V1_ASYNC,
     "trainer.v1.separate_async.*": V1_ASYNC,
-    # verl's V1 sampler drops or waits for prompt groups this many versions old in its asynchronous modes only
-    "trainer.v1.sampler.max_off_policy_*": V1_ASYNC,
     "trainer.v1.sync": "verl's V1 sync trainer reads parameter_sync_step from it, to sample the train batch in that "
                        "many parts, each generated and trained in turn; meshrl generates the whole train batch each "
                        "step: leave it empty",

@@ -89,11 +89,12 @@ class RolloutStream:
         for key, prompt, seed, cap in zip(keys, prompts, seeds, caps):
             self._groups[key] = _Group(sampling, [_Trajectory(prompt, seed + j, cap) for j in range(sampling.n)])
 
-    def run(self, until: int, version: int) -> list[Hashable]:
+    def run(self, until: int, version: int, wait_for: Iterable[Hashable] = ()) -> list[Hashable]:
         """Generate with the engine's weights (policy ``version``) until ``until`` groups are finished and not
-        taken, or none is left unfinished; then abort every request still running, keeping its tokens. Returns
-        the finished groups' keys, oldest finish first."""
+        taken and so is every group of ``wait_for``, or none is left unfinished; then abort every request still
+        running, keeping its tokens. Returns the finished groups' keys, oldest finish first."""
         core = self.engine.llm.llm_engine
+        waited = [self._groups[key] for key in wait_for]
         live: dict[str, tuple[Hashable, _Trajectory]] = {}
         with self.engine.generation_scope():
             try:
@@ -101,7 +102,7 @@ class RolloutStream:
                     for sample in group.samples:
                         if sample.finish is None:
                             live[self._submit(sample, group.sampling)] = (key, sample)
-                while live and len(self._finished) < until:
+                while live and (len(self._finished) < until or not all(g.finished for g in waited)):
                     for output in core.step():
                         self._deliver(output, live, version)
             finally:

@@ -213,9 +213,9 @@ class AsyncRLTrainer(RLTrainer):
     def restore_trainer_state(self, state: dict[str, Any], path) -> None:
         saved = state.get("async")
         if saved is None:
-            raise ConfigError(f"{path} was saved by the synchronous trainer: it holds no rollouter state to resume "
-                              f"trainer.async_mode={self.cfg.trainer.async_mode} from; resume it with the "
-                              "synchronous trainer (trainer.async_mode=null), or start this run afresh in another "
-                              "trainer.default_local_dir", ["trainer.async_mode"])
+            raise ConfigError(f"{path} was saved by another trainer: it holds no rollouter state to resume "
+                              f"trainer.async_mode={self.cfg.trainer.async_mode} from; resume it with the config "
+                              "that saved it, or start this run afresh in another trainer.default_local_dir",
+                              ["trainer.async_mode"])
         self.pending = deque(saved["prompts"])
         self.queue.restore_counters(saved["queue"], version=saved["version"])

@@ -135,8 +135,8 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
     from meshrl.trainer.failures import RECOGNISED, run_failed
     from meshrl.trainer.interrupts import Interrupts
     from meshrl.trainer.plot import plot_finished_run
-    from meshrl.trainer.async_trainer import AsyncRLTrainer
-    from meshrl.trainer.rl_trainer import RLTrainer, total_training_steps
+    from meshrl.trainer.rl_trainer import total_training_steps
+    from meshrl.trainer.trainer_modes import trainer_class
     from meshrl.trainer.tracking import Tracker
     from meshrl.workers.actor_rollout_ref import ActorRolloutRefGroup
     from meshrl.workers.cluster import start_ray
@@ -186,12 +186,11 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
             print(f"meshrl: {clock.line()}", file=sys.stderr)
             with Tracker(list(cfg.trainer.logger), run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                          OmegaConf.to_container(cfg), total_steps) as tracker:
-                trainer_class = AsyncRLTrainer if cfg.trainer.async_mode else RLTrainer  # trainer.async_mode
-                trainer = trainer_class(cfg, plan, policy=policy, critic=critic, tokenizer=inputs.tokenizer,
-                                        train_data=inputs.train_data, val_data=inputs.val_data, reward=reward,
-                                        tracker=tracker, checkpoints=checkpoints,
-                                        stop_requested=interrupts.stop_requested, reward_model=reward_model,
-                                        startup=clock)
+                trainer = trainer_class(cfg)(cfg, plan, policy=policy, critic=critic, tokenizer=inputs.tokenizer,
+                                             train_data=inputs.train_data, val_data=inputs.val_data, reward=reward,
+                                             tracker=tracker, checkpoints=checkpoints,
+                                             stop_requested=interrupts.stop_requested, reward_model=reward_model,
+                                             startup=clock)
                 final = trainer.fit()
             if not interrupts.stop_requested():
                 if cfg.ray_kwargs.timeline_json_file:

@@ -319,10 +319,11 @@ class RLTrainer:
     def restore_trainer_state(self, state: dict[str, Any], path: Path) -> None:
         """What a trainer keeps beyond the loop's state (``driver_state``), restored before the weights load: none
         here, and a checkpoint of an asynchronous trainer (its queue's prompts and version) is refused."""
-        if "async" in state:
-            raise ConfigError(f"{path} was saved by an asynchronous trainer (trainer.async_mode), whose prompts "
-                              "generated but not trained yet this trainer would skip: resume it with the config "
-                              "that saved it", ["trainer.async_mode"])
+        if "async" in state or "colocate_async" in state:
+            raise ConfigError(f"{path} was saved by an asynchronous trainer (trainer.async_mode, or "
+                              "trainer.v1.trainer_mode=colocate_async), whose prompts generated but not trained yet "
+                              "this trainer would skip: resume it with the config that saved it",
+                              ["trainer.async_mode", "trainer.v1.trainer_mode"])
 
     def driver_state(self) -> dict[str, Any]:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),

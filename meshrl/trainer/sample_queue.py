@@ -89,7 +89,7 @@ from __future__ import annotations
 import numbers
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +195,20 @@ def trajectory_span(versions: Any) -> tuple[int, int]:
     if not values:
         raise ValueError("a trajectory without token versions (none recorded, or all negative)")
     return min(values), max(values)
+
+
+def off_policy_metrics(version: int, spans: Sequence[tuple[int, int]]) -> dict[str, float]:
+    """verl V1's ``training/off_policy/*`` of trajectories whose (first, last) versions are ``spans``, trained at
+    ``version``: ``trajectory_spans`` (versions within one trajectory, 1 = one), ``trajectory_staleness`` (``version``
+    − its newest) and ``trajectory_staleness_worst`` (``version`` − its oldest); mean, max, min of each."""
+    metrics = {}
+    for name, values in (("trajectory_spans", [last - first + 1 for first, last in spans]),
+                         ("trajectory_staleness", [version - last for _, last in spans]),
+                         ("trajectory_staleness_worst", [version - first for first, _ in spans])):
+        metrics[f"training/off_policy/{name}/mean"] = sum(values) / len(values)
+        metrics[f"training/off_policy/{name}/max"] = float(max(values))
+        metrics[f"training/off_policy/{name}/min"] = float(min(values))
+    return metrics
 
 
 class SampleQueue:
@@ -419,15 +433,14 @@ class SampleQueue:
                 "fully_async/static/staleness_threshold": float(b.staleness_threshold),
                 "fully_async/static/max_queue_size": float(b.max_queue_size)}
 
-    def _batch_metrics(self, samples: Iterable[QueuedSample]) -> dict[str, float]:
+    def _batch_metrics(self, samples: Sequence[QueuedSample]) -> dict[str, float]:
         v = self.param_version
-        spans, staleness, worst, stale_samples = [], [], [], 0
+        spans, staleness, stale_samples = [], [], 0
         for sample in samples:
             stale_samples += any(v - last >= 1 for _, last in sample.versions)
             for first, last in sample.versions:
                 spans.append(last - first)
                 staleness.append(v - last)
-                worst.append(v - first)
         stale_trajectories = sum(1 for s in staleness if s >= 1)
         self.stale_samples_processed += stale_samples
         self.stale_trajectory_processed += stale_trajectories
@@ -438,12 +451,7 @@ class SampleQueue:
                    "fully_async/partial/total_partial_num": float(partial),
                    "fully_async/partial/partial_ratio": partial / len(spans),
                    "fully_async/partial/max_partial_span": float(max(spans))}
-        for name, values in (("trajectory_spans", [s + 1 for s in spans]), ("trajectory_staleness", staleness),
-                             ("trajectory_staleness_worst", worst)):
-            metrics[f"training/off_policy/{name}/mean"] = sum(values) / len(values)
-            metrics[f"training/off_policy/{name}/max"] = float(max(values))
-            metrics[f"training/off_policy/{name}/min"] = float(min(values))
-        return metrics
+        return metrics | off_policy_metrics(v, [version for sample in samples for version in sample.versions])
 
     def _rollouter_blocked(self) -> bool:
         return self.in_flight == 0 and self.pause_reason() in (STALENESS, QUEUE_FULL)

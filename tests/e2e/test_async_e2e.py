@@ -3,6 +3,8 @@
 - Fully async with ``staleness_threshold=0`` and a sync every step is the synchronous run, metric for metric: the
   same prompts, the same samples (every one from the weights the trainer holds), the same updates. verl's users
   report the opposite for verl (verl issue #6780).
+- verl V1's colocate_async (``meshrl.trainer.colocate_async_trainer``) without warm-up is the synchronous run too;
+  with its warm-up batch and few sequences at a time, steps cut samples that the next step's weights finish.
 - One-step-off (verl's config name, bypass mode): the first step trains on the first weights' samples, every later
   one on samples one version behind, and the queue's metrics say so; bypass mode compares the trained policy with
   the stale engine's, so its KL is 0 at step 1 and not after.
@@ -23,25 +25,47 @@ def _compared(key: str) -> bool:
     return not key.startswith(UNCOMPARED) and not key.endswith(("seconds", "_s"))
 
 
-def test_fully_async_at_staleness_0_is_the_synchronous_run(train, tmp_path):
-    """With the rollouter overlapping the trainer (nothing to overlap at staleness 0: each step waits for its own
-    samples, generated with the weights it trains)."""
+def test_fully_async_at_staleness_0_and_colocate_async_without_warm_up_are_the_synchronous_run(train, tmp_path):
+    """Fully async with the rollouter overlapping the trainer (nothing to overlap at staleness 0: each step waits for
+    its own samples, generated with the weights it trains); verl V1 colocate_async with no warm-up batch (each step
+    generates its own batch to the end, on the partial-rollout stream, request by request)."""
     _, sync = train("trainer.test_freq=3", f"trainer.total_training_steps={STEPS}", run_dir=tmp_path / "sync")
     # required_samples = ppo_mini_batch_size (2) x require_batches (2) = data.train_batch_size (4)
     _, fully_async = train("trainer.test_freq=3", f"trainer.total_training_steps={STEPS}",
                            "trainer.async_mode=fully_async", "async_training.staleness_threshold=0",
                            "async_training.trigger_parameter_sync_step=1", "async_training.require_batches=2",
                            run_dir=tmp_path / "async")
+    _, colocate = train("trainer.test_freq=3", f"trainer.total_training_steps={STEPS}",
+                        "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=0",
+                        run_dir=tmp_path / "colocate")
     for step in range(1, STEPS + 1):
-        expected, got = sync[step], fully_async[step]
+        expected = sync[step]
         compared = [key for key in expected if _compared(key)]
         assert {"score/mean", "actor/pg_loss", "actor/grad_norm", "val/score"} & set(compared)
-        different = {key: (expected[key], got.get(key)) for key in compared
-                     if not (got.get(key) == expected[key] or _both_nan(expected[key], got.get(key)))}
-        assert not different, (step, different)
-        assert got["training/off_policy/trajectory_staleness/max"] == 0
-        assert got["fully_async/count/current_param_version"] == step - 1
-        assert got["fully_async/count/total_generated_samples"] == 4 * step  # never a prompt ahead
+        for got in (fully_async[step], colocate[step]):
+            different = {key: (expected[key], got.get(key)) for key in compared
+                         if not (got.get(key) == expected[key] or _both_nan(expected[key], got.get(key)))}
+            assert not different, (step, different)
+            assert got["training/off_policy/trajectory_staleness/max"] == 0
+        assert fully_async[step]["fully_async/count/current_param_version"] == step - 1
+        assert fully_async[step]["fully_async/count/total_generated_samples"] == 4 * step  # never a prompt ahead
+        assert colocate[step]["training/off_policy/trajectory_spans/max"] == 1
+        assert colocate[step]["colocate_async/groups_in_flight"] == 0
+
+
+def test_colocate_async_trains_groups_cut_by_a_step_on_the_next_weights(train, tmp_path):
+    """verl V1 colocate_async with its default warm-up batch: 8 groups generate at step 1, their prompts entering
+    the engine a few per step (rollout.max_num_batched_tokens: 528 tokens of prefill a step), so they finish a step
+    or more apart, and the step stops at the fourth finished group, cutting the samples in flight; later steps train
+    groups begun on older weights and groups that span two versions."""
+    _, steps = train("trainer.test_freq=-1", f"trainer.total_training_steps={STEPS}",
+                     "trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.rollout.max_num_batched_tokens=528",
+                     run_dir=tmp_path / "colocate")
+    assert steps[1]["training/off_policy/trajectory_staleness_worst/max"] == 0
+    assert max(steps[k]["training/off_policy/trajectory_spans/max"] for k in range(2, STEPS + 1)) == 2
+    assert max(steps[k]["training/off_policy/trajectory_staleness_worst/max"] for k in range(2, STEPS + 1)) >= 1
+    assert all(steps[k]["colocate_async/groups_in_flight"] == 4 for k in range(1, STEPS + 1))
+    assert all(steps[k]["actor/grad_norm"] > 0 for k in range(1, STEPS + 1))
 
 
 def test_one_step_off_trains_each_batch_one_version_late_and_the_overlap_changes_only_when(train, tmp_path,

@@ -21,8 +21,7 @@ from meshrl.rewards.pool import RewardPool
 from meshrl.rollout.base import Completion
 from meshrl.trainer.checkpoint import CheckpointManager, parts_to_keep
 from meshrl.trainer.dumps import VAL_GENERATIONS_FILE
-from meshrl.trainer.async_trainer import AsyncRLTrainer
-from meshrl.trainer.rl_trainer import RLTrainer
+from meshrl.trainer.trainer_modes import trainer_class
 from meshrl.trainer.tracking import Tracker, read_metrics
 from meshrl.workers.sequences import responses_batch
 
@@ -43,6 +42,13 @@ class FakeRole:
         self.prompts: list[list[list[int]]] = []  # each generate call's prompts (token ids)
         self.updates: list[Batch] = []
         self.exports: list[Path] = []
+        self.stream: dict[int, dict] = {}  # key -> the group's prompt ids, the version of each run it was in
+        self.finish_order: list[dict] = []
+        self.submitted: list[int] = []
+        self.dropped: list[int] = []
+        self.stream_runs: list[tuple[int, int, list[int]]] = []  # (until, version, wait_for) of each run
+        self.finished: list[list[int]] = []  # what each run returned
+        self.taken: list[list[int]] = []
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         self.generated.append((mode, sorted(prompts.keys())))
@@ -55,6 +61,48 @@ class FakeRole:
     def start_generate(self, prompts: Batch, mode: str):
         rows = self.generate(prompts, mode)  # at once: what a generation thread would give, for the driver's order
         return lambda: rows
+
+    # verl V1 colocate_async's partial rollout (one replica), in engine "ticks": a group whose prompt's token ids sum
+    # to an odd number takes two, the others one; a run ticks every unfinished group until enough are finished (a
+    # long group can be cut there, and finishes in a later run on the weights synced meanwhile)
+    num_replicas = 1
+
+    def stream_submit(self, prompts: list[Batch], keys: list[list[int]]) -> None:
+        for ids, key in zip(prompts[0]["prompt_ids"] if keys[0] else [], keys[0]):
+            self.stream[key] = {"ids": list(ids), "runs": [], "need": 2 if sum(ids) % 2 else 1}
+            self.submitted.append(key)
+
+    def stream_run(self, until: list[int], version: int, wait_for: list[list[int]]) -> list[list[int]]:
+        self.stream_runs.append((until[0], version, list(wait_for[0])))
+        waited = [self.stream[key] for key in wait_for[0]]
+        while (live := [g for g in self.stream.values() if len(g["runs"]) < g["need"]]) and (
+                len(self.finish_order) < until[0] or any(g in live for g in waited)):
+            for group in live:
+                group["runs"].append(version)
+                if len(group["runs"]) == group["need"]:
+                    self.finish_order.append(group)
+        self.finished.append([key for group in self.finish_order for key, g in self.stream.items() if g is group])
+        return [self.finished[-1]]
+
+    def stream_take(self, prompts: list[Batch], keys: list[list[int]]) -> list[Batch]:
+        completions = []
+        self.taken.append(list(keys[0]))
+        for position, key in enumerate(keys[0]):
+            group = self.stream.pop(key)
+            self.finish_order.remove(group)
+            assert list(prompts[0]["prompt_ids"][position]) == group["ids"]
+            cut = len(self.response) // 2
+            versions = [group["runs"][0]] * cut + [group["runs"][-1]] * (len(self.response) - cut)
+            completions += [Completion(position, s, self.response, [-0.5] * len(self.response), "stop",
+                                       policy_versions=versions) for s in range(2)]
+        return [responses_batch(prompts[0], completions, 2, self.width, pad_id=0)]
+
+    def stream_drop(self, keys: list[list[int]]) -> None:
+        for key in keys[0]:
+            group = self.stream.pop(key)
+            if group in self.finish_order:
+                self.finish_order.remove(group)
+            self.dropped.append(key)
 
     def compute_log_probs(self, batch: Batch, model: str) -> Batch:
         batch.set(f"{'ref' if model == 'ref' else 'old'}_log_probs", batch["rollout_log_probs"].clone())
@@ -109,11 +157,10 @@ def run(tmp_path, smollm2_dir):
         run_dir = Path(cfg.trainer.default_local_dir)
         with RewardPool(RewardSpec(str(tmp_path / "reward.py")), num_workers=0) as reward, \
                 Tracker(["jsonl"], run_dir, "p", "e", {}, 2) as tracker:
-            trainer_class = AsyncRLTrainer if cfg.trainer.async_mode else RLTrainer
-            trainer = trainer_class(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer,
-                                    train_data=train_data, val_data=val_data, reward=reward, tracker=tracker,
-                                    checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)),
-                                    stop_requested=stop_requested, reward_model=reward_model)
+            trainer = trainer_class(cfg)(cfg, plan, policy=policy, critic=critic, tokenizer=tokenizer,
+                                         train_data=train_data, val_data=val_data, reward=reward, tracker=tracker,
+                                         checkpoints=CheckpointManager(run_dir, parts_to_keep(cfg.trainer)),
+                                         stop_requested=stop_requested, reward_model=reward_model)
             trainer.fit()
         return trainer, policy
 
@@ -263,7 +310,7 @@ def test_an_asynchronous_checkpoint_resumes_its_queue_and_no_trainer_resumes_the
     with pytest.raises(ConfigError, match="saved by an asynchronous trainer"):
         run("trainer.total_training_steps=4")
     run("trainer.resume_mode=disable", "trainer.save_freq=1")  # a synchronous run's checkpoints
-    with pytest.raises(ConfigError, match="saved by the synchronous trainer"):
+    with pytest.raises(ConfigError, match="saved by another trainer"):
         run(*fully_async, "trainer.total_training_steps=3")
 
 
@@ -328,3 +375,58 @@ def test_launch_reward_fn_async_scores_while_the_log_prob_passes_run(run, tmp_pa
     run("reward_model.launch_reward_fn_async=True", "trainer.val_before_train=False", "trainer.test_freq=-1")
     steps = metrics_by_step(tmp_path / "run")
     assert steps[1]["score/mean"] == 1.0 and steps[2]["score/mean"] == 1.0
+
+
+COLOCATE = ("trainer.v1.trainer_mode=colocate_async", "trainer.save_freq=1")
+
+
+def test_colocate_async_trains_the_groups_finished_first_and_resumes_its_groups(run, tmp_path):
+    """verl V1 colocate_async, one warm-up batch: step 1 submits 8 groups (warm-up + its batch) and trains the 4
+    tagged earliest of those finished; a long group (cut by one run, finished by the next on the synced weights)
+    spans two versions. Every run asks for the batch's 4 groups at the version of the syncs so far. A checkpoint
+    keeps the prompts of the groups not trained; a resume resubmits them (no warm-up again); the synchronous
+    trainer refuses it."""
+    trainer, policy = run(*COLOCATE, "trainer.total_training_steps=3")
+    assert [(until, version) for until, version, _ in policy.stream_runs] == [(4, 0), (4, 1), (4, 2)]
+    assert len(policy.submitted) == 4 * 4  # warm-up + one batch a step
+    assert [len(update) for update in policy.updates[::2]] == [4, 4, 4]  # 2 mini-batches of 2 groups x n=2 rows
+    assert policy.taken[0] == sorted(policy.finished[0])[:4]  # all tagged step 1: submit order breaks the tie
+    steps = [s for s in read_metrics(tmp_path / "run" / "metrics.jsonl") if "training/off_policy/trajectory_spans/max"
+             in s]
+    spans = [s["training/off_policy/trajectory_spans/max"] for s in steps]
+    assert spans[0] == 1.0 and max(spans) == 2.0  # step 1's groups are whole; a later batch holds a cut group
+    assert steps[0]["training/off_policy/trajectory_staleness/max"] == 0
+    # step 2 trains warm-up groups begun (or finished) on the first weights, before the first sync
+    assert steps[1]["training/off_policy/trajectory_staleness_worst/max"] == 1
+    state = CheckpointManager(tmp_path / "run").load_driver_state(tmp_path / "run" / "global_step_3")
+    in_flight = len(policy.stream)
+    assert len(state["colocate_async"]["prompts"]) == in_flight == 4 and state["colocate_async"]["version"] == 3
+
+    resumed, policy = run(*COLOCATE, "trainer.total_training_steps=4")
+    assert len(policy.submitted) == in_flight + 4 and policy.stream_runs[0][:2] == (4, 3)
+    with pytest.raises(ConfigError, match="saved by an asynchronous trainer"):
+        run("trainer.total_training_steps=5")
+
+
+@pytest.mark.parametrize("strategy", ["drop", "wait"])
+def test_colocate_async_drops_or_waits_for_groups_past_the_off_policy_threshold(run, strategy):
+    """max_off_policy_threshold=1: a long group is two steps old when it finishes. drop evicts it (counted) and
+    submits a new prompt in its place; wait asks the next run to finish every group of that age first."""
+    _, policy = run(*COLOCATE, "trainer.total_training_steps=3", "trainer.v1.sampler.max_off_policy_threshold=1",
+                    f"trainer.v1.sampler.max_off_policy_strategy={strategy}")
+    if strategy == "drop":
+        assert policy.dropped and len(policy.submitted) == 4 * 4 + len(policy.dropped)
+    else:
+        assert not policy.dropped and any(wait_for for _, _, wait_for in policy.stream_runs)
+
+
+def test_colocate_async_keys_are_refused_in_other_trainers_and_its_limits_at_config_time():
+    with pytest.raises(ConfigError, match="read by verl V1's colocate_async trainer only"):
+        validate_config(load_config(["trainer.v1.colocate_async.num_warmup_batches=2"], recipe="cpu_tiny_grpo"))
+    for override, match in (("actor_rollout_ref.rollout.name=hf", "rollout.name=vllm"),
+                            ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "inference TP 1"),
+                            ("trainer.async_mode=fully_async", "one asynchronous trainer at a time")):
+        with pytest.raises(ConfigError, match=match):
+            validate_config(load_config([*COLOCATE, override], recipe="cpu_tiny_grpo"))
+    validate_config(load_config([*COLOCATE, "trainer.v1.sampler.max_off_policy_strategy=wait"],
+                                recipe="cpu_tiny_grpo"))
