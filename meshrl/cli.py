@@ -14,6 +14,9 @@ import sys
 from typing import Sequence
 
 COMMANDS = ("train", "plot", "plan", "convert", "preprocess")
+TRAIN_USAGE = ("meshrl train RECIPE [key=value ...]\n"
+               "       meshrl train --config-name NAME [--config-path DIR] [key=value ...]  (verl's form)\n"
+               "RECIPE: a name in recipes/ (e.g. cpu_tiny_grpo) or a YAML path")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,10 +28,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "train":
         from meshrl.trainer.main import main as train_main
 
+        if not rest:  # verl's defaults alone read data from ~/data and want 8 GPUs: not what a bare command means
+            print(f"usage: {TRAIN_USAGE}\nmeshrl train: give a recipe, e.g. meshrl train cpu_tiny_grpo", file=sys.stderr)
+            return 2
         # A leading recipe name is meshrl's form; options and overrides (verl's forms) pass through as given.
-        if not rest or "=" in rest[0] or rest[0].startswith("-"):
-            return train_main(rest)
-        return train_main(["--config-name", rest[0], *rest[1:]])
+        if "=" in rest[0] or rest[0].startswith("-"):
+            return train_main(rest, prog="meshrl train")
+        return train_main(["--config-name", rest[0], *rest[1:]], prog="meshrl train")
     if command == "plot":
         from meshrl.trainer.plot import main as plot_main
 

@@ -282,9 +282,12 @@ def _apply_recipe(cfg: DictConfig, path: Path | None, problems: list[ConfigError
     if path in seen:
         raise ConfigError(f"recipe defaults form a cycle: {' -> '.join(map(str, seen + (path,)))}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from None
+    if not tree:  # a blank file (or one of comments only) would run the defaults as if it were the recipe asked for
+        raise ConfigError(f"recipe {path} is empty: it sets no key. Write the recipe's sections into it (see "
+                          "recipes/cpu_tiny_grpo.yaml), or leave out --config-name to run the defaults")
     if not isinstance(tree, dict):
         raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(tree).__name__}")
     _check_search_path(tree.pop("hydra", None), path)

@@ -365,11 +365,15 @@ def _check_optim(p: _Problems, optim: DictConfig, key: str) -> None:
                   "name of the same setting); set one of them")
         p.require(optim.lr_decay_style != "WSD" or bool(optim.lr_wsd_decay_steps), f"{key}.lr_wsd_decay_steps",
                   "must be set (the anneal's length in RL steps) with lr_decay_style=WSD")
+    # min_lr and lr_warmup_init are bounded by lr: against a negative lr, whose own line says what to fix, a bound
+    # problem would be a second, misleading line (lr_warmup_init's default 0 is not in [0, -1])
+    lr_ok = optim.lr >= 0
     if optim.min_lr is not None:
-        p.require(0 <= optim.min_lr <= optim.lr, f"{key}.min_lr", f"must be in [0, lr={optim.lr}], got {optim.min_lr}")
+        p.require(not lr_ok or 0 <= optim.min_lr <= optim.lr, f"{key}.min_lr",
+                  f"must be in [0, lr={optim.lr}], got {optim.min_lr}")
         p.require(optim.min_lr_ratio == 0, f"{key}.min_lr",
                   f"and min_lr_ratio={optim.min_lr_ratio} both set the floor (verl's Megatron and FSDP names); set one")
-    p.require(0 <= optim.lr_warmup_init <= optim.lr, f"{key}.lr_warmup_init",
+    p.require(not lr_ok or 0 <= optim.lr_warmup_init <= optim.lr, f"{key}.lr_warmup_init",
               f"must be in [0, lr={optim.lr}], got {optim.lr_warmup_init}")
     p.require(optim.num_cycles == 0.5, f"{key}.num_cycles",
               f"the cosine schedule is a half cycle (0.5); {optim.num_cycles} is not supported")

@@ -215,6 +215,9 @@ class RLDataset(torch.utils.data.Dataset):
             self._validate(path, rows, prompt_key, reward_fn_key)
             self._refuse_media(path, rows, media_keys)
             located.extend((path, index, row) for index, row in enumerate(rows))
+        if not located:
+            raise DataFormatError(f"{', '.join(map(str, paths))}: no rows, so there are no prompts; give a file that "
+                                  "holds some")
         kept = [located[i] for i in max_samples_subset(len(located), max_samples, shuffle=shuffle, seed=seed)]
         for start in range(0, len(kept), _TOKENIZE_CHUNK):
             chunk = kept[start : start + _TOKENIZE_CHUNK]

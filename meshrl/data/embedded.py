@@ -30,8 +30,23 @@ def _resolve(entry: str) -> Path:
         return preprocess(dataset, cache_dir() / "data" / dataset, log=lambda _: None)[split]
     path = Path(entry).expanduser()
     if not path.is_file():
-        guess = next((d for d in ("gsm8k", "math500", "math", "mawps", "arith") if d in entry), "gsm8k")
-        raise FileNotFoundError(
-            f"data file {path} does not exist. Write it with `python -m meshrl.data.preprocess {guess} "
-            f"--local_dir {path.parent}`, or use '{PREFIX}{guess}/{path.stem}'.")
+        raise FileNotFoundError(_missing(path))
     return path
+
+
+def _missing(path: Path) -> str:
+    """Why ``path`` is no data file, and the preprocess command or ``embedded:`` name that makes it only when the
+    path is one preprocess writes (``<dataset>/<split>.parquet``): a guess from any other path misleads."""
+    import shlex
+
+    from meshrl.data.preprocess import DATASETS, splits_of
+
+    if path.exists():
+        return f"data file {path} is a folder; give a .parquet or .jsonl file in it"
+    where = "" if path.parent.is_dir() else f" (nor does its folder {path.parent})"
+    dataset = path.parent.name
+    if path.suffix == ".parquet" and dataset in DATASETS and path.stem in splits_of(dataset):
+        return (f"data file {path} does not exist{where}. Write it with `python -m meshrl.data.preprocess {dataset} "
+                f"--local_dir {shlex.quote(str(path.parent))}`, or use '{PREFIX}{dataset}/{path.stem}'")
+    return (f"data file {path} does not exist{where}; check the path (the packaged sets are "
+            f"'{PREFIX}<dataset>/<split>' with <dataset> one of {', '.join(DATASETS)})")

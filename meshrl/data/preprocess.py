@@ -46,6 +46,7 @@ import hashlib
 import math
 import os
 import re
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -286,7 +287,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--force", action="store_true", help="rewrite files even if up to date")
     args = parser.parse_args(argv)
-    preprocess(args.dataset, args.local_dir or Path("~/data") / args.dataset, force=args.force)
+    out_dir = Path(args.local_dir or Path("~/data") / args.dataset).expanduser()
+    try:  # before the rows are built: a folder that cannot be made or written is the user's to change
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as exc:
+        parser.error(f"--local_dir {out_dir}: cannot write there ({exc.strerror}); choose a folder you can write")
+    preprocess(args.dataset, out_dir, force=args.force)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,16 @@ from typing import Any
 import numpy as np
 
 
+# The sampler's settings a resume must find unchanged, with what sets each (the messages name it).
+SETTING_KEYS = {
+    "num_samples": "prompts in data.train_files (after filtering and data.train_max_samples)",
+    "batch_size": "data.train_batch_size",
+    "seed": "data.seed",
+    "shuffle": "data.shuffle",
+    "drop_last": "drop_last",
+}
+
+
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     """The visiting order of epoch ``epoch``: a permutation of ``range(num_samples)``."""
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
@@ -100,15 +110,16 @@ class PromptSampler:
                 drop_last would replay different prompts; the message names what changed).
         """
         changed = [
-            f"{key}: checkpoint {state[key]!r}, now {getattr(self, key)!r}"
-            for key in ("num_samples", "batch_size", "seed", "shuffle", "drop_last")
+            f"{SETTING_KEYS[key]}: checkpoint {state.get(key)!r}, now {getattr(self, key)!r}"
+            for key in SETTING_KEYS
             if state.get(key) != getattr(self, key)
         ]
         if changed:
             raise ValueError(
-                "cannot resume the prompt sampler exactly; its settings changed since the checkpoint ("
+                "the prompts changed since the checkpoint, so resuming would not continue its data order ("
                 + "; ".join(changed)
-                + "). Restore them, or start the data order afresh."
+                + "). Restore them, or train the new prompts as a new run (trainer.resume_mode=disable, or "
+                "another trainer.default_local_dir)."
             )
         self.epoch = int(state["epoch"])
         self.offset = int(state["offset"])

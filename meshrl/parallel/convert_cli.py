@@ -67,23 +67,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def hf_to_mcore(hf_dir: Path, out: Path, critic: bool = False, step: int = 0) -> Path:
-    """Convert (needs ``state.initialize``); returns the checkpoint folder."""
+def read_hf_config(folder: Path, flag: str):
+    """The HF config in ``folder`` (given as ``flag``), read before any rank starts.
+
+    Raises:
+        ValueError: no config.json there, or one transformers cannot read (the message names the flag and folder).
+    """
     from transformers import AutoConfig
 
+    if not (folder / "config.json").is_file():  # transformers would read the path as a hub repository id
+        what = "has no config.json" if folder.is_dir() else "is not a folder"
+        raise ValueError(f"{flag} {folder} {what}; give the model's Hugging Face folder")
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:  # invalid JSON, an unknown model_type
+        raise ValueError(f"{flag} {folder}: {str(exc).splitlines()[0].strip()} Fix its config.json, or copy it "
+                         "again from the model's source") from None
+
+
+def hf_to_mcore(hf_dir: Path, hf_config, out: Path, critic: bool = False, step: int = 0) -> Path:
+    """Convert (needs ``state.initialize``; ``hf_config``: ``hf_dir``'s); returns the checkpoint folder."""
     from meshrl.parallel import checkpoint, hf_conversion, model_builder
 
-    hf_config = AutoConfig.from_pretrained(hf_dir)
     chunks = model_builder.build_model(hf_config, critic=critic)
     hf_conversion.load_hf_weights(chunks, hf_dir, hf_config)
     return checkpoint.save_checkpoint(out, step, chunks)
 
 
-def mcore_to_hf(ckpt: Path, hf_config_dir: Path, out: Path, tokenizer: Path | None = None,
+def mcore_to_hf(ckpt: Path, hf_config_dir: Path, hf_config, out: Path, tokenizer: Path | None = None,
                 dtype: str | None = None) -> Path | None:
-    """Convert (needs ``state.initialize``); returns the HF folder on the writing rank."""
+    """Convert (needs ``state.initialize``; ``hf_config``: ``hf_config_dir``'s); returns the HF folder on the writing
+    rank."""
     import torch
-    from transformers import AutoConfig
 
     from meshrl.parallel import checkpoint, hf_conversion, model_builder
 
@@ -91,7 +106,6 @@ def mcore_to_hf(ckpt: Path, hf_config_dir: Path, out: Path, tokenizer: Path | No
     if folder is None:
         raise FileNotFoundError(f"no meshrl checkpoint in {ckpt}")
     meta = checkpoint.checkpoint_metadata(folder)
-    hf_config = AutoConfig.from_pretrained(hf_config_dir)
     compare_specs(ModelSpec(**meta["model_spec"]), model_builder.model_spec(hf_config))
     chunks = model_builder.build_model(hf_config, critic=meta["critic"])
     checkpoint.load_checkpoint(folder, chunks)
@@ -104,12 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from meshrl.parallel import state
 
+    try:
+        hf_config = read_hf_config(args.hf, "--hf") if args.command == "hf-to-mcore" else \
+            read_hf_config(args.hf_config, "--hf-config")
+    except ValueError as exc:
+        print(f"meshrl convert: error: {exc}", file=sys.stderr)
+        return 2
     state.initialize(state.ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp))
     try:
         if args.command == "hf-to-mcore":
-            result = hf_to_mcore(args.hf, args.out, critic=args.critic, step=args.step)
+            result = hf_to_mcore(args.hf, hf_config, args.out, critic=args.critic, step=args.step)
         else:
-            result = mcore_to_hf(args.ckpt, args.hf_config, args.out, args.tokenizer, args.dtype)
+            result = mcore_to_hf(args.ckpt, args.hf_config, hf_config, args.out, args.tokenizer, args.dtype)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshrl convert: error: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,9 @@ Layout under ``trainer.default_local_dir`` (verl's names, so verl users find wha
         trainer_state.pt                 the driver's state dict (torch.save), authoritative
         trainer_state.json               a human-readable view of it (scalars; tensors summarised)
         COMPLETE                         written last: the folder holds a whole checkpoint, whose parts the
-                                         workers checked finite (``meshrl.parallel.checkpoint``)
+                                         workers checked finite (``meshrl.parallel.checkpoint``); it lists
+                                         every file's size, so a file cut later (a partial copy, a full
+                                         disk while copying) is named before a resume starts any worker
         PRUNED                           only where rotation removed a part (it lists them): no longer resumable
 
 A save builds everything in ``global_step_N.tmp-<pid>``, fsyncs it, and renames it into place
@@ -199,7 +201,8 @@ class CheckpointManager:
             write_parts(tmp)
             _save_state_file(driver_state, tmp / DRIVER_STATE_PT)
             (tmp / DRIVER_STATE_JSON).write_text(json.dumps(_json_view(driver_state), indent=2) + "\n")
-            marker = {"step": step, "completed_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            marker = {"step": step, "completed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      "files": _file_sizes(tmp)}
             (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
             # An old folder of the same step (a run resumed from an earlier step, or an incomplete copy)
             # moves aside under a temporary name that the next start removes.
@@ -243,7 +246,7 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoint folders under the root, by step."""
-        return _complete_in(self.root)
+        return complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
         """The checkpoint to resume from automatically, or None when there is none.
@@ -256,26 +259,8 @@ class CheckpointManager:
         return _latest_in(self.root)
 
     def resolve(self, resume_mode: str, resume_from_path: str | Path | None = None) -> Path | None:
-        """The checkpoint a run starts from, with verl's ``trainer.resume_mode`` semantics.
-
-        ``auto``: :meth:`latest` (None: start from scratch). ``disable``: None. ``resume_path``:
-        ``resume_from_path``, which must be a complete ``global_step_N`` folder.
-
-        Raises:
-            ValueError: unknown mode, or ``resume_path`` without a path.
-            CheckpointError: the path is missing or not a complete checkpoint (the message names it).
-        """
-        if resume_mode == "disable":
-            return None
-        if resume_mode == "auto":
-            return self.latest()
-        if resume_mode != "resume_path":
-            raise ValueError(f"trainer.resume_mode={resume_mode!r} is not one of {', '.join(RESUME_MODES)}")
-        if not resume_from_path:
-            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
-        path = Path(resume_from_path).expanduser()
-        _require_complete(path)
-        return path
+        """The checkpoint a run starts from (``resolve_checkpoint`` under this root)."""
+        return resolve_checkpoint(self.root, resume_mode, resume_from_path)
 
     def load_driver_state(self, path: Path) -> dict[str, Any]:
         """The driver state dict saved in checkpoint folder ``path`` (as given to :meth:`save`).
@@ -283,9 +268,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: the folder is missing or incomplete, or its state file is unreadable.
         """
-        path = Path(path)
-        _require_complete(path)
-        return _load_state_file(path / DRIVER_STATE_PT)
+        return read_driver_state(path)
 
     # ---------------------------------------------------------------- start-up
 
@@ -305,7 +288,62 @@ class CheckpointManager:
                 path.unlink(missing_ok=True)
 
 
-def _complete_in(root: Path) -> list[Path]:
+def read_driver_state(path: Path) -> dict[str, Any]:
+    """The driver state dict saved in complete checkpoint folder ``path``.
+
+    Raises:
+        CheckpointError: the folder is missing or incomplete, or its state file is unreadable.
+    """
+    path = Path(path)
+    _require_complete(path)
+    return _load_state_file(path / DRIVER_STATE_PT)
+
+
+def resolve_checkpoint(root: Path, resume_mode: str, resume_from_path: str | Path | None = None) -> Path | None:
+    """The checkpoint a run in ``root`` starts from, with verl's ``trainer.resume_mode`` semantics.
+
+    ``auto``: the latest (``CheckpointManager.latest``; None: start from scratch, also when ``root`` does not exist
+    yet). ``disable``: None. ``resume_path``: ``resume_from_path``, which must be a complete ``global_step_N`` folder.
+
+    Raises:
+        ValueError: unknown mode, or ``resume_path`` without a path.
+        CheckpointError: the path is missing or not a complete checkpoint (the message names it).
+    """
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        return _latest_in(root) if root.is_dir() else None
+    if resume_mode != "resume_path":
+        raise ValueError(f"trainer.resume_mode={resume_mode!r} is not one of {', '.join(RESUME_MODES)}")
+    if not resume_from_path:
+        raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
+    path = Path(resume_from_path).expanduser()
+    _require_complete(path)
+    return path
+
+
+def damaged_files(path: Path) -> list[str]:
+    """The files of complete checkpoint ``path`` that differ from what its save wrote (``COMPLETE`` lists every
+    file's size): ``'<file>: missing'`` / ``'<file>: <n> bytes, its save wrote <m>'``. Empty for a checkpoint saved
+    before the sizes were listed: only loading it can tell."""
+    written = json.loads((Path(path) / COMPLETE_MARKER).read_text()).get("files", {})
+    problems = []
+    for name, size in written.items():
+        file = Path(path) / name
+        if not file.is_file():
+            problems.append(f"{file}: missing")
+        elif (now := file.stat().st_size) != size:
+            problems.append(f"{file}: {now} bytes, its save wrote {size}")
+    return problems
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {str(file.relative_to(folder)): file.stat().st_size
+            for file in sorted(folder.rglob("*")) if file.is_file() and not file.is_symlink()}
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete ``global_step_N`` folders in ``root``, by step."""
     return sorted((p for p in root.iterdir() if p.is_dir() and is_complete(p)), key=step_of)
 
 
@@ -320,7 +358,7 @@ def _latest_in(root: Path) -> Path | None:
             "%s names %r, which is not a complete checkpoint or was pruned (%s); falling back to the highest whole one",
             pointer, text, target,
         )
-    whole = [p for p in _complete_in(root) if not pruned_parts(p)]
+    whole = [p for p in complete_checkpoints(root) if not pruned_parts(p)]
     return whole[-1] if whole else None
 
 
@@ -362,8 +400,12 @@ def _load_state_file(path: Path) -> dict[str, Any]:
             return torch.load(path, weights_only=True)
     except Exception as err:
         unsupported = re.search(r"GLOBAL (\S+)", str(err))
-        detail = f"it holds {unsupported.group(1)}" if unsupported else str(err).splitlines()[0]
-        raise CheckpointError(f"cannot load the driver state {path}: {detail}. {_PLAIN_DATA}") from err
+        if unsupported:
+            raise CheckpointError(f"cannot load the driver state {path}: it holds {unsupported.group(1)}. "
+                                  f"{_PLAIN_DATA}") from err
+        # Not a type the state may not hold: the file itself is unreadable (cut short, overwritten)
+        raise CheckpointError(f"cannot load the driver state {path}: {str(err).splitlines()[0]}; the file is "
+                              "damaged") from err
 
 
 def _json_view(value: Any) -> Any:

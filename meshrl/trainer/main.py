@@ -2,8 +2,9 @@
 
 ``meshrl train RECIPE.yaml key=value ...`` (``meshrl.cli``) lands here too. Every check that can fail
 before training runs before any worker starts, and a problem is one message and exit code 2:
-``load_config`` (the keys), ``preflight`` (the values, the model's sizes, the engine, the Ray start) and
-``load_inputs`` (the tokenizer and the prompts: a bad file's name and rows, a batch larger than the data).
+``load_config`` (the keys), ``preflight`` (the values, the model's sizes and weights, the engine, the run folder, the
+GPUs, the Ray start) and ``load_inputs`` (the tokenizer and the prompts: a bad file's name and rows, a batch larger
+than the data; the checkpoint a resume starts from: ``meshrl.trainer.early_checks``).
 ``run`` then builds the rest from the config — Ray worker groups, reward, tracker, checkpoints — hands
 them to ``RLTrainer.fit`` and shuts the workers down whatever happens (and Ray, unless the caller had
 started it). Ctrl-C and SIGTERM end a run with one line and exit code 130 / 143 (``meshrl.trainer.interrupts``).
@@ -34,9 +35,12 @@ def parse_args(argv: Sequence[str], default_config_name: str | None = None,
     ``-cn``; ``--config-path`` / ``-cp`` likewise), anywhere among the overrides. verl's own configs
     (``--config-path=config --config-name=ppo_megatron_trainer``) name the schema defaults
     (``meshrl.config.loader.VERL_BASE_CONFIGS``). ``default_config_name``: the config without ``--config-name``
-    (the entry module's, as Hydra's ``config_name`` is verl's: ``meshrl.trainer.fully_async_main``).
+    (the entry module's, as Hydra's ``config_name`` is verl's: ``meshrl.trainer.fully_async_main``). ``meshrl train``
+    (``prog``) shows its own form in the help (``meshrl.cli.TRAIN_USAGE``).
     """
-    parser = argparse.ArgumentParser(prog=prog,
+    from meshrl.cli import TRAIN_USAGE
+
+    parser = argparse.ArgumentParser(prog=prog, usage=TRAIN_USAGE if prog == "meshrl train" else None,
                                      description="Train a policy with RL; every verl key=value override works.")
     parser.add_argument("--config-name", "--config", "-cn", dest="config_name", default=None,
                         help="recipe name in recipes/ or a YAML path (verl's ppo_trainer / ppo_megatron_trainer: "
@@ -49,6 +53,11 @@ def parse_args(argv: Sequence[str], default_config_name: str | None = None,
     if args.config_name is not None and args.config_path is not None:
         recipe = str(Path(args.config_path) / recipe)
     return recipe, args.overrides
+
+
+# The files a Hugging Face tokenizer is read from (one of them, with tokenizer_config.json): the message of a folder
+# without any says so rather than quoting transformers' conversion error.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -74,11 +83,22 @@ def load_inputs(cfg) -> RunInputs:
     from meshrl.data.dataset import load_datasets
     from meshrl.models.resolve import resolve_model_path
     from meshrl.rollout.agent_loop import prompt_tool_schemas
+    from meshrl.trainer.early_checks import check_resume
 
     model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    tokenizer_path = cfg.actor_rollout_ref.model.tokenizer_path
     # The driver's tokenizer builds the prompts: verl trusts its remote code by data.trust_remote_code.
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path or model_dir,
-                                              trust_remote_code=cfg.data.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_dir,
+                                                  trust_remote_code=cfg.data.trust_remote_code)
+    except (OSError, ValueError) as exc:  # no tokenizer files, or remote code not trusted
+        key = "actor_rollout_ref.model.tokenizer_path" if tokenizer_path else "actor_rollout_ref.model.path"
+        folder = Path(tokenizer_path or model_dir)
+        why = str(exc).splitlines()[0].strip() if any((folder / name).is_file() for name in TOKENIZER_FILES) else \
+            "it has none of " + ", ".join(TOKENIZER_FILES)
+        raise ConfigError(f"{key}: no tokenizer loads from {folder} ({why}); copy the model's tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json) into it, or set actor_rollout_ref.model.tokenizer_path to a folder "
+                          "that has them", [key]) from None
     try:
         train_data, val_data = load_datasets(cfg.data, tokenizer,
                                              tools=prompt_tool_schemas(cfg.actor_rollout_ref.rollout.multi_turn))
@@ -102,6 +122,7 @@ def load_inputs(cfg) -> RunInputs:
             f"data.train_batch_size: {batch} prompts per step, but data.train_files holds only {available}"
             f"{' (' + '; '.join(why) + ')' if why else ''}: no full batch exists. Set data.train_batch_size={available}"
             " or less, or add prompts", ["data.train_batch_size"])
+    check_resume(cfg, available)  # the checkpoint this run would resume from, against these prompts
     return RunInputs(model_dir, tokenizer, train_data, val_data)
 
 
@@ -231,14 +252,22 @@ def preflight(cfg):
     from meshrl.config import ConfigError
     from meshrl.config.validate import validate_against_model, validate_config
     from meshrl.models.families import model_spec
+    from meshrl.models.resolve import resolve_model_path
     from meshrl.process_memory import mmap_threshold_setting
     from meshrl.rollout.engines import unsupported_rollout_features
     from meshrl.rollout.serving_limits import engine_window_problems, hf_engine_moe_problem, vllm_cpu_mla_problem
     from meshrl.trainer.checkpoint import hf_export_roles
+    from meshrl.trainer.early_checks import device_problem, model_weights_problem, run_folder_problem
     from meshrl.workers.cluster import ray_init_kwargs
 
     plan = validate_config(cfg)
     hf_config = model_config(cfg)
+    # What the run writes into and runs on, and the weights the workers will load: known before any of them starts
+    model = cfg.actor_rollout_ref.model
+    weights = None if cfg.actor_rollout_ref.actor.megatron.use_dist_checkpointing else \
+        model_weights_problem("actor_rollout_ref.model.path", resolve_model_path(model.path))
+    if problems := [p for p in (run_folder_problem(cfg.trainer.default_local_dir), device_problem(cfg), weights) if p]:
+        raise ConfigError("\n".join(problems), [line.split("=")[0].split(":")[0] for line in problems])
     validate_against_model(cfg, plan, hf_config)
     if plan.lora is not None and model_spec(hf_config).hf_fused:
         # Adapters, their PEFT names and the merged sync follow q/k/v, gate/up; these checkpoints fuse them.

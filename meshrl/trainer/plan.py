@@ -12,7 +12,8 @@ Contract:
   parameters are counted from its family's tensor table (``meshrl.models.families``), the one conversion uses.
 - The layout is checked as the trainer checks it (``validate_config``, ``validate_against_model``,
   ``model_builder.check_layout``); an impossible layout is refused with the trainer's message.
-- A layout whose peak phase exceeds ``--gpu-memory-gib`` (default 80), or whose vLLM budget leaves no
+- A layout whose peak phase exceeds ``--gpu-memory-gib`` (default 80; on CPU this machine's memory shared by the
+  node's processes: ``default_memory_gib``), or whose vLLM budget leaves no
   KV cache for one full-length sequence, is refused (exit status 1) with the knobs to turn, the
   biggest lever first. Exit status 2: the recipe, an override or the layout is invalid, or the model
   is unknown. 0: it fits.
@@ -877,6 +878,16 @@ def render(result: Plan, recipe: str | None) -> str:
     return "\n".join(lines)
 
 
+def default_memory_gib(cfg) -> float:
+    """The memory limit of one training process without ``--gpu-memory-gib``: on CPU the processes of this node share
+    this machine's memory (a CPU run is planned where it runs); on GPU an 80 GiB card (A100 / H100)."""
+    if cfg.trainer.device != "cpu":
+        return 80.0
+    import psutil
+
+    return psutil.virtual_memory().total / GIB / max(1, cfg.trainer.n_gpus_per_node)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``meshrl plan RECIPE [key=value ...] [--gpu-memory-gib G] [--json]``; exit 0 fits, 1 refused, 2 invalid."""
     from meshrl.runtime import configure_environment
@@ -889,15 +900,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "a recipe's layout, and refuse one that cannot fit.")
     parser.add_argument("recipe", help="recipe name in recipes/ or a YAML path")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as for meshrl train")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="memory of one GPU (default 80); with trainer.device=cpu, of one training process "
+                             "(default: this machine's memory / trainer.n_gpus_per_node)")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
-    if args.gpu_memory_gib <= 0:
+    if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
         parser.error("--gpu-memory-gib must be > 0")
     try:
         cfg = load_config(args.overrides, recipe=args.recipe)
         validate_config(cfg)
-        result = plan(cfg, args.gpu_memory_gib)
+        result = plan(cfg, args.gpu_memory_gib if args.gpu_memory_gib is not None else default_memory_gib(cfg))
     except (ConfigError, PlanError) as exc:
         print(f"meshrl plan: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import argparse
 import logging
 import math
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -275,7 +276,12 @@ def _metrics_file(run_dir: Path) -> Path:
 
 def _render(source: Path, out: Path | None) -> tuple[Path, list[str]]:
     out = Path(out) if out is not None else source.with_name("metrics.png")
-    records = read_metrics(source)
+    skipped: list[int] = []
+    records = read_metrics(source, skipped)
+    if skipped:  # drawn without them, and said: a gap in the curves has this cause
+        shown = ", ".join(map(str, skipped[:10])) + (f" and {len(skipped) - 10} more" if len(skipped) > 10 else "")
+        print(f"meshrl plot: {source}: {len(skipped)} line(s) left out, not a JSON object with an integer 'step' "
+              f"(line {shown}); a run killed while writing leaves its last line cut", file=sys.stderr)
     steps = [r["step"] for r in records]
     title = f"{source.parent.name}: steps {min(steps)}–{max(steps)}" if steps else source.parent.name
     return out, plot_metrics(records, out, title)

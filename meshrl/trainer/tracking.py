@@ -54,18 +54,21 @@ CONSOLE_KEYS: dict[str, tuple[str, ...]] = {
 POSTFIX_LABELS = ("score", "val", "kl", "s/step")
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path, skipped: list[int] | None = None) -> list[dict[str, Any]]:
     """The records of a metrics JSONL file, in file order; lines that are not a JSON object with an
-    integer ``step`` (a line cut short by a killed process) are skipped."""
+    integer ``step`` (a line cut short by a killed process) are skipped, their 1-based numbers appended to
+    ``skipped`` when given (blank lines are not counted)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                record = None
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 records.append(record)
+            elif skipped is not None and line.strip():
+                skipped.append(number)
     return records
 
 

@@ -48,9 +48,11 @@ def test_resume_replays_exactly_the_uninterrupted_order(drop_last: bool, stop_at
 
 def test_resume_refuses_changed_settings() -> None:
     state = PromptSampler(47, 5, seed=3).state_dict()
-    with pytest.raises(ValueError, match=r"batch_size: checkpoint 5, now 6.*seed: checkpoint 3, now 4"):
+    with pytest.raises(ValueError,
+                       match=r"data.train_batch_size: checkpoint 5, now 6.*data.seed: checkpoint 3, now 4"):
         PromptSampler(47, 6, seed=4).load_state_dict(state)
-    with pytest.raises(ValueError, match="num_samples: checkpoint 47, now 48"):
+    with pytest.raises(ValueError, match=r"prompts in data.train_files \(after filtering and "
+                                         r"data.train_max_samples\): checkpoint 47, now 48"):
         PromptSampler(48, 5, seed=3).load_state_dict(state)
 
 

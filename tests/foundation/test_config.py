@@ -411,3 +411,22 @@ def test_async_values_out_of_range_name_the_key(key, value, bound):
     problems, _, _ = async_problems(cfg)
     (problem,) = problems
     assert problem.startswith(f"{key}: must be {bound}") and problem.endswith(f"got {value!r}")
+
+
+def test_a_negative_learning_rate_is_one_problem():
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(["actor_rollout_ref.actor.optim.lr=-1"], recipe="cpu_tiny_grpo"))
+    assert str(err.value) == ("invalid configuration (1 problem(s)):\n"
+                              "  - actor_rollout_ref.actor.optim.lr: must be >= 0, got -1.0")
+    # Against a valid lr the bounds it sets are still checked
+    with pytest.raises(ConfigError, match=r"optim.lr_warmup_init: must be in \[0, lr=0.0001\], got 0.5"):
+        validate_config(load_config(["actor_rollout_ref.actor.optim.lr_warmup_init=0.5"], recipe="cpu_tiny_grpo"))
+
+
+@pytest.mark.parametrize("text", ["", "# a recipe still to write\n", "{}\n"])
+def test_an_empty_recipe_is_refused(tmp_path, text):
+    recipe = tmp_path / "empty.yaml"
+    recipe.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config([], recipe=str(recipe))
+    assert str(err.value).startswith(f"recipe {recipe} is empty: it sets no key. Write the recipe's sections into it")

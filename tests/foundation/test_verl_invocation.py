@@ -168,10 +168,11 @@ def test_cli_train_passes_verl_arguments_through(monkeypatch):
     from meshrl.cli import main as cli_main
 
     seen = []
-    monkeypatch.setattr(meshrl.trainer.main, "main", lambda argv: seen.append(list(argv)) or 0)
+    monkeypatch.setattr(meshrl.trainer.main, "main", lambda argv, prog: seen.append((list(argv), prog)) or 0)
     cli_main(["train", "--config-name", "ppo_trainer", "a.b=1"])
     cli_main(["train", "cpu_tiny_grpo", "a.b=1"])
-    assert seen == [["--config-name", "ppo_trainer", "a.b=1"], ["--config-name", "cpu_tiny_grpo", "a.b=1"]]
+    assert seen == [(["--config-name", "ppo_trainer", "a.b=1"], "meshrl train"),
+                    (["--config-name", "cpu_tiny_grpo", "a.b=1"], "meshrl train")]
 
 
 def test_a_run_without_the_jsonl_logger_ends_without_error(tmp_path):

@@ -46,7 +46,9 @@ def test_save_writes_layout_and_state_round_trips(tmp_path):
     path = manager.save(3, saved, write_actor("weights"))
     assert path == tmp_path / "global_step_3"
     assert (path / "actor" / "model.pt").read_text() == "weights"
-    assert json.loads((path / COMPLETE_MARKER).read_text())["step"] == 3
+    marker = json.loads((path / COMPLETE_MARKER).read_text())
+    assert marker["step"] == 3 and marker["files"]["actor/model.pt"] == len("weights")  # what damaged_files compares
+    assert set(marker["files"]) == {"actor/model.pt", "trainer_state.pt", DRIVER_STATE_JSON}
     assert (tmp_path / LATEST_FILE).read_text() == "3\n"
     view = json.loads((path / DRIVER_STATE_JSON).read_text())
     assert view["sampler"] == {"epoch": 0, "offset": 24} and view["rng"]["torch"].startswith("<Tensor")

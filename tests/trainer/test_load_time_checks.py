@@ -95,3 +95,148 @@ def test_a_broken_reward_file_stops_before_ray(command, tmp_path, source, name, 
         reward.write_text(source)
     code, err = command(f"custom_reward_function.path={reward}", f"custom_reward_function.name={name}")
     assert code == 2 and expected in err, err
+
+
+@pytest.mark.parametrize("where, message", [
+    ("/sys/meshrl-run", "trainer.default_local_dir=/sys/meshrl-run: cannot write in /sys (Permission denied); point "
+                        "it at a folder you can write"),  # sysfs: read-only even for root, who ignores chmod
+    ("{file}", "trainer.default_local_dir={file} is a file; the run writes its checkpoints, metrics and logs into a "
+               "folder"),
+    ("{file}/run", "trainer.default_local_dir={file}/run is inside {file}, which is a file"),
+])
+def test_a_run_folder_that_cannot_be_written_is_refused_before_anything_is_created(command, tmp_path, where, message):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    code, err = command(f"trainer.default_local_dir={where.format(file=file)}")
+    assert code == 2 and err.startswith(f"meshrl: {message.format(file=file)}"), err
+    assert file.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "data.jsonl"]
+
+
+def test_devices_this_machine_lacks_are_refused(command, monkeypatch):
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        code, err = command("trainer.device=cuda")
+        assert code == 2 and "trainer.device=cuda, but torch sees no GPU on this machine; set trainer.device=cpu" in err
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a one-GPU machine, for the count's check
+        gpus = 1
+    code, err = command("trainer.device=cuda", f"trainer.n_gpus_per_node={gpus + 1}")
+    assert code == 2 and (f"trainer.n_gpus_per_node={gpus + 1}, but torch sees {gpus} GPU(s) on this machine; set "
+                          f"trainer.n_gpus_per_node={gpus} or less") in err, err
+    # Several machines' GPUs are Ray's to place: not counted here (Ray's start then fails the test's fixture)
+    with pytest.raises(AssertionError, match="Ray started"):
+        command("trainer.device=cuda", f"trainer.n_gpus_per_node={gpus + 1}", "trainer.nnodes=2")
+
+
+@pytest.fixture
+def tiny_model_files():
+    """The tiny Llama's folder's files by name."""
+    from meshrl.models.resolve import resolve_model_path
+
+    return {p.name: p for p in resolve_model_path("tiny:llama").iterdir()}
+
+
+@pytest.mark.parametrize("left_out, message", [
+    ("model.safetensors", "actor_rollout_ref.model.path: {model} has no weights (no model.safetensors or "
+                          "model.safetensors.index.json); download the model's weight files into it"),
+    ("tokenizer", "actor_rollout_ref.model.path: no tokenizer loads from {model} (it has none of tokenizer.json, "
+                  "tokenizer.model, vocab.json, vocab.txt, tokenizer_config.json); copy the model's tokenizer files"),
+])
+def test_a_model_folder_without_weights_or_tokenizer_is_refused(command, tmp_path, tiny_model_files, left_out,
+                                                                 message):
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, file in tiny_model_files.items():
+        if not name.startswith(left_out):
+            (model / name).write_bytes(file.read_bytes())
+    code, err = command(f"actor_rollout_ref.model.path={model}")
+    assert code == 2 and err.startswith("meshrl: " + message.format(model=model)), err
+
+
+def test_shards_an_index_names_must_be_there(tmp_path):
+    from meshrl.trainer.early_checks import model_weights_problem
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert model_weights_problem("k", tmp_path) == (
+        f"k: {tmp_path / 'model.safetensors.index.json'} names 1 shard(s) the folder lacks "
+        "(model-00002-of-00002.safetensors); download the model's files again")
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"")
+    assert model_weights_problem("k", tmp_path) is None
+
+
+def _checkpoints(run, steps, num_samples, with_sizes=True):
+    """Checkpoints of the trainer's layout in ``run`` at ``steps``, their sampler having seen ``num_samples``
+    prompts (the fixture's data holds 6); ``with_sizes=False``: as saved before COMPLETE listed the file sizes."""
+    from meshrl.data.sampler import PromptSampler
+    from meshrl.trainer.checkpoint import COMPLETE_MARKER, CheckpointManager
+
+    manager = CheckpointManager(run)
+    for step in steps:
+        sampler = PromptSampler(num_samples, 4, seed=1)
+        path = manager.save(step, {"step": step, "sampler": sampler.state_dict()},
+                            lambda folder: ((folder / "actor").mkdir(), (folder / "actor" / "shard").write_bytes(
+                                bytes(1000))))
+        if not with_sizes:
+            marker = json.loads((path / COMPLETE_MARKER).read_text())
+            (path / COMPLETE_MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k != "files"}))
+    return run
+
+
+def test_a_resume_that_cannot_work_is_refused_before_ray(command, tmp_path):
+    run = _checkpoints(tmp_path / "run", [1, 2], num_samples=6)
+    code, err = command("trainer.resume_mode=resume_path", f"trainer.resume_from_path={run / 'global_step_7'}")
+    assert code == 2 and err == (f"meshrl: trainer.resume_from_path: checkpoint folder {run / 'global_step_7'} does "
+                                 f"not exist ({run} holds global_step_1, global_step_2)\n")
+    # The data changed since: 5 prompts where the checkpoint's sampler left 6
+    code, err = command("data.train_max_samples=5")
+    assert code == 2 and err.startswith(
+        f"meshrl: trainer.resume_mode=auto resumes from {run / 'global_step_2'}, the latest checkpoint in "
+        "trainer.default_local_dir: the prompts changed since the checkpoint, so resuming would not continue its data "
+        "order (prompts in data.train_files (after filtering and data.train_max_samples): checkpoint 6, now 5). "
+        "Restore them, or train the new prompts as a new run (trainer.resume_mode=disable"), err
+
+
+def test_a_damaged_checkpoint_names_the_file_and_the_one_to_resume_from_instead(command, tmp_path):
+    run = _checkpoints(tmp_path / "run", [1, 2], num_samples=6)
+    shard = run / "global_step_2" / "actor" / "shard"
+    shard.write_bytes(bytes(500))  # cut in half, as by a full disk while copying
+    code, err = command()  # the fixture's command resumes from its run folder (resume_mode=auto)
+    assert code == 2 and err == (
+        f"meshrl: trainer.resume_mode=auto resumes from {run / 'global_step_2'}, the latest checkpoint in "
+        f"trainer.default_local_dir, but the checkpoint is damaged: {shard}: 500 bytes, its save wrote 1000. Resume "
+        f"from the one before it: trainer.resume_mode=resume_path trainer.resume_from_path={run / 'global_step_1'}\n")
+    (run / "global_step_1" / "actor" / "shard").unlink()  # and the one before it is damaged too
+    code, err = command("trainer.resume_mode=resume_path", f"trainer.resume_from_path={run / 'global_step_2'}")
+    assert code == 2 and err.endswith(f"{shard}: 500 bytes, its save wrote 1000. No whole checkpoint before it is "
+                                      "left: start over with trainer.resume_mode=disable (or another "
+                                      "trainer.default_local_dir)\n"), err
+
+
+def test_a_damaged_driver_state_of_a_checkpoint_without_sizes_is_named(command, tmp_path):
+    run = _checkpoints(tmp_path / "run", [1], num_samples=6, with_sizes=False)
+    state = run / "global_step_1" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    code, err = command()
+    assert code == 2 and f"but the checkpoint is damaged: {state}: " in err and "; the file is damaged. No whole " \
+        "checkpoint before it is left" in err, err
+
+
+def test_data_files_without_rows_or_at_a_mistyped_path_say_so(command, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, err = command(f"data.train_files={empty}")
+    assert code == 2 and err == (f"meshrl: cannot load the prompts: {empty}: no rows, so there are no prompts; give "
+                                 "a file that holds some\n")
+    odd = tmp_path / "my data" / "été.parquet"  # a guess of a packaged set from this path would mislead
+    code, err = command(f"data.train_files={odd}")
+    assert code == 2 and err.startswith(
+        f"meshrl: cannot load the prompts: data file {odd} does not exist (nor does its folder {odd.parent}); check "
+        "the path (the packaged sets are 'embedded:<dataset>/<split>' with <dataset> one of gsm8k,"), err
+    assert "preprocess" not in err
+    split = tmp_path / "my data" / "gsm8k" / "train.parquet"  # where preprocess writes: its command, quoted
+    code, err = command(f"data.train_files={split}")
+    assert code == 2 and (f"Write it with `python -m meshrl.data.preprocess gsm8k --local_dir '{split.parent}'`, or "
+                          "use 'embedded:gsm8k/train'") in err, err

@@ -1,0 +1,149 @@
+"""What a run reads and writes besides its config, checked before Ray or any worker starts.
+
+``meshrl.trainer.main.preflight`` calls ``run_folder_problem``, ``device_problem`` and ``model_weights_problem``;
+``load_inputs`` calls ``check_resume`` once the prompts are loaded (a resume must find them as it left them). Each
+problem names the key or the file and what to do; the command prints it and exits 2 (``meshrl.trainer.main``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from meshrl.config.loader import ConfigError
+
+
+def run_folder_problem(folder: str) -> str | None:
+    """Why ``trainer.default_local_dir`` cannot hold the run (a file, or a place this process cannot write), or None.
+
+    The folder is not created here: a run refused by a later check leaves nothing behind. A probe file is written
+    and removed in the folder, or in its nearest existing parent when it does not exist yet.
+    """
+    path = Path(folder).expanduser()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is inside {existing}, which is a file"
+        return (f"trainer.default_local_dir={folder} {what}; the run writes its checkpoints, metrics and logs "
+                "into a folder: point it at a new or an existing folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return (f"trainer.default_local_dir={folder}: cannot write in {existing} ({exc.strerror}); point it at a "
+                "folder you can write, e.g. trainer.default_local_dir=~/meshrl-runs/<name>")
+    return None
+
+
+def device_problem(cfg) -> str | None:
+    """Why ``trainer.device`` / ``trainer.n_gpus_per_node`` cannot run on this machine's GPUs, or None.
+
+    Only a run on this one machine is checked: with ``trainer.nnodes > 1``, ``RAY_ADDRESS`` or a Ray the caller
+    already runs, the GPUs are (also) elsewhere, and Ray's placement says whether they are there. On CPU,
+    ``n_gpus_per_node`` counts training processes, which share the cores (``meshrl.workers.dispatch``): more
+    processes than cores run, slower, and are used so (tests run 2 or 4 ranks on 2 cores).
+    """
+    trainer = cfg.trainer
+    ray = sys.modules.get("ray")
+    if (trainer.device == "cpu" or trainer.nnodes > 1 or os.environ.get("RAY_ADDRESS")
+            or (ray is not None and ray.is_initialized())):
+        return None
+    import torch
+
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "torch"
+    if count == 0:
+        if trainer.device != "cuda":  # auto: a CPU run
+            return None
+        return (f"trainer.device=cuda, but {seen} sees no GPU on this machine; set trainer.device=cpu (or auto: the "
+                "GPUs when there are some), or run where a GPU is visible")
+    if trainer.n_gpus_per_node > count:
+        return (f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}, but {seen} sees {count} GPU(s) on this machine; "
+                f"set trainer.n_gpus_per_node={count} or less (with parallel sizes that divide it), or join a Ray "
+                "cluster that has them (RAY_ADDRESS, trainer.nnodes)")
+    return None
+
+
+def model_weights_problem(key: str, folder: Path) -> str | None:
+    """Why the Hugging Face folder ``folder`` (given by ``key``) has no weights meshrl loads, or None: meshrl reads
+    ``model.safetensors`` or the shards ``model.safetensors.index.json`` names (``meshrl.parallel.hf_conversion``)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"{key}: {index} is not a safetensors index (a 'weight_map' of tensor -> file): {exc}"
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            return (f"{key}: {index} names {len(missing)} shard(s) the folder lacks ({', '.join(missing[:3])}"
+                    f"{' …' if len(missing) > 3 else ''}); download the model's files again")
+        return None
+    if (folder / "model.safetensors").is_file():
+        return None
+    others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    found = (f"; it has {', '.join(others[:3])}: meshrl reads safetensors only, so load the model in transformers and "
+             "save it with save_pretrained(folder, safe_serialization=True)") if others else \
+        "; download the model's weight files into it"
+    return f"{key}: {folder} has no weights (no model.safetensors or model.safetensors.index.json){found}"
+
+
+def check_resume(cfg, num_prompts: int) -> None:
+    """The checkpoint the run would resume from (``trainer.resume_mode``), checked as the trainer will load it:
+    it exists and is complete, its files are as its save wrote them (``checkpoint.damaged_files``), its driver
+    state loads, and the prompt sampler finds the prompts it left (``num_prompts`` after filtering).
+
+    Raises:
+        ConfigError: naming the key or the damaged file, and the checkpoint to resume from instead.
+    """
+    from meshrl.data.sampler import PromptSampler
+    from meshrl.trainer.checkpoint import (CheckpointError, complete_checkpoints, damaged_files, read_driver_state,
+                                           resolve_checkpoint)
+
+    trainer = cfg.trainer
+    root = Path(trainer.default_local_dir).expanduser()
+    key = "trainer.resume_from_path" if trainer.resume_mode == "resume_path" else "trainer.resume_mode"
+    try:
+        path = resolve_checkpoint(root, trainer.resume_mode, trainer.resume_from_path)
+    except (CheckpointError, ValueError) as exc:
+        there = Path(trainer.resume_from_path or root).expanduser().parent
+        found = [p.name for p in complete_checkpoints(there)] if there.is_dir() else []
+        listed = f" ({there} holds {', '.join(found)})" if found else ""
+        raise ConfigError(f"{key}: {exc}{listed}", [key]) from None
+    if path is None:
+        return
+    chosen = (f"trainer.resume_mode=auto resumes from {path}, the latest checkpoint in trainer.default_local_dir"
+              if trainer.resume_mode == "auto" else f"trainer.resume_from_path={path}")
+    damaged = damaged_files(path)
+    if not damaged:  # a checkpoint saved before COMPLETE listed the sizes: its driver state is read instead
+        try:
+            state = read_driver_state(path)
+        except CheckpointError as exc:
+            damaged = [str(exc).removeprefix("cannot load the driver state ")]
+    if damaged:
+        raise ConfigError(f"{chosen}, but the checkpoint is damaged: {'; '.join(damaged)}. "
+                          f"{_instead(path)}", [key])
+    sampler = PromptSampler(num_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    try:
+        sampler.load_state_dict(state["sampler"])
+    except ValueError as exc:
+        raise ConfigError(f"{chosen}: {exc}", ["data.train_files", key]) from None
+
+
+def _instead(damaged: Path) -> str:
+    """What to resume from instead of checkpoint ``damaged``: the newest whole one before it, by verl's keys (the
+    same command would pick the damaged one again)."""
+    from meshrl.trainer.checkpoint import complete_checkpoints, damaged_files, pruned_parts, step_of
+
+    earlier = [p for p in complete_checkpoints(damaged.parent) if step_of(p) < step_of(damaged) and not pruned_parts(p)
+               and not damaged_files(p)]
+    if earlier:
+        return (f"Resume from the one before it: trainer.resume_mode=resume_path "
+                f"trainer.resume_from_path={earlier[-1]}")
+    return ("No whole checkpoint before it is left: start over with trainer.resume_mode=disable (or another "
+            "trainer.default_local_dir)")
