@@ -48,6 +48,8 @@ FSDP_ONLY = FSDP_CONFIG + (
     "actor_rollout_ref.model.enable_activation_offload",
     "actor_rollout_ref.model.torch_dtype",  # the Megatron parameters' dtype is *.megatron.dtype
     "actor_rollout_ref.model.fused_kernel_options.impl_backend",  # verl's Megatron fused kernels ignore it too
+    "actor_rollout_ref.model.override_config.attn_implementation",  # HF attention kernels (meshrl.models.hf_config)
+    "actor_rollout_ref.model.override_config.model_config.attn_implementation",
 )
 
 PROFILER = "verl's profiler hooks; meshrl's profiling lives in bench/"
@@ -128,10 +130,10 @@ INERT = {
                                                      "honours",
 }
 
-REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' / 'gdpo' manager (one score per response, "
-                  "dispatched by data source; reward.reward_manager.name or reward_model.reward_manager takes any of "
-                  "them); other managers, custom manager modules and their reward_kwargs "
-                  "(e.g. DAPO's overlong buffer) are not built yet")
+REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' / 'gdpo' / 'dapo' manager (one score per "
+                  "response, dispatched by data source; dapo adds DAPO's overlong penalty from reward.reward_kwargs; "
+                  "reward.reward_manager.name or reward_model.reward_manager takes any of them); other managers and "
+                  "custom manager modules are not built yet")
 MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral / "
        "DeepSeek-V3 with TP / PP / DP / EP, megatron's load-balancing / z-loss (override_transformer_config."
        "moe_aux_loss_coeff, moe_z_loss_coeff, moe_router_load_balancing_type), DeepSeek-V3's expert-bias update rate "
@@ -160,10 +162,8 @@ REFUSED = {
     "reward_model.model.external_lib": "meshrl builds its own model families and imports no model code",
     "reward_model.megatron.use_dist_checkpointing": "the reward model loads from its HF folder "
                                                     "(reward_model.model.path); leave it False",
-    "reward_model.reward_kwargs": REWARD_MANAGER,
     "reward.reward_manager.source": REWARD_MANAGER,  # its name is reward_model.reward_manager's (ALIASES)
     "reward.reward_manager.module.*": REWARD_MANAGER,
-    "reward.reward_kwargs": REWARD_MANAGER,
     "algorithm.use_pf_ppo": PF_PPO,
     "algorithm.pf_ppo.*": PF_PPO,
     "actor_rollout_ref.model.external_lib": "meshrl builds its own model families and imports no model code",
@@ -174,8 +174,11 @@ REFUSED = {
                                          "are not built: meshrl runs its agent loop inside each engine replica "
                                          "(rollout.mode=async: one coroutine per sample); leave rollout.agent at "
                                          "its defaults",
-    "*.model.override_config": "HF config overrides would change the model meshrl builds but not the vLLM "
-                                 "engine's copy; edit the model folder's config.json instead",
+    # the policy's are read (meshrl.models.hf_config: trainer, reference and engine alike)
+    "critic.model.override_config": "HF config overrides of the critic are not built (the policy's, "
+                                    "actor_rollout_ref.model.override_config, are); edit the critic's config.json",
+    "reward_model.model.override_config": "HF config overrides of the reward model are not built (the policy's, "
+                                          "actor_rollout_ref.model.override_config, are); edit its config.json",
     "*.megatron.router_replay.record_file": ROUTER_FILES,
     "*.megatron.router_replay.replay_file": ROUTER_FILES,
     "actor_rollout_ref.ref.megatron.router_replay.mode": "the reference routes natively in verl too (its router_replay "
@@ -306,6 +309,14 @@ def _set_away_from_default(cfg: DictConfig, defaults: DictConfig, key: str):
     return _DEFAULT if value == default else value
 
 
+def _entries(value: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """A free-form dict's entries as dotted keys (nested dicts walked), with their values."""
+    out = []
+    for entry, item in value.items():
+        out += _entries(item, f"{prefix}{entry}.") if isinstance(item, dict) and item else [(f"{prefix}{entry}", item)]
+    return out
+
+
 def key_policy(cfg: DictConfig) -> tuple[list[str], list[str]]:
     """(problems, warnings) of ``cfg``'s keys set away from their defaults under the rules above."""
     defaults = default_config()
@@ -319,10 +330,12 @@ def key_policy(cfg: DictConfig) -> tuple[list[str], list[str]]:
         value = _set_away_from_default(cfg, defaults, key)
         if value is _DEFAULT:
             continue
-        if kind == "read":  # a free-form dict: its entries may name a missing feature
-            for entry, item in value.items():
+        if kind == "read":  # a free-form dict: its entries may name a missing feature, or an FSDP-only one
+            for entry, item in _entries(value):
                 if not _match(f"{key}.{entry}", READ_ENTRIES) and (rule := _match(f"{key}.{entry}", REFUSED)):
                     refused.setdefault(REFUSED[rule], []).append(f"{key}.{entry}={item}")
+                elif _match(f"{key}.{entry}", FSDP_ONLY):
+                    fsdp.append(f"{key}.{entry}={item}")
         elif kind == "refused":
             refused.setdefault(REFUSED[_match(key, REFUSED)], []).append(f"{key}={value}")
         elif kind == "fsdp_only":

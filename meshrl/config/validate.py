@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshrl.config.async_keys import async_problems, with_async_keys
 from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES, ROLLOUT_ROUTING, key_policy
+from meshrl.config.reward_kwargs import reward_kwargs_problems
 from meshrl.config.schema import ROUTER_REPLAY_MODES
 from meshrl.config.loader import ConfigError, default_config
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS
@@ -71,6 +72,7 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     async_ranges, async_notes, async_keys = async_problems(cfg)
     p.items.extend(with_async_keys(refused, async_keys) + async_ranges)
     notes += async_notes
+    p.items.extend(reward_kwargs_problems(cfg))  # the dapo reward manager's overlong buffer
     data, arr, trainer, algo = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
     actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
     # Method names and each phase's micro-batching; the plan says which roles the checks below concern.

@@ -59,8 +59,9 @@ MATH_SOURCES = frozenset(
 # verl's reward managers meshrl's pool is: "naive" scores each response with the function, "prime" does
 # the same in parallel processes with a per-call timeout and 0 for a failed call, which the pool does for both;
 # "gdpo" is naive's scoring too, whose dict-valued scores' other entries (the reward components gdpo's
-# estimator normalises, algorithm.gdpo_reward_keys) the pool keeps per response for every manager.
-REWARD_MANAGERS = ("naive", "prime", "gdpo")
+# estimator normalises, algorithm.gdpo_reward_keys) the pool keeps per response for every manager; "dapo" is
+# naive's scoring plus DAPO's overlong penalty, which the trainer adds (meshrl.rewards.overlong).
+REWARD_MANAGERS = ("naive", "prime", "gdpo", "dapo")
 
 
 def default_compute_score(

@@ -104,6 +104,7 @@ OWNED_VLLM_ARGS = {
     "worker_cls": "meshrl's weight sync needs vLLM's default worker; remove it",
     "worker_extension_cls": "meshrl's weight sync is the worker extension; remove it",
     "generation_config": "sampling comes only from the rollout's keys (temperature, top_p, top_k, ...); remove it",
+    "hf_overrides": "set actor_rollout_ref.model.override_config, which the trainer's model takes too; remove it",
     "override_generation_config": "sampling comes only from the rollout's keys (temperature, top_p, top_k, ...); "
                                   "remove it",
     **dict.fromkeys(("enable_lora", "max_lora_rank", "max_loras"),
@@ -224,6 +225,8 @@ class EngineConfig:
     - ``disable_log_stats``: vLLM's periodic throughput log off.
     - ``load_format``: one of ``LOAD_FORMATS`` (see the module doc); ``random_init`` tells a dummy one.
     - ``max_lora_rank``: > 0 serves LoRA adapters of up to this rank (``load_adapter``; vLLM only); 0: none.
+    - ``hf_overrides``: fields of the model's Hugging Face config to override, as the trainer's model has them
+      (``actor_rollout_ref.model.override_config``, ``meshrl.models.hf_config``).
     - ``vllm_kwargs``: further vLLM engine arguments (verl's ``rollout.engine_kwargs.vllm``); None values
       are dropped (unset, as verl does). Refused: names vLLM's ``EngineArgs`` lacks, those in
       ``OWNED_VLLM_ARGS``, and any with ``name="hf"``.
@@ -250,6 +253,7 @@ class EngineConfig:
     disable_log_stats: bool = True
     load_format: str = "auto"
     max_lora_rank: int = 0
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
     vllm_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

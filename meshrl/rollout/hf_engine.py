@@ -31,6 +31,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from meshrl.models.hf_config import apply_overrides
 from meshrl.rollout.base import Completion, EngineConfig, RolloutEngine, SamplingConfig, default_dp_rank
 
 
@@ -99,12 +100,14 @@ class HFEngine(RolloutEngine):
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dtype = getattr(torch, config.dtype if config.dtype != "auto" else ("bfloat16" if cuda else "float32"))
+        hf_config = apply_overrides(AutoConfig.from_pretrained(self.model_path), config.hf_overrides)
         if config.random_init:
             with torch.random.fork_rng(devices=[]):  # random weights without moving the caller's RNG
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=dtype)
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         else:
             use_safetensors = {"safetensors": True, "pt": False}.get(config.load_format)
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, use_safetensors=use_safetensors)
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, config=hf_config, dtype=dtype,
+                                                         use_safetensors=use_safetensors)
         self.model = model.to(self.device).eval().requires_grad_(False)
         # Only SamplingConfig decides how to sample: drop the checkpoint's generation defaults.
         self.model.generation_config = GenerationConfig()

@@ -294,6 +294,8 @@ class VLLMEngine(RolloutEngine):
             kwargs["enable_chunked_prefill"] = False
         if colocated:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if config.hf_overrides:  # the trainer's model has them too (meshrl.models.hf_config)
+            kwargs["hf_overrides"] = dict(config.hf_overrides)
         if config.max_lora_rank:  # one adapter at a time: the policy's (meshrl.rollout.lora_adapter)
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(config.max_lora_rank))
         return kwargs

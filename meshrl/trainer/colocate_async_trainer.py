@@ -37,7 +37,7 @@ import torch
 from meshrl.config.loader import ConfigError
 from meshrl.protocol import Batch
 from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch
-from meshrl.trainer.sample_queue import off_policy_metrics, trajectory_span
+from meshrl.trainer.sample_queue import trajectory_span, trajectory_version_metrics
 from meshrl.trainer.tracking import Timer
 from meshrl.workers.sequences import POLICY_VERSION
 
@@ -80,7 +80,7 @@ class ColocateAsyncTrainer(RLTrainer):
                 keys, evicted = self.finished_groups()
                 batch, prompts = self.take(keys)
             spans = [trajectory_span(row) for row in batch[POLICY_VERSION]]
-            metrics.update(off_policy_metrics(self.version, spans))
+            metrics.update(trajectory_version_metrics(self.version, spans))
             metrics["training/off_policy/evicted_samples"] = float(evicted)
             metrics["colocate_async/groups_in_flight"] = float(len(self.groups))
             self.fresh = all(first == self.version for first, _ in spans)

@@ -400,20 +400,20 @@ def model_config(cfg):
     """The policy model's Hugging Face config (its config.json only: no weights load); a ``ConfigError`` naming
     ``actor_rollout_ref.model.path`` when there is none, or when meshrl has no family for it or refuses one of
     its fields (``meshrl.models.families.model_spec``)."""
-    from transformers import AutoConfig
-
     from meshrl.config import ConfigError
     from meshrl.models.families import model_spec
+    from meshrl.models.hf_config import KEY, load_model_config
     from meshrl.models.resolve import resolve_model_path
 
     model = cfg.actor_rollout_ref.model
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(model.path), trust_remote_code=model.trust_remote_code)
+        config = load_model_config(resolve_model_path(model.path), model.override_config, model.trust_remote_code)
         model_spec(config)
         return config
     except (OSError, ValueError) as exc:  # no folder or config.json, an unknown model type, remote code not trusted,
-        # a family or config field meshrl does not implement
-        raise ConfigError(f"actor_rollout_ref.model.path: {exc}", ["actor_rollout_ref.model.path"]) from None
+        # a family or config field meshrl does not implement, an override of a field the config lacks
+        key = KEY if str(exc).startswith(KEY) else "actor_rollout_ref.model.path"
+        raise ConfigError(str(exc) if key == KEY else f"{key}: {exc}", [key]) from None
 
 
 def main(argv: Sequence[str] | None = None, default_config_name: str | None = None,

@@ -42,6 +42,7 @@ from meshrl.config.run_plan import RunPlan, UpdateSchedule
 from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
 from meshrl.protocol import Batch
+from meshrl.rewards.overlong import overlong_buffer
 from meshrl.rewards.pool import RewardPool
 from meshrl.rollout.agent_loop import AGENT_STATS, agent_metrics, agent_reward_info
 from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
@@ -100,6 +101,7 @@ class RLTrainer:
                                           target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
         self.total_steps = total_training_steps(cfg, len(train_data))
         self.mismatch = MismatchAlarm(plan.mismatch_tolerance, cfg.trainer.on_mismatch)
+        self.overlong = overlong_buffer(cfg)  # reward.reward_manager.name=dapo's penalty (None: no penalty)
         self.step = 0
         self.hf_exports = hf_export_roles(cfg, with_critic=critic is not None)  # refuses what meshrl cannot save
         self.dumps = GenerationDumps(cfg.trainer, Path(cfg.trainer.default_local_dir), tokenizer)
@@ -278,8 +280,13 @@ class RLTrainer:
             extra_info = [{**(info or {}), "rm_score": float(s)} for info, s in zip(extra_info, rm_scores)]
         result = self.reward.score(list(batch["reward_source"]), decode_responses(batch, self.tokenizer),
                                    list(batch["ground_truth"]), extra_info)
-        return Scores(torch.tensor(result.scores, dtype=torch.float32), rm_scores, result.extras,
-                      {k: float(v) for k, v in result.metrics.items()})  # already named reward/...
+        scores, extras = torch.tensor(result.scores, dtype=torch.float32), result.extras
+        if self.overlong is not None:  # verl's dapo reward manager: + DAPO's overlong penalty
+            penalty = self.overlong.penalty(attended(batch).sum(-1))
+            scores = scores + penalty
+            if self.overlong.log:
+                extras = {**extras, "overlong_reward": penalty.tolist(), "overlong": (penalty < 0).tolist()}
+        return Scores(scores, rm_scores, extras, {k: float(v) for k, v in result.metrics.items()})  # reward/...
 
     def apply_scores(self, batch: Batch, result: Scores, prefix: str) -> dict[str, float]:
         """Set ``token_level_scores`` (and the function's extra outputs) from ``result``; its metrics."""

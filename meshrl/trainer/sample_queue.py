@@ -197,7 +197,7 @@ def trajectory_span(versions: Any) -> tuple[int, int]:
     return min(values), max(values)
 
 
-def off_policy_metrics(version: int, spans: Sequence[tuple[int, int]]) -> dict[str, float]:
+def trajectory_version_metrics(version: int, spans: Sequence[tuple[int, int]]) -> dict[str, float]:
     """verl V1's ``training/off_policy/*`` of trajectories whose (first, last) versions are ``spans``, trained at
     ``version``: ``trajectory_spans`` (versions within one trajectory, 1 = one), ``trajectory_staleness`` (``version``
     − its newest) and ``trajectory_staleness_worst`` (``version`` − its oldest); mean, max, min of each."""
@@ -451,7 +451,7 @@ class SampleQueue:
                    "fully_async/partial/total_partial_num": float(partial),
                    "fully_async/partial/partial_ratio": partial / len(spans),
                    "fully_async/partial/max_partial_span": float(max(spans))}
-        return metrics | off_policy_metrics(v, [version for sample in samples for version in sample.versions])
+        return metrics | trajectory_version_metrics(v, [version for sample in samples for version in sample.versions])
 
     def _rollouter_blocked(self) -> bool:
         return self.in_flight == 0 and self.pause_reason() in (STALENESS, QUEUE_FULL)

@@ -115,8 +115,9 @@ class ActorRolloutRefWorker(RankWorker):
         """Join the process group, build the policy (and reference) and the rollout engine; returns the rank's
         layout, with ``startup``: seconds spent on the imports below, the models and the engine."""
         started = time.monotonic()  # before the imports: the libraries' import is most of a start on CPU
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
+        from meshrl.models.hf_config import load_model_config, model_overrides
         from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
                                                     param_dtype)
         from meshrl.parallel.compiled import compile_elementwise
@@ -133,7 +134,7 @@ class ActorRolloutRefWorker(RankWorker):
         imported = time.monotonic()
         layout = self._init_distributed(address, actor.megatron, threads)
         trust = {"trust_remote_code": arr.model.trust_remote_code}
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir, **trust)
+        self.hf_config = load_model_config(self.model_dir, arr.model.override_config, **trust)
         tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir, **trust)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         distributed_opt = actor.megatron.use_distributed_optimizer
@@ -185,7 +186,7 @@ class ActorRolloutRefWorker(RankWorker):
         engine_cfg = EngineConfig.from_rollout(
             rollout, max_model_len=self.plan.prompt_length + self.response_length,
             generation_threads=threads, max_lora_rank=self.plan.lora.rank if self.adapter_sync else 0,
-            sleep_level=1 if self.adapter_sync else 2)
+            sleep_level=1 if self.adapter_sync else 2, hf_overrides=model_overrides(arr.model.override_config))
         self.replica = self.rank // rollout.tensor_model_parallel_size
         built = time.monotonic()
         self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)

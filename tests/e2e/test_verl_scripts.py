@@ -61,11 +61,17 @@ SCRIPTS = {
                           "verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh"),
     "fully_async_megatron": ("verl-project/verl",
                              "verl/experimental/fully_async_policy/shell/geo3k_qwen25vl_7b_megatron_4_4.sh"),
+    # one-step-off DAPO with verl's rollout correction in decoupled mode (sequence rejection, the old-log-prob pass):
+    # the dapo reward manager's overlong penalty (its lengths CPU-sized like the others) and the policy's HF config
+    # override (max_position_embeddings), which the trainer's model and the engine both take
+    "one_step_off_dapo_ris": ("verl-project/verl",
+                              "verl/experimental/one_step_off_policy/shell/dapo_7b_math_fsdp2_64_64_ris.sh"),
 }
-ASYNC = {"one_step_off_fsdp": "one_step_off", "fully_async_megatron": "fully_async"}
+ASYNC = {"one_step_off_fsdp": "one_step_off", "fully_async_megatron": "fully_async",
+         "one_step_off_dapo_ris": "one_step_off"}
 # verl's rollout-correction scripts run in bypass mode: the trainer computes no log-probs of its own to compare with
 # the engine's (rollout/log_prob_*); the actor compares the policy it trains with the engine's (rollout_corr/kl, ...).
-BYPASS = {"rollout_corr_rloo", "rollout_corr_multi_rs", *ASYNC}
+BYPASS = {"rollout_corr_rloo", "rollout_corr_multi_rs", "one_step_off_fsdp", "fully_async_megatron"}
 # Swaps appended after the CPU sizes, by script name.
 AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
                                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]}
@@ -95,6 +101,8 @@ SIZES = {
     r"actor_rollout_ref\.rollout\.tensor_model_parallel_size": "1", r"trainer\.n_gpus_per_node": "1",
     r"trainer\.nnodes": "1", r"reward_model\.rollout\.tensor_model_parallel_size": "1",
     r"rollout\.nnodes": "1", r"rollout\.n_gpus_per_node": "1",  # the asynchronous trainers' rollout pool
+    # DAPO's overlong buffer: the last 4 of the 12 response tokens
+    r"reward\.reward_kwargs\.max_resp_len": "12", r"reward\.reward_kwargs\.overlong_buffer_cfg\.len": "4",
 }
 MODEL_KEYS = r"(actor_rollout_ref|critic)\.model\.path"
 # with a reward file of verl's repository swapped for meshrl's test reward (classify.PATH_SWAPS)
@@ -183,7 +191,7 @@ def check_method(name: str, plan, step: dict) -> None:
     if name == "dppo_moe_megatron":
         assert plan.policy_loss == "dppo_tv" and {"actor/clipfrac", "actor/clipfrac_lower"} <= set(step)
     if name in ASYNC:  # verl's trainer, its staleness metrics: step 1 trains on the first weights' samples
-        assert plan.rollout_correction.bypass
+        assert plan.rollout_correction.bypass == (name in BYPASS)
         assert step["fully_async/count/current_param_version"] == 0
         assert step["training/off_policy/trajectory_staleness/max"] == 0
         assert step["fully_async/static/required_samples"] == 4 and step["fully_async/count/total_generated_samples"] \
@@ -191,6 +199,10 @@ def check_method(name: str, plan, step: dict) -> None:
     if name == "rollout_corr_rloo":  # sequence IS weights, batch-normalised (mean 1), applied by REINFORCE's loss
         assert plan.adv_estimator == "rloo" and plan.rollout_correction.bypass
         assert step["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-5)
+    if name == "one_step_off_dapo_ris":  # the tiny model's responses all reach 12 tokens and score 0 on GSM8K: each
+        # gets DAPO's full penalty, -(12 - (12 - 4)) / 4 x penalty_factor 1.0; the sequence rejection ran
+        assert step["score/mean"] == -1.0 and "rollout_corr/rollout_rs_masked_fraction" in step
+        assert step["response_length/mean"] == 12
     if name == "rollout_corr_multi_rs":  # both rejection criteria ran; same policy: nothing is rejected
         assert plan.adv_estimator == "grpo" and plan.rollout_correction.bypass
         assert {"rollout_corr/rollout_rs_token_k1_mean", "rollout_corr/rollout_rs_seq_max_k2_mean"} <= set(step)

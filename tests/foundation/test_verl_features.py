@@ -82,8 +82,8 @@ def test_a_verl_lora_script_from_an_adapter_needs_the_adapter_folder():
 
 @pytest.mark.parametrize("script, features", [
     # each missing feature in one message of its own
-    ("verl-project/verl:examples/grpo_trainer/run_deepseek_v3_671b_megatron.sh",
-     ["mixture-of-experts", "DAPO's overlong buffer"]),
+    ("volcengine/verl:verl/experimental/fully_async_policy/shell/grpo_30b_a3b_base_math_megatron_96_32_mis.sh",
+     ["mixture-of-experts", "proximal log-prob pass", "rollouter validation frequency"]),
 ])
 def test_a_script_needing_several_features_gets_one_message_per_feature(script, features):
     found = problems(SCRIPTS[script])

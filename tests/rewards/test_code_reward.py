@@ -188,9 +188,10 @@ def _config(*overrides: str):
 def test_the_config_is_checked_before_the_run():
     check_reward_function(_config("reward_model.reward_manager=prime"))
     check_reward_function(_config("reward.reward_manager.name=gdpo"))  # verl's GDPO scripts' manager
-    with pytest.raises(ConfigError, match="reward_model.reward_manager='dapo': meshrl's reward pool is verl's naive / "
-                                          "prime / gdpo manager"):
-        check_reward_function(_config("reward_model.reward_manager=dapo"))
+    check_reward_function(_config("reward_model.reward_manager=dapo"))  # + DAPO's overlong penalty
+    with pytest.raises(ConfigError, match="reward_model.reward_manager='batch': meshrl's reward pool is verl's naive / "
+                                          "prime / gdpo / dapo manager"):
+        check_reward_function(_config("reward_model.reward_manager=batch"))
     with pytest.raises(ConfigError, match="max_concurrent must be >= 1 and memory_limit_mb >= 64"):
         check_reward_function(_config("reward_model.sandbox_fusion.max_concurrent=0"))
     url = _closed_port_url()

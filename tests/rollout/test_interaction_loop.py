@@ -205,7 +205,8 @@ def test_turn_scores_and_tool_rewards_reach_the_reward_functions_extra_info_as_v
     batch = Batch(tensors={"responses": torch.tensor([[5, 6], [7, 0]]), "response_mask": torch.ones(2, 2)},
                   non_tensors={"extra_info": rows, "reward_source": ["a", "a"], "ground_truth": ["1", "2"],
                                AGENT_STATS: np.array(stats, dtype=object)})
-    RLTrainer.function_scores(SimpleNamespace(reward=SimpleNamespace(score=score), tokenizer=tokenizer), batch, None)
+    RLTrainer.function_scores(SimpleNamespace(reward=SimpleNamespace(score=score), tokenizer=tokenizer, overlong=None),
+                              batch, None)
     assert seen == [{"index": 3, "turn_scores": [0.5], "tool_rewards": [-0.05], "num_turns": 4},
                     {"turn_scores": [], "tool_rewards": [], "num_turns": 2}]
     assert rows[0] == {"index": 3}  # the rows' own extra_info is not changed

@@ -430,3 +430,26 @@ def test_colocate_async_keys_are_refused_in_other_trainers_and_its_limits_at_con
             validate_config(load_config([*COLOCATE, override], recipe="cpu_tiny_grpo"))
     validate_config(load_config([*COLOCATE, "trainer.v1.sampler.max_off_policy_strategy=wait"],
                                 recipe="cpu_tiny_grpo"))
+
+
+def test_the_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(run, tmp_path):
+    """The fake's responses are 5 tokens; with max_resp_len 6 and a buffer of 4 each is 3 tokens past 6 - 4, so each
+    score drops by 3 / 4 x 0.5 against the naive manager's, in training and validation alike, and log=True keeps the
+    per-response penalty with the rollout dumps."""
+    naive, _ = run("trainer.total_training_steps=1", "trainer.test_freq=1")
+    plain = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    length = len(FakeRole("actor", naive.tokenizer, 16).response)
+    dapo, _ = run("trainer.total_training_steps=1", "trainer.test_freq=1", "trainer.resume_mode=disable",
+                  f"trainer.rollout_data_dir={tmp_path / 'dumps'}", "reward.reward_manager.name=dapo",
+                  "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+                  "+reward.reward_kwargs.overlong_buffer_cfg.len=4",
+                  "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+                  "+reward.reward_kwargs.overlong_buffer_cfg.log=True", f"+reward.reward_kwargs.max_resp_len={length + 1}")
+    penalised = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    penalty = -(length - (length + 1 - 4)) / 4 * 0.5
+    assert penalty < 0
+    for key in ("score/mean", "val/score"):
+        assert penalised[key] == pytest.approx(plain[key] + penalty), key
+    (dump,) = (tmp_path / "dumps").glob("1.jsonl")
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert rows and all(r["overlong_reward"] == pytest.approx(penalty) and r["overlong"] is True for r in rows)
