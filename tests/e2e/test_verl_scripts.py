@@ -83,14 +83,17 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
 # verl's in tests/algorithms/test_verl_reference.py, and the FSDP keys' warnings are the key-policy unit tests'.
 # The adapters at inference TP2 take lora_megatron's path to the engine; only vLLM's slicing per TP rank is new.
 # The one-step-off trainer trains in tests/e2e/test_async_e2e.py (three steps, each batch one version late), and its
-# script's keys load and validate in the unit tests; fully_async_megatron runs the same driver from a verl script.
+# script's keys load and validate in the unit tests; one_step_off_dapo_ris runs an asynchronous trainer from a verl
+# script through its entry module in make test; the fully async trainer trains in test_async_e2e.py (staleness 0 =
+# the synchronous run) and fully_async_megatron's keys (train_batch_size=0 filled from require_batches) validate in the
+# unit tests (test_verl_invocation.py, test_config.py).
 # The method scripts: each loss and estimator is checked against verl's in tests/algorithms/test_verl_reference.py and
 # trains GRPO's path (test_algorithms_e2e.py's grpo case); GDPO's reward components reach its estimator in
 # tests/trainer/test_advantage_glue.py; rollout correction (IS, rejection, bypass mode) trains in
 # test_algorithms_e2e.py's remax and ppo cases; Qwen3-MoE matches HF in tests/parallel/test_moe_parallel.py.
 EXTENDED = {"qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2", "gdpo_fsdp",
             "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp", "sapo_moe_fsdp", "rollout_corr_rloo",
-            "rollout_corr_multi_rs", "one_step_off_fsdp"}
+            "rollout_corr_multi_rs", "one_step_off_fsdp", "fully_async_megatron"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
 # conflict with its deprecated twin, e.g. ppo_micro_batch_size vs ppo_micro_batch_size_per_gpu).
