@@ -4,7 +4,8 @@ resumes as if nothing had happened.
 Each test runs ``python -m meshrl.trainer.main`` as a user does, in its own ``RunSandbox`` (a ``TMPDIR`` of its
 own: ``tests/e2e/run_sandbox.py``), and then compares the machine before and after: no process, no file in the
 run's temporary folder, no new shared-memory segment. Exit paths covered here: a normal finish (and the same
-command again: the resume test's uninterrupted run), a config error, an exception raised in a worker, ``kill -9`` of a worker, ``kill -9`` of the driver
+command again: the resume test's uninterrupted run), a config error, an exception raised in a worker, ``kill -9`` of a
+worker (of the one-step-off trainer, generating on a thread while it trains), ``kill -9`` of the driver
 while it writes a checkpoint. Ctrl-C and SIGTERM: ``tests/e2e/test_interrupts_e2e.py``, with the same check.
 """
 
@@ -62,13 +63,17 @@ def _policy_workers(sandbox: RunSandbox) -> list[psutil.Process]:
 
 
 def test_a_killed_worker_stops_the_run_keeps_the_checkpoint_and_leaves_nothing(sandbox, tmp_path):
+    """The one-step-off trainer's workers generate the next batch on a thread of their own while they train: the
+    kill lands in that overlap (or the step), and the run fails fast naming the worker, as the synchronous one's."""
     run_dir = tmp_path / "run"
     code = run_main(sandbox, *TINY, f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=6",
-                    "trainer.save_freq=1", log=tmp_path / "output.txt",
+                    "trainer.save_freq=1", "trainer.async_mode=one_step_off",
+                    "algorithm.rollout_correction.bypass_mode=True", log=tmp_path / "output.txt",
                     until=lambda: (run_dir / "global_step_1" / "COMPLETE").is_file(),
                     kill=lambda: _policy_workers(sandbox))
     output = (tmp_path / "output.txt").read_text()
     assert code == 1 and "actor_rollout_ref rank 0 died" in output and "Traceback" not in output, output[-3000:]
+    assert "on a thread of each worker while it trains" in output  # the overlapped rollouter
     assert re.search(rf"meshrl: last checkpoint: {run_dir}/global_step_\d; resume with the same command", output)
     latest = CheckpointManager(run_dir).resolve("auto")
     assert latest is not None and CheckpointManager(run_dir).load_driver_state(latest)["step"] >= 1
