@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM of ``python -m meshrl.trainer.main`` on the tiny recipe: one line naming the step and the
 last checkpoint, exit code 130 / 143, no traceback, and nothing of the run left (processes, temporary files,
 shared memory: ``run_sandbox``). With ``trainer.save_on_preempt=True`` a SIGTERM first finishes and saves the
-step in progress. One run per signal.
+step in progress. One run per signal; the Ctrl-C one on the fully async trainer (a generation in flight on the
+workers' threads).
 The SIGTERM run also checks the quiet console: no library line in the output, all of them in the run's logs."""
 
 from __future__ import annotations
@@ -40,14 +41,20 @@ def stop_line(output: str, signame: str) -> re.Match:
 
 
 def test_ctrl_c_stops_with_one_line_and_exit_code_130(tmp_path):
+    """On the fully async trainer, its rollouter a batch ahead on the workers' threads (staleness 1): Ctrl-C lands
+    while a generation is in flight, which the run leaves as cleanly as the synchronous one."""
     def saved_step_1(run_dir: Path) -> bool:
         return (run_dir / "global_step_1" / "COMPLETE").is_file()
 
-    code, output, run_dir = interrupt(tmp_path, signal.SIGINT, saved_step_1, "trainer.save_freq=1")
+    code, output, run_dir = interrupt(tmp_path, signal.SIGINT, saved_step_1, "trainer.save_freq=1",
+                                      "trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=True",
+                                      "async_training.staleness_threshold=1", "async_training.require_batches=2",
+                                      "async_training.trigger_parameter_sync_step=1")
     assert code == 130, output[-3000:]
     step, checkpoint = stop_line(output, "SIGINT")
     assert int(step) in (1, 2) and Path(checkpoint) == run_dir / "global_step_1"  # in step 2, or just after 1
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert "on a thread of each worker while it trains" in output  # the overlapped rollouter
 
 
 def test_sigterm_with_save_on_preempt_saves_the_step_then_exits_143(tmp_path):
