@@ -43,6 +43,13 @@ CONSOLE_KEYS: dict[str, tuple[str, ...]] = {
     "acc": ("score/accuracy",),
     "val": ("val/score", "val/score/mean", "val/accuracy"),
     "len": ("response_length/mean",),
+    # the features a run switched on, when it did: multi-turn rollouts (meshrl.rollout.agent_loop), rollout
+    # correction's IS weights and rejection (meshrl.algorithms.rollout_correction), the asynchronous trainers' staleness
+    "turns": ("agent/num_turns/mean",),
+    "tool_calls": ("agent/tool_calls/mean",),
+    "is_weight": ("rollout_corr/rollout_is_mean",),
+    "rejected": ("rollout_corr/rollout_rs_masked_fraction",),
+    "stale": ("training/off_policy/trajectory_staleness/mean",),
     # KL to the reference policy, however the run measures it.
     "kl": ("actor/kl", "actor/ref_kl_k1", "actor/reward_kl_penalty", "actor/kl_loss", "kl/mean"),
     "entropy": ("actor/entropy", "entropy/mean"),

@@ -61,7 +61,7 @@ agent_loop.AgentLoop._after_turn = after_turn
 """
 
 
-def test_one_multi_turn_grpo_step_trains_on_the_engines_tokens(tmp_path):
+def test_one_multi_turn_grpo_step_trains_on_the_engines_tokens(tmp_path, capsys):
     """Measured (2 shared cores, fp32): 4 samples of 3 assistant turns, 1 calculator turn and 1 interaction turn
     each, 49.5 response tokens on average of which 12 tool and 26 user tokens; trainer vs engine log-probs of the
     sampled tokens 1.9e-6 at most (7e-7 on average); the test 30 s with Ray, Megatron and vLLM start-up at load
@@ -99,3 +99,6 @@ def test_one_multi_turn_grpo_step_trains_on_the_engines_tokens(tmp_path):
     # The trainer's log-probs of the sampled tokens (Megatron, on prompt + response with the tool outputs as
     # context) are the engine's: the tokens are the same and the tool tokens sit where the engine saw them.
     assert final["rollout/log_prob_max_abs_diff"] < 1e-3
+    # the console's step line says what the multi-turn rollout did (meshrl.trainer.tracking.CONSOLE_KEYS)
+    (line,) = [row for row in capsys.readouterr().out.splitlines() if row.startswith("step 1/1")]
+    assert f"turns {final['agent/num_turns/mean']:.4g}" in line and " tool_calls " in line, line

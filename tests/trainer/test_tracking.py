@@ -101,6 +101,17 @@ def test_console_without_tty_prints_key_metrics(tmp_path, capsys):
     assert "exp" not in out.err  # no bar redrawn into a pipe
 
 
+def test_console_shows_the_metrics_of_the_features_a_run_switched_on(tmp_path, capsys):
+    with Tracker(["console"], tmp_path, "p", "exp", {}, 2) as tracker:
+        tracker.log({"score/mean": 0.5, "agent/num_turns/mean": 3.5, "agent/tool_calls/mean": 1.25}, 1)
+        tracker.log({"score/mean": 0.5, "rollout_corr/rollout_is_mean": 0.98,
+                     "rollout_corr/rollout_rs_masked_fraction": 0.125,
+                     "training/off_policy/trajectory_staleness/mean": 0.5}, 2)
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == "step 1/2 | score 0.5 | turns 3.5 | tool_calls 1.25"
+    assert second.startswith("step 2/2 | score 0.5 | is_weight 0.98 | rejected 0.125 | stale 0.5")
+
+
 def test_console_bar_on_a_non_terminal_stream_does_not_crash(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tracking, "_is_terminal", lambda stream: True)  # force the bar on a captured stream
     with Tracker(["console"], tmp_path, "p", "exp", {}, 4) as tracker:
