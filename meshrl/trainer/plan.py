@@ -39,7 +39,8 @@ Model of one GPU (``trainer.device`` auto/cuda; bf16 training as ``model_builder
   keeps PP micro-batches in flight under 1F1B (``1 + (PP-1)/(PP·VPP)`` more with interleaving), the last stage one.
 - Logits of a micro-batch, last stage, vocabulary split over TP: bf16 logits, the fp32 copy the
   vocab-parallel cross entropy keeps, and its fp32 gradient (10 B per element; +8 B when the entropy
-  bonus is on); forward-only passes keep 6 B. With the fused output layer (``model.use_fused_kernels``,
+  bonus is on); forward-only passes keep 6 B, 10 B in an old-log-prob pass that also computes Σπ² (its fp32 exp
+  beside the copy; ``actor.calculate_sum_pi_squared``). With the fused output layer (``model.use_fused_kernels``,
   the default; ``run_plan.fused_chunk_size``) only one chunk's logits exist: ``chunk x V/TP`` elements
   of 16 B in the update (fp32 logits, softmax and gradient) plus the fp32 accumulator of the output
   weight's gradient (``V/TP x h x 4 B``), 12 B in forward-only passes (measured on CPU in fp32 for
@@ -118,6 +119,10 @@ _CPU = dict(param=4, grad=4, optim=8, act=4)
 LOGIT_BYTES_TRAIN = 10  # bf16 logits + fp32 copy kept by the cross entropy + fp32 gradient
 LOGIT_BYTES_ENTROPY = 8  # the entropy bonus keeps an fp32 log-softmax and a temporary
 LOGIT_BYTES_FORWARD = 6  # bf16 logits + fp32 copy
+# Σπ² of the old-log-prob pass (actor.calculate_sum_pi_squared), before the cross entropy: bf16 logits + their fp32
+# copy + the fp32 exp it squares in place (forward.vocab_parallel_sum_pi_squared); the fused path squares its chunk's
+# own exp in place (nothing more than FUSED_BYTES_FORWARD)
+SUM_PI2_BYTES_FORWARD = 10
 FUSED_BYTES_TRAIN = 16  # per element of one [chunk, V/TP] chunk: fp32 logits, softmax and gradient (+ bf16 copies)
 FUSED_BYTES_FORWARD = 12  # fp32 logits and two temporaries
 OVERHEAD_GIB = {"cuda": 2.0, "cpu": 1.5}  # per process: CUDA context + NCCL + allocator slack / interpreter + libraries
@@ -498,6 +503,8 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     if actor_dtype is _CPU:
         logit_train += 2  # fp32 logits instead of bf16
     logit_forward = LOGIT_BYTES_FORWARD + (2 if actor_dtype is _CPU else 0)
+    if run.sum_pi_squared:  # fp32 logits on CPU: .float() copies nothing, the exp is the one temporary
+        logit_forward = max(logit_forward, SUM_PI2_BYTES_FORWARD - (2 if actor_dtype is _CPU else 0))
     chunk = run.fused_chunk_size
 
     def logits_bytes(tokens: int, train: bool) -> float:

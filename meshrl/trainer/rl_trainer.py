@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms import GlobalNorm, make_kl_controller
 from meshrl.algorithms.rollout_correction import off_policy_metrics
+from meshrl.algorithms.variance_proxy import variance_proxy_metrics
 from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import RunPlan, UpdateSchedule
 from meshrl.data.dataset import RLDataset
@@ -213,6 +214,10 @@ class RLTrainer:
         and the epoch; dumps the batch (``trainer.rollout_data_dir``)."""
         self.dumps.rollouts(self.step, batch)
         metrics.update(batch_metrics(batch, self.plan))
+        if "sum_pi_squared" in batch and "advantages" in batch:  # verl logs them whenever the actor computed Σπ²
+            metrics.update(variance_proxy_metrics(
+                batch["old_log_probs"], batch["sum_pi_squared"], batch["advantages"], batch["response_mask"],
+                batch["rollout_is_weights"] if "rollout_is_weights" in batch else None, metrics.get("actor/grad_norm")))
         if self.alarm_applies():
             metrics.update(self.mismatch.check(self.step, metrics))
         metrics.update(timer.metrics())

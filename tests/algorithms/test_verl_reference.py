@@ -1275,3 +1275,46 @@ def test_bypass_mode_agrees_with_verl_reference(case: str, dtype: torch.dtype) -
     for key, value in terms.items():
         computed_mean = float(torch.where(mask, value.double(), 0.0).sum() / mask.sum())
         assert computed_mean == pytest.approx(verl_metrics[key], rel=TOLERANCE[dtype], abs=TOLERANCE[dtype]), key
+
+
+def ref_variance_proxy(old: Matrix, sum_pi2: Matrix, adv: Matrix, mask: list[list[bool]], is_w: Matrix | None,
+                       grad_norm: float | None) -> dict[str, float]:
+    """verl compute_variance_proxy_metrics (metric_utils.py), response by response."""
+    w_token = [[1.0 - 2.0 * math.exp(o) + s for o, s in zip(orow, srow)] for orow, srow in zip(old, sum_pi2)]
+    if is_w is not None:
+        w_token = [[x * w * w for x, w in zip(xrow, wrow)] for xrow, wrow in zip(w_token, is_w)]
+    a_bar = [row_mean(row, valid) for row, valid in zip(adv, mask)]
+    w_tau = [sum(x for x, m in zip(row, valid) if m) for row, valid in zip(w_token, mask)]
+    if is_w is None:
+        power = mean([a * a * max(w, 0.0) for a, w in zip(a_bar, w_tau)])
+    else:
+        w_bar = [row_mean(row, valid) for row, valid in zip(is_w, mask)]
+        w_orig = [max(sum(x / max(w * w, 1e-10) for x, w, m in zip(xrow, wrow, valid) if m), 0.0)
+                  for xrow, wrow, valid in zip(w_token, is_w, mask)]
+        power = mean([b * b * a * a * w for b, a, w in zip(w_bar, a_bar, w_orig)])
+    signal = grad_norm ** 2 if grad_norm is not None else None
+    noise = max(0.0, (power - signal) / (len(adv) - 1)) if signal is not None else 0.0
+    return {"variance_proxy/proxy1_signal_strength": signal or 0.0, "variance_proxy/proxy2_total_power": power,
+            "variance_proxy/proxy3_pure_noise": noise, "variance_proxy/expected_a_squared": mean([a * a for a in a_bar]),
+            "variance_proxy/expected_w": mean(w_tau)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_is", [False, True], ids=["on_policy", "is_weights"])
+def test_variance_proxy_metrics_agree_with_verl_reference(dtype: torch.dtype, with_is: bool) -> None:
+    from meshrl.algorithms.variance_proxy import variance_proxy_metrics
+
+    mask, train, rollout = correction_inputs(dtype, scale=0.3)
+    g = torch.Generator().manual_seed(11)
+    old = -torch.rand(train.shape, generator=g, dtype=torch.float64).to(dtype) * 3  # log-probs of sampled tokens
+    sum_pi2 = (torch.rand(train.shape, generator=g, dtype=torch.float64) * 0.5 + old.double().exp() ** 2).to(dtype)
+    adv = torch.randn(train.shape, generator=g, dtype=torch.float64).to(dtype)
+    is_w = (train - rollout).exp() if with_is else None
+    computed = variance_proxy_metrics(old, sum_pi2, adv, mask, is_w, gradient_norm=0.7)
+    expected = ref_variance_proxy(*lists(old, sum_pi2, adv), mask.tolist(), lists(is_w)[0] if with_is else None, 0.7)
+    assert set(computed) == set(expected)
+    tolerance = TOLERANCE[dtype]
+    wrong = {k: (computed[k], v) for k, v in expected.items()
+             if not math.isclose(computed[k], v, rel_tol=tolerance, abs_tol=tolerance)}  # fmt: skip
+    assert not wrong, f"(meshrl, verl reference): {wrong}"
+    assert expected["variance_proxy/proxy2_total_power"] > 0

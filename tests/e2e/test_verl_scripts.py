@@ -187,8 +187,9 @@ def check_method(name: str, plan, step: dict) -> None:
         assert plan.policy_loss == "geo_mean" and {"actor/clipfrac", "actor/clipfrac_lower"} <= set(step)
     if name in ("gspo_fsdp", "gspo_moe_megatron"):
         assert plan.policy_loss == "gspo" and plan.loss_agg_mode == "seq-mean-token-mean" and "actor/clipfrac" in step
-    if name == "otb_fsdp":  # the baseline's Σπ² came from the old-log-prob pass
+    if name == "otb_fsdp":  # the baseline's Σπ² came from the old-log-prob pass; verl's variance proxies from it
         assert plan.adv_estimator == "optimal_token_baseline" and plan.sum_pi_squared
+        assert step["variance_proxy/proxy2_total_power"] >= 0 and step["variance_proxy/expected_w"] > 0
     if name.startswith("sapo"):
         assert plan.policy_loss == "sapo" and "actor/ppo_kl" in step
     if name == "dppo_moe_megatron":

@@ -243,6 +243,18 @@ def test_actor_dtype_sets_the_byte_counts():
         2 * phase(gpu, "actor update").items["actor params"])
 
 
+def test_sum_pi_squared_raises_the_unfused_forward_logits_to_its_temporaries():
+    """The old-log-prob pass's Σπ² (the optimal token baseline's) holds bf16 logits, their fp32 copy and an fp32 exp:
+    10 B per logit element instead of the cross entropy's 6; the fused output layer squares in place."""
+    unfused = ("actor_rollout_ref.model.use_fused_kernels=False",)
+    otb = ("algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared=True")
+    base = phase(plan(load("remax_qwen2.5-7b_seq_balance", *unfused)), "log-prob").items["forward logits"]
+    with_pi2 = phase(plan(load("remax_qwen2.5-7b_seq_balance", *unfused, *otb)), "log-prob").items["forward logits"]
+    assert with_pi2 == pytest.approx(base * 10 / 6)
+    fused = phase(plan(load("remax_qwen2.5-7b_seq_balance")), "log-prob").items["forward logits"]
+    assert phase(plan(load("remax_qwen2.5-7b_seq_balance", *otb)), "log-prob").items["forward logits"] == fused
+
+
 def test_the_reward_model_is_planned_as_its_own_role():
     base = ["reward_model.enable=True", "reward_model.model.path=tiny-rm:llama"]
     without = plan(load_config([], recipe="cpu_tiny_ppo"), gpu_memory_gib=80)
