@@ -18,8 +18,12 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.11",
-    packages=find_packages(include=["meshrl", "meshrl.*"]),
-    package_data={"meshrl": ["config/*.yaml", "config/verl_async/*.yaml"]},
+    # The recipes live in the checkout's recipes/ (where the docs point); a wheel carries them as meshrl/recipes/,
+    # where meshrl.config.loader looks when there is no checkout around it.
+    packages=[*find_packages(include=["meshrl", "meshrl.*"]), "meshrl.recipes"],
+    package_dir={"meshrl.recipes": "recipes"},
+    package_data={"meshrl": ["config/verl_async/*.yaml"], "meshrl.recipes": ["*.yaml"]},
+    license_files=["LICENSE"],
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",

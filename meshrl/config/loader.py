@@ -49,7 +49,9 @@ from meshrl.config.async_keys import (ASYNC_CONFIG_NAMES, ASYNC_TRAINING, asks_f
 from meshrl.config.schema import MODEL_ENGINES, MeshRLConfig
 
 _ABSENT = object()
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# The recipes: an installed wheel's copy (meshrl/recipes, setup.py's package_dir), else the checkout's recipes/.
+_PACKAGED_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES_DIR = _PACKAGED_RECIPES if _PACKAGED_RECIPES.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
 VERL_ASYNC_CONFIGS_DIR = Path(__file__).resolve().parent / "verl_async"
 # verl's --config-name values for its FSDP and Megatron trainers; both trees are the schema's.
 VERL_BASE_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
