@@ -14,9 +14,6 @@ import sys
 from typing import Sequence
 
 COMMANDS = ("train", "plot", "plan", "convert", "preprocess")
-TRAIN_USAGE = ("meshrl train RECIPE [key=value ...]\n"
-               "       meshrl train --config-name NAME [--config-path DIR] [key=value ...]  (verl's form)\n"
-               "RECIPE: a name in recipes/ (e.g. cpu_tiny_grpo) or a YAML path")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "train":
-        from meshrl.trainer.main import main as train_main
+        from meshrl.trainer.main import TRAIN_USAGE, main as train_main
 
         if not rest:  # verl's defaults alone read data from ~/data and want 8 GPUs: not what a bare command means
             print(f"usage: {TRAIN_USAGE}\nmeshrl train: give a recipe, e.g. meshrl train cpu_tiny_grpo", file=sys.stderr)

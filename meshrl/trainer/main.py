@@ -27,6 +27,12 @@ if TYPE_CHECKING:
     from meshrl.data.dataset import RLDataset
 
 
+# ``meshrl train``'s usage line (meshrl.cli prints it too, for a bare ``meshrl train``).
+TRAIN_USAGE = ("meshrl train RECIPE [key=value ...]\n"
+               "       meshrl train --config-name NAME [--config-path DIR] [key=value ...]  (verl's form)\n"
+               "RECIPE: a name in recipes/ (e.g. cpu_tiny_grpo) or a YAML path")
+
+
 def parse_args(argv: Sequence[str], default_config_name: str | None = None,
                prog: str = "python -m meshrl.trainer.main") -> tuple[str | None, list[str]]:
     """``[--config-name NAME] [--config-path DIR] key=value ...`` → (recipe, overrides).
@@ -36,10 +42,8 @@ def parse_args(argv: Sequence[str], default_config_name: str | None = None,
     (``--config-path=config --config-name=ppo_megatron_trainer``) name the schema defaults
     (``meshrl.config.loader.VERL_BASE_CONFIGS``). ``default_config_name``: the config without ``--config-name``
     (the entry module's, as Hydra's ``config_name`` is verl's: ``meshrl.trainer.fully_async_main``). ``meshrl train``
-    (``prog``) shows its own form in the help (``meshrl.cli.TRAIN_USAGE``).
+    (``prog``) shows its own form in the help (``TRAIN_USAGE``).
     """
-    from meshrl.cli import TRAIN_USAGE
-
     parser = argparse.ArgumentParser(prog=prog, usage=TRAIN_USAGE if prog == "meshrl train" else None,
                                      description="Train a policy with RL; every verl key=value override works.")
     parser.add_argument("--config-name", "--config", "-cn", dest="config_name", default=None,
