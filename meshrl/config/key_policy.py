@@ -12,7 +12,13 @@ Every key of the schema (``meshrl.config.schema``) is one of:
 - **refused** (``REFUSED``): keys of features meshrl does not have. Any value other than the default stops the
   run at config time with one message per missing feature (keys that share a message are listed together),
   naming the feature and what to do instead. A free-form dict key (``override_transformer_config``) is also
-  refused when one of its entries matches a rule (``override_transformer_config.moe_*``).
+  refused when one of its entries matches a rule (``override_transformer_config.moe_*``). verl's copies of
+  another key (``actor.rollout_n``: its default interpolates ``rollout.n``) have that interpolation as their
+  schema default, so they are refused only when set apart from the key they copy.
+
+A key that is none of the schema's is **unknown**: the loader refuses it with a did-you-mean
+(``key_status`` names the kind of any dotted key; ``tests/foundation/test_verl_generated_keys.py`` checks that
+no key of verl's generated configs is unknown).
 
 ``ALIASES`` are verl's newer names of keys meshrl reads: the read key follows its alias (an interpolation in
 the schema) unless set itself, and the two set to different values are refused.
@@ -24,11 +30,12 @@ layout must be the actor's, ``strategy`` names, ``critic.enable``) are checked i
 from __future__ import annotations
 
 import fnmatch
+import re
 
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.config.async_keys import V1_ASYNC
-from meshrl.config.loader import default_config
+from meshrl.config.loader import _defaults_template, default_config, is_schema_key
 
 # verl's critic FSDP section has had three places: critic.fsdp_config, critic.model.fsdp_config, critic.fsdp.
 CRITIC_FSDP = ("critic.fsdp_config", "critic.model.fsdp_config", "critic.fsdp")
@@ -45,6 +52,14 @@ FSDP_ONLY = FSDP_CONFIG + (
     "*.ulysses_sequence_parallel_size",  # Megatron's counterpart is context_parallel_size
     "actor_rollout_ref.*.entropy_checkpointing",
     "actor_rollout_ref.actor.pad_to_length",
+    "actor_rollout_ref.ref.pad_to_length",
+    "actor_rollout_ref.actor.sum_pi_squared_checkpointing",  # recomputes verl's FSDP actor's sum_pi_squared
+    "*.optim.optimizer_impl",  # the FSDP optimizer's module; Megatron's is megatron's Adam
+    "*.optim.zero_indexed_step",  # the FSDP LR schedule's step indexing
+    "*.model.use_liger",  # Liger kernels patched into HF models
+    "*.model.tiled_mlp.*",  # verl's TiledMLP patch of HF models
+    "critic.model.enable_activation_offload",
+    "critic.model.fused_kernel_options",
     "actor_rollout_ref.model.enable_activation_offload",
     "actor_rollout_ref.model.torch_dtype",  # the Megatron parameters' dtype is *.megatron.dtype
     "actor_rollout_ref.model.fused_kernel_options.impl_backend",  # verl's Megatron fused kernels ignore it too
@@ -53,6 +68,10 @@ FSDP_ONLY = FSDP_CONFIG + (
 )
 
 PROFILER = "verl's profiler hooks; meshrl's profiling lives in bench/"
+JUDGE_SAMPLING = ("the judge's sampling settings travel with each request of the reward function (verl's reward loop "
+                  "does not read these either)")
+VALUE_HEAD = "the value head gives one number per token: there is no vocabulary projection to fuse"
+MBRIDGE_EXPORT = "it configures mbridge's HF export of checkpoints; meshrl writes HF weights with its own mapping"
 MULTI_TURN_TOKENS = ("meshrl's multi-turn rollout trains on exactly the tokens the engine produced and consumed and "
                      "never re-renders or re-tokenises a conversation, so there is no second rendering to pick or check")
 RM_POOL = ("meshrl colocates the reward model with the training ranks (one more worker per GPU, like the critic); "
@@ -67,7 +86,8 @@ INERT = {
     "reward.reward_model.rollout.free_cache_engine": "the judge's vLLM server holds its memory for the whole run (it "
                                                      "does not sleep between steps as verl's colocated one does)",
     "data.dataloader_num_workers": "meshrl's sampler reads prompts from memory, with no DataLoader workers",
-    "actor_rollout_ref.model.use_shm": "meshrl reads the model folder where it is",
+    "*.model.use_shm": "meshrl reads the model folder where it is",
+    "data.use_shm": "meshrl reads the data files where they are",
     "reward_model.n_gpus_per_node": "it sizes verl's separate reward-model pool (enable_resource_pool)",
     "reward_model.nnodes": "it sizes verl's separate reward-model pool (enable_resource_pool)",
     "reward.reward_model.n_gpus_per_node": "it sizes verl's separate reward-model pool (enable_resource_pool)",
@@ -89,7 +109,7 @@ INERT = {
                                                     "(the step-1 rollout/log_prob_max_abs_diff check reads them)",
     "trainer.ray_wait_register_center_timeout": "meshrl's worker start and calls time out at trainer.worker_timeout_s",
     "trainer.use_legacy_worker_impl": "it picks between verl's two worker generations; meshrl has one",
-    "actor_rollout_ref.*.entropy_from_logits_with_chunking": "meshrl's entropy is computed from vocab-parallel logits "
+    "*.entropy_from_logits_*": "meshrl's entropy is computed from vocab-parallel logits "
                                                              "of the response tokens only, without verl's chunked "
                                                              "pass over the full vocabulary (same numbers)",
     "*.megatron.use_remove_padding": "verl's workers overwrite it with the role's model.use_remove_padding, which "
@@ -108,6 +128,38 @@ INERT = {
                                                      "sync, then the KV cache",
     "reward_model.use_reward_loop": "verl's reward loop and its in-trainer reward function give the same rule "
                                     "scores; meshrl scores in its own process pool (reward_model.num_workers)",
+    "actor_rollout_ref.rollout.over_sample_rate": "verl's code reads it nowhere either (its config describes aborting "
+                                                  "the last requests of a batch); every response is generated",
+    "actor_rollout_ref.rollout.skip_tokenizer_init": "meshrl's engine takes and returns token ids either way (verl's "
+                                                     "vLLM server ignores it too)",
+    "actor_rollout_ref.rollout.standalone_gpu_memory_utilization": "it sizes verl's standalone rollout replicas "
+                                                                   "(actor_rollout_ref.rollout.nnodes > 0, refused)",
+    "actor_rollout_ref.rollout.layer_name_map": "verl's names for its Megatron -> engine weight conversion; meshrl "
+                                                "converts with its own mapping",
+    "actor_rollout_ref.checkpoint_engine": "the older verl's copy of async_training.checkpoint_engine (its trainer-to-"
+                                           "rollouter weight transfer): meshrl's rollouter is the training ranks' "
+                                           "engines, synced in process",
+    "actor_rollout_ref.actor.use_prefix_grouper": "it computes a prompt once for its n responses (same numbers); "
+                                                  "meshrl computes each response with its own copy of the prompt",
+    **dict.fromkeys(("*reward_model.rollout.temperature", "*reward_model.rollout.top_k", "*reward_model.rollout.top_p",
+                     "*reward_model.rollout.do_sample", "*reward_model.rollout.n", "*reward_model.rollout.ignore_eos"),
+                    JUDGE_SAMPLING),
+    "*reward_model.rollout.layered_summon": "the judge is never trained: it has no LoRA weights to gather",
+    "*reward_model.rollout.multi_stage_wake_up": "the judge's vLLM server holds its memory for the whole run: it "
+                                                 "never sleeps, so it never wakes",
+    "critic.model.use_fused_kernels": VALUE_HEAD,
+    "reward_model.model.use_fused_kernels": VALUE_HEAD,
+    "*.megatron.dist_checkpointing_prefix": "verl's code reads it nowhere either",
+    "*.megatron.pad_*": "padding for verl's unpacked (bshd) and fixed-length batches: meshrl packs each micro-batch's "
+                        "sequences, and padding does not change the results",
+    "*.megatron.forward_only": "verl's engine flag for a forward-only role: meshrl's reference is forward-only and its "
+                               "actor and critic train, whatever it says",
+    "*.checkpoint.strict": MBRIDGE_EXPORT,
+    "*.checkpoint.mbridge_config": MBRIDGE_EXPORT,
+    "data.return_multi_modal_inputs": "meshrl trains text-only policies: rows carry no multi-modal inputs",
+    "data.return_full_prompt": "verl's dataset keeps it and reads it nowhere",
+    "data.validation_shuffle": "validation metrics are means over every validation prompt, which their order does not "
+                               "change (data.val_max_samples picks the prompts before it)",
     "global_profiler.*": PROFILER,
     "*.profiler.*": PROFILER,
     # verl's asynchronous trainers' keys that cannot ask for asynchronous training (meshrl.config.async_keys)
@@ -152,6 +204,36 @@ PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_
 VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "
           "model_engine=megatron and the *.megatron.* keys")
 
+EXTERNAL_LIB = "meshrl builds its own model families and imports no model code"
+LOAD_WEIGHT = ("meshrl starts every model from its folder's weights (verl's load_weight=False starts from random "
+               "ones); set True")
+QAT = ("quantization-aware training (verl's qat) is not built: meshrl trains in megatron.dtype; leave the qat keys "
+       "at their defaults")
+MTP = ("multi-token prediction layers and speculative decoding (verl's mtp) are not built; leave model.mtp at its "
+       "defaults")
+SKIP = ("dumping generated batches to replay them in a later run (verl's skip / skip_rollout) is not built: meshrl "
+        "generates every step; leave it disabled")
+MUON = ("the Muon optimizer is not wired: meshrl trains with megatron's Adam (optim.optimizer=adam); leave the muon "
+        "keys at their defaults")
+PRECISION_AWARE = ("megatron's precision-aware optimizer (low-precision main gradients and Adam moments) is not wired: "
+                   "meshrl keeps them in fp32; leave these keys at their defaults")
+RESHARDABLE = "megatron's fully reshardable optimizer checkpoint format is not wired; leave it False"
+DYNAMIC_CP = ("dynamic context parallelism is not built: meshrl splits every sequence over "
+              "megatron.context_parallel_size; leave it off")
+CRITIC_LORA = ("LoRA of the critic is not built: meshrl trains the critic's full weights; leave the critic's LoRA "
+               "keys at their defaults")
+ENGINE_QUANTIZATION = ("a quantized engine (verl's FP8 rollout, the weights quantized at each sync) is not built: the "
+                       "engine serves the weights in its dtype; leave it null")
+DATA_CLASSES = ("custom dataset classes are not built: meshrl reads verl's row layout (prompt messages, data_source, "
+                "reward_model.ground_truth) from parquet / jsonl files; convert the data")
+NCCL_TIMEOUT = "meshrl's process groups of every role time out at actor_rollout_ref.nccl_timeout; set that"
+
+
+def _copy_of(key: str) -> str:
+    """The message of a verl key whose default copies ``key`` (see the module docstring)."""
+    return f"verl's copy of {key}, which meshrl reads: set {key}"
+
+
 V1_SAMPLER = ("custom samplers (verl's V1 replay-buffer classes and their arguments) are not built: meshrl draws "
               "prompts with its own sampler (data.shuffle, data.seed); leave them unset")
 
@@ -159,14 +241,15 @@ REFUSED = {
     "reward_model.enable_resource_pool": RM_POOL,
     "reward.reward_model.enable_resource_pool": RM_POOL,
     "reward_model.load_weight": "a reward model without its trained weights scores at random; set True",
-    "reward_model.model.external_lib": "meshrl builds its own model families and imports no model code",
+    "reward_model.model.external_lib": EXTERNAL_LIB,
     "reward_model.megatron.use_dist_checkpointing": "the reward model loads from its HF folder "
                                                     "(reward_model.model.path); leave it False",
     "reward.reward_manager.source": REWARD_MANAGER,  # its name is reward_model.reward_manager's (ALIASES)
     "reward.reward_manager.module.*": REWARD_MANAGER,
     "algorithm.use_pf_ppo": PF_PPO,
     "algorithm.pf_ppo.*": PF_PPO,
-    "actor_rollout_ref.model.external_lib": "meshrl builds its own model families and imports no model code",
+    "actor_rollout_ref.model.external_lib": EXTERNAL_LIB,
+    "critic.model.external_lib": EXTERNAL_LIB,
     "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts": "it repeats a conversation in verl's SGLang rollout, "
                                                                 "which meshrl does not run (samples per prompt are "
                                                                 "rollout.n); leave it unset",
@@ -179,9 +262,12 @@ REFUSED = {
                                     "actor_rollout_ref.model.override_config, are); edit the critic's config.json",
     "reward_model.model.override_config": "HF config overrides of the reward model are not built (the policy's, "
                                           "actor_rollout_ref.model.override_config, are); edit its config.json",
-    "*.megatron.router_replay.record_file": ROUTER_FILES,
-    "*.megatron.router_replay.replay_file": ROUTER_FILES,
-    "actor_rollout_ref.ref.megatron.router_replay.mode": "the reference routes natively in verl too (its router_replay "
+    "*router_replay.record_file": ROUTER_FILES,
+    "*router_replay.replay_file": ROUTER_FILES,
+    "actor_rollout_ref.actor.router_replay.mode": "this is verl's FSDP actor's router replay; its Megatron engine's, "
+                                                  "which meshrl reads, is actor_rollout_ref.actor.megatron."
+                                                  "router_replay.mode: set that",
+    "actor_rollout_ref.ref.*router_replay.mode": "the reference routes natively in verl too (its router_replay "
                                                          "is not read); replay is the actor's: leave it disabled",
     "critic.megatron.router_replay.mode": "router replay is the policy's (verl replays in the actor's passes only); "
                                           "leave it disabled",
@@ -196,10 +282,99 @@ REFUSED = {
     "*.megatron.use_megatron_fsdp": "Megatron's own FSDP is not wired: meshrl shards with Megatron's DDP and "
                                     "use_distributed_optimizer; set False",
     "data.image_patch_size": MULTI_MODAL,
+    "data.audio_key": MULTI_MODAL,
+    "data.mm_processor_kwargs": MULTI_MODAL,
+    "*reward_model.rollout.limit_images": MULTI_MODAL,
     "actor_rollout_ref.rollout.engine_kwargs.vllm.*mm_*": MULTI_MODAL,  # vLLM's multi-modal processor arguments
     "actor_rollout_ref.actor.freeze_vision_tower": MULTI_MODAL,
-    "data.custom_cls.*": "custom dataset classes are not built: meshrl reads verl's row layout (prompt messages, "
-                         "data_source, reward_model.ground_truth) from parquet / jsonl files; convert the data",
+    "data.custom_cls.*": DATA_CLASSES,
+    "data.datagen.*": DATA_CLASSES,
+    "data.sampler.*": "custom sampler classes are not built: meshrl draws prompts with its own sampler (data.shuffle, "
+                      "data.seed); leave them unset",
+    "data.tool_config_path": _copy_of("actor_rollout_ref.rollout.multi_turn.tool_config_path"),
+    "data.function_tool_path": _copy_of("actor_rollout_ref.rollout.multi_turn.function_tool_path"),
+    "actor_rollout_ref.*.rollout_n": _copy_of("actor_rollout_ref.rollout.n"),
+    "critic.rollout_n": _copy_of("actor_rollout_ref.rollout.n"),
+    "actor_rollout_ref.actor.use_fused_kernels": _copy_of("actor_rollout_ref.model.use_fused_kernels"),
+    "actor_rollout_ref.actor.use_remove_padding": _copy_of("actor_rollout_ref.model.use_remove_padding"),
+    "critic.forward_micro_batch_size": "the critic's forward passes take critic.forward_micro_batch_size_per_gpu, else "
+                                       "critic.ppo_micro_batch_size (verl's default of this key): set one of those",
+    "critic.nccl_timeout": NCCL_TIMEOUT,
+    "reward_model.nccl_timeout": NCCL_TIMEOUT,
+    "reward_manager.*": "the older verl's home of the reward manager: set reward.reward_manager.name (or "
+                        "reward_model.reward_manager)",
+    "sandbox_fusion.*": "verl's older home of the sandbox settings, which it moves to reward.sandbox_fusion: set "
+                        "reward.sandbox_fusion.*",
+    "reward_model.reward_loop_*": REWARD_MANAGER,
+    "*.qat.*": QAT,
+    "actor_rollout_ref.rollout.qat": QAT,
+    "*.model.mtp.*": MTP,
+    "*rollout.mtp": MTP,
+    "distillation.*": "on-policy distillation from teacher models is not built yet: meshrl trains on rewards "
+                      "(reward_model, custom_reward_function); leave distillation at its defaults",
+    "transfer_queue.*": "verl's TransferQueue data plane is not built: meshrl's driver passes batches to its workers "
+                        "through Ray; leave transfer_queue at its defaults",
+    "skip.*": SKIP,
+    "actor_rollout_ref.rollout.skip_rollout": SKIP,
+    "actor_rollout_ref.rollout.skip_dump_dir": SKIP,
+    "algorithm.filter_groups.*": "DAPO's dynamic sampling (generating prompt groups until enough have scores that "
+                                 "differ) is not built yet; leave algorithm.filter_groups.enable False",
+    "*.optim.muon_*": MUON,
+    "*.optim.use_layer_wise_distributed_optimizer": MUON,
+    "*.optim.use_precision_aware_optimizer": PRECISION_AWARE,
+    "*.optim.main_grads_dtype": PRECISION_AWARE,
+    "*.optim.exp_avg*_dtype": PRECISION_AWARE,
+    "*.megatron.dist_ckpt_optim_fully_reshardable": RESHARDABLE,
+    "*.megatron.distrib_optim_fully_reshardable_mem_efficient": RESHARDABLE,
+    "*.megatron.dynamic_context_parallel": DYNAMIC_CP,
+    "*.megatron.max_seqlen_per_dp_cp_rank": DYNAMIC_CP,
+    "*.megatron.override_ddp_config": "megatron DDP config overrides are not wired: meshrl configures megatron's DDP "
+                                      "itself (megatron.use_distributed_optimizer); leave it empty",
+    "*.megatron.override_mcore_model_config": "it overrides the model config of verl's mbridge; meshrl builds its "
+                                              "Megatron models from the HF config: set "
+                                              "megatron.override_transformer_config instead",
+    "*.checkpoint.async_save": "asynchronous checkpoint saving is not built: meshrl writes each checkpoint before the "
+                               "next step starts; leave it False",
+    "*.data_loader_seed": "meshrl's mini-batch shuffle (actor.shuffle / critic.shuffle) is seeded from trainer.seed "
+                          "and the step; set trainer.seed",
+    "actor_rollout_ref.*.load_weight": LOAD_WEIGHT,
+    "critic.load_weight": LOAD_WEIGHT,
+    "actor_rollout_ref.actor.calculate_entropy": "the policy's entropy is computed, and logged as actor/entropy, when "
+                                                 "the loss uses it (actor.entropy_coeff != 0); computing it for the "
+                                                 "metric alone is not built: leave it False",
+    "*.model.custom_chat_template": "a chat template other than the tokenizer's is not built: put it in the "
+                                    "tokenizer_config.json (chat_template) of the model folder, or point "
+                                    "model.tokenizer_path at a tokenizer that has it",
+    "*.model.hf_config_path": "a model config from another folder is not built: meshrl reads the model folder's "
+                              "config.json; put it there",
+    "critic.model.lora*": CRITIC_LORA,
+    "critic.model.target_modules": CRITIC_LORA,
+    "critic.model.exclude_modules": CRITIC_LORA,
+    "*rollout.scheduling_policy": "vLLM's priority scheduling needs a priority per request, which meshrl's rollout "
+                                  "does not give: leave fcfs",
+    "*rollout.quantization": ENGINE_QUANTIZATION,
+    "*rollout.quantization_config_file": ENGINE_QUANTIZATION,
+    "*rollout.pipeline_model_parallel_size": "pipeline-parallel engines are not built: meshrl's engine shards over "
+                                             "tensor_model_parallel_size; leave it 1",
+    "*rollout.cudagraph_capture_sizes": "set vLLM's compilation_config.cudagraph_capture_sizes in the section's "
+                                        "engine_kwargs.vllm (with enforce_eager=False), which meshrl hands to vLLM",
+    "*rollout.full_determinism": "batch-invariant deterministic generation (verl's full_determinism) is not built; "
+                                 "leave it False",
+    "*rollout.disaggregation.*": "prefill / decode disaggregation is not built: each meshrl engine replica prefills "
+                                 "and decodes; leave it disabled",
+    "actor_rollout_ref.rollout.prometheus.*": "exporting the engine's metrics to Prometheus is not built: meshrl logs "
+                                              "rollout metrics with trainer.logger; leave it disabled",
+    "actor_rollout_ref.rollout.trace.*": "rollout tracing (verl's weave / mlflow traces) is not built: meshrl writes "
+                                         "each step's generations with trainer.rollout_data_dir; leave trace at its "
+                                         "defaults",
+    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval": MOE,
+    "trainer.default_hdfs_dir": "copying checkpoints to HDFS is not built: meshrl saves to trainer.default_local_dir; "
+                                "copy them from there",
+    "trainer.del_local_ckpt_after_load": "meshrl never deletes a checkpoint it loaded (verl does so after copying it "
+                                         "from HDFS); leave it False",
+    "trainer.esi_redundant_time": "verl's save ahead of a cloud instance's expiry is not built: set "
+                                  "trainer.save_on_preempt=True, which saves the step in progress on the scheduler's "
+                                  "SIGTERM",
     "actor_rollout_ref.*.veomni": VEOMNI,
     "actor_rollout_ref.rollout.checkpoint_engine.backend": "meshrl syncs weights in process to its colocated engine "
                                                            "(verl's naive checkpoint engine); other backends are not "
@@ -284,6 +459,12 @@ def leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
     return out
 
 
+def key_status(key: str) -> str:
+    """What meshrl does with the dotted ``key`` of a config: 'unknown' when it is no key of the schema (the loader
+    refuses it, ``loader.is_schema_key``), else ``classify``'s answer."""
+    return classify(key) if is_schema_key(_defaults_template(), key) else "unknown"
+
+
 def classify(key: str) -> str:
     """'refused', 'fsdp_only', 'inert' or 'read' for a schema key (the rules above)."""
     if _match(key, REFUSED):
@@ -298,11 +479,21 @@ def classify(key: str) -> str:
 
 
 _DEFAULT = object()
+_COPY = re.compile(r"\$\{([\w.]+)\}")  # a schema default that is another key's value (absolute path)
+
+
+def _default(cfg: DictConfig, defaults: DictConfig, key: str):
+    """``key``'s schema default; for a copy of another key (default ``${that.key}``), that key's value in ``cfg``."""
+    parent, _, leaf = key.rpartition(".")
+    section = OmegaConf.select(defaults, parent) if parent else defaults
+    node = section._get_node(leaf) if isinstance(section, DictConfig) and leaf in section else None
+    copied = _COPY.fullmatch(node._value()) if node is not None and node._is_interpolation() else None
+    return OmegaConf.select(cfg, copied[1]) if copied else OmegaConf.select(defaults, key, default=None)
 
 
 def _set_away_from_default(cfg: DictConfig, defaults: DictConfig, key: str):
     """``key``'s value in ``cfg`` (plain containers for dicts), or ``_DEFAULT`` when it is the schema's default."""
-    value, default = OmegaConf.select(cfg, key), OmegaConf.select(defaults, key, default=None)
+    value, default = OmegaConf.select(cfg, key), _default(cfg, defaults, key)
     if isinstance(value, DictConfig):
         value = OmegaConf.to_container(value)
         default = OmegaConf.to_container(default) if isinstance(default, DictConfig) else default

@@ -167,6 +167,12 @@ def _is_free_form(cfg: DictConfig, key: str) -> bool:
     return False
 
 
+def is_schema_key(cfg: DictConfig, key: str) -> bool:
+    """True when ``key`` is a key of ``cfg``'s schema: a field, or an entry of a free-form dict field. Any other key
+    is refused as unknown (``meshrl.config.key_policy.key_status`` names it so)."""
+    return _is_free_form(cfg, key) or OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT
+
+
 def _is_string_list(cfg: DictConfig, key: str) -> bool:
     node = OmegaConf.select(cfg, key, default=None)
     return isinstance(node, ListConfig) and node._metadata.element_type is str
@@ -181,9 +187,9 @@ def _set(cfg: DictConfig, key: str, value: object, source: str) -> None:
 
 
 def _update(cfg: DictConfig, key: str, value: object, source: str) -> None:
-    free_form = _is_free_form(cfg, key)
-    if not free_form and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
+    if not is_schema_key(cfg, key):
         raise _unknown_key_error(key, source)
+    free_form = _is_free_form(cfg, key)
     if isinstance(value, str) and _is_string_list(cfg, key):
         value = [value]
     try:

@@ -60,9 +60,9 @@ def _changed(section: DictConfig) -> dict[str, Any]:
     defaults = OmegaConf.structured(RewardModelRolloutConfig)
     changed = {}
     for name in section.keys():
-        value, default = section[name], defaults[name]
-        if OmegaConf.is_config(value):
-            value, default = OmegaConf.to_container(value), OmegaConf.to_container(default)
+        # each side a plain value: a list or dict key may be None on one side (cudagraph_capture_sizes)
+        value, default = (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+                          for v in (section[name], defaults[name]))
         if value != default:
             changed[name] = value
     return changed

@@ -48,10 +48,19 @@ MODEL_ENGINES = ("megatron", "dp", "fsdp")
 
 @dataclass
 class CustomDatasetClassConfig:
-    """verl's ``data.custom_cls``: a dataset class of the user's; meshrl reads verl's row layout only (refused)."""
+    """verl's ``data.custom_cls`` and ``data.datagen``: a dataset (or data generator) class of the user's; meshrl reads
+    verl's row layout only (refused)."""
 
     path: Optional[str] = None
     name: Optional[str] = None
+
+
+@dataclass
+class SamplerClassConfig:
+    """verl's ``data.sampler``: a custom sampler class (refused)."""
+
+    class_path: Optional[str] = None
+    class_name: Optional[str] = None
 
 
 @dataclass
@@ -91,6 +100,17 @@ class DataConfig:
     video_key: str = "videos"
     image_patch_size: int = 14
     custom_cls: CustomDatasetClassConfig = field(default_factory=CustomDatasetClassConfig)
+    datagen: CustomDatasetClassConfig = field(default_factory=CustomDatasetClassConfig)
+    sampler: SamplerClassConfig = field(default_factory=SamplerClassConfig)
+    audio_key: str = "audios"
+    mm_processor_kwargs: Dict[str, Any] = field(default_factory=dict)
+    return_multi_modal_inputs: bool = True
+    return_full_prompt: bool = False
+    use_shm: bool = False
+    validation_shuffle: bool = False
+    # the dataset's copies of the multi-turn tool paths (verl interpolates them): refused set apart from those
+    tool_config_path: Optional[str] = II("actor_rollout_ref.rollout.multi_turn.tool_config_path")
+    function_tool_path: Optional[str] = II("actor_rollout_ref.rollout.multi_turn.function_tool_path")
 
 
 @dataclass
@@ -124,6 +144,31 @@ class LoraConfig:
 
 
 @dataclass
+class TiledMLPConfig:
+    """verl's FSDP TiledMLP patch of HF models (FSDP-only)."""
+
+    enabled: bool = False
+    num_shards: int = 4
+
+
+@dataclass
+class MTPConfig:
+    """verl's multi-token-prediction layers and speculative decoding (refused)."""
+
+    enable: bool = False
+    enable_train: bool = False
+    enable_rollout: bool = False
+    detach_encoder: bool = False
+    method: str = "mtp"
+    mtp_loss_scaling_factor: float = 0.1
+    num_speculative_tokens: int = 1
+    speculative_algorithm: str = "EAGLE"
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
+
+
+@dataclass
 class ModelConfig:
     # A local HF folder, or "embedded:smollm2" (the packaged SmolLM2-135M-Instruct), "embedded:gemma3-270m", or
     # "tiny:<family>" (tiny:llama, tiny:qwen2, tiny:qwen3, tiny:mistral, tiny:gemma, tiny:gemma2, tiny:gemma3:
@@ -149,6 +194,11 @@ class ModelConfig:
     exclude_modules: Any = None
     lora_adapter_path: Optional[str] = None
     lora: LoraConfig = field(default_factory=LoraConfig)
+    custom_chat_template: Optional[str] = None
+    hf_config_path: Optional[str] = None
+    use_liger: bool = False
+    tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
 
 
 @dataclass
@@ -183,6 +233,26 @@ class OptimConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     # Fields of megatron's OptimizerConfig set directly (verl's key), e.g. {adam_beta2: 0.95}; unknown ones are refused.
     override_optimizer_config: Dict[str, Any] = field(default_factory=dict)
+    # verl's FSDP optimizer's module and LR-schedule step indexing (FSDP-only)
+    optimizer_impl: str = "torch.optim"
+    zero_indexed_step: bool = True
+    # megatron's precision-aware optimizer, the Muon optimizer and its layer-wise distributed optimizer (refused)
+    use_precision_aware_optimizer: bool = False
+    main_grads_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    use_layer_wise_distributed_optimizer: bool = False
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    muon_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    muon_extra_scale_factor: float = 1.0
+    muon_coefficient_type: str = "quintic"
+    muon_scalar_optimizer: str = "adam"
+    muon_match_adamw_update_rms: bool = False
 
 
 @dataclass
@@ -194,6 +264,22 @@ class RouterReplayConfig:
     mode: str = "disabled"
     record_file: Optional[str] = None
     replay_file: Optional[str] = None
+
+
+@dataclass
+class QATConfig:
+    """verl's quantization-aware training (refused), with its FSDP engine's defaults."""
+
+    enable: bool = False
+    mode: str = "w4a16"
+    group_size: int = 16
+    ignore_patterns: List[str] = field(default_factory=lambda: ["lm_head", "embed_tokens", "re:.*mlp.gate$"])
+    activation_observer: Optional[str] = "static_minmax"
+    quantization_config_path: Optional[str] = None
+
+
+def _megatron_qat() -> QATConfig:
+    return QATConfig(ignore_patterns=["lm_head", "*mlp.gate"], activation_observer=None)  # verl's Megatron defaults
 
 
 @dataclass
@@ -236,6 +322,22 @@ class MegatronConfig:
     # the experts' tensor-parallel size (verl's; None: the tensor-parallel size)
     expert_tensor_parallel_size: Optional[int] = None
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    # verl-project's engine keys: checkpoint naming and resharding, dynamic context parallelism, padding for its
+    # static shapes, its chunked entropy, the engine's forward-only flag (key_policy says what each does here)
+    dist_checkpointing_prefix: str = ""
+    dist_ckpt_optim_fully_reshardable: bool = False
+    distrib_optim_fully_reshardable_mem_efficient: bool = False
+    dynamic_context_parallel: bool = False
+    max_seqlen_per_dp_cp_rank: Optional[int] = None
+    override_ddp_config: Dict[str, Any] = field(default_factory=dict)
+    override_mcore_model_config: Dict[str, Any] = field(default_factory=dict)
+    pad_bshd_to_minibatch_max: bool = True
+    pad_to_length: bool = False
+    pad_to_length_bucket: int = 512
+    entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: int = 2048
+    forward_only: bool = False
+    qat: QATConfig = field(default_factory=_megatron_qat)
 
 
 @dataclass
@@ -257,6 +359,15 @@ class FSDPCompatConfig:
     mixed_precision: Dict[str, Any] = field(default_factory=dict)  # param_dtype / reduce_dtype / buffer_dtype
     turbo_config: Dict[str, Any] = field(default_factory=dict)  # verl's fsdp_turbo settings
     strategy: str = "fsdp"  # fsdp | fsdp2 (verl's engine config)
+    dtype: str = "bfloat16"
+    seed: int = 42
+    full_determinism: bool = False
+    use_torch_compile: bool = True
+    forward_only: bool = False
+    pad_to_length: bool = False
+    pad_to_length_bucket: int = 1024
+    entropy_from_logits_chunk_size: int = 2048
+    qat: QATConfig = field(default_factory=QATConfig)
 
 
 def _profiler_tool_config() -> Dict[str, Any]:
@@ -275,12 +386,19 @@ class ProfilerConfig:
     ranks: List[int] = field(default_factory=list)
     save_path: Optional[str] = None
     tool_config: Dict[str, Any] = field(default_factory=_profiler_tool_config)
+    finish_hook_cmd: Optional[str] = None
+    finish_hook_ranks: List[int] = field(default_factory=list)
+    finish_hook_all_ranks: bool = False
+    relocate_results: bool = False
 
 
 @dataclass
 class CheckpointContentsConfig:
     save_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
     load_contents: List[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    async_save: bool = False  # refused
+    strict: bool = True  # mbridge's HF export (inert)
+    mbridge_config: Dict[str, Any] = field(default_factory=dict)  # mbridge's HF export (inert)
 
 
 @dataclass
@@ -353,6 +471,18 @@ class ActorConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
     checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+    calculate_entropy: bool = False
+    data_loader_seed: int = 42
+    entropy_from_logits_chunk_size: int = 2048
+    load_weight: bool = True
+    sum_pi_squared_checkpointing: bool = False
+    use_prefix_grouper: bool = False
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # verl's FSDP actor's home of it
+    qat: QATConfig = field(default_factory=QATConfig)
+    # verl's copies of other keys (its defaults interpolate them): refused set apart from those
+    rollout_n: int = II("actor_rollout_ref.rollout.n")
+    use_fused_kernels: bool = II("actor_rollout_ref.model.use_fused_kernels")
+    use_remove_padding: bool = II("actor_rollout_ref.model.use_remove_padding")
 
 
 @dataclass
@@ -370,6 +500,11 @@ class RefConfig:
     veomni: Dict[str, Any] = field(default_factory=dict)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
+    entropy_from_logits_chunk_size: int = 2048
+    load_weight: bool = True
+    pad_to_length: bool = False
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    rollout_n: int = II("actor_rollout_ref.rollout.n")  # verl's copy of it: refused set apart from it
 
 
 @dataclass
@@ -447,6 +582,44 @@ class CheckpointEngineConfig:
 
 
 @dataclass
+class DisaggregationConfig:
+    """verl's prefill / decode disaggregation of the rollout engine (refused)."""
+
+    enabled: bool = False
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    decode_tensor_model_parallel_size: Optional[int] = None
+    transfer_backend: str = "nixl"
+    bootstrap_port: Optional[int] = None
+    ib_device: Optional[str] = None
+
+
+@dataclass
+class PrometheusConfig:
+    """verl's Prometheus export of the rollout engine's metrics (refused)."""
+
+    enable: bool = False
+    port: int = 9090
+    file: str = "/tmp/ray/session_latest/metrics/prometheus/prometheus.yml"
+    served_model_name: Optional[str] = None
+
+
+@dataclass
+class RolloutTraceConfig:
+    """verl's rollout tracing (weave / mlflow; refused)."""
+
+    backend: Optional[str] = None
+    token2text: bool = False
+    max_samples_per_step_per_worker: Optional[int] = None
+    project_name: Optional[str] = None
+    experiment_name: Optional[str] = None
+
+
+def _layer_name_map() -> Dict[str, Any]:
+    return {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"}
+
+
+@dataclass
 class RolloutConfig:
     name: str = "vllm"
     mode: str = "sync"
@@ -501,6 +674,26 @@ class RolloutConfig:
     engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    # verl's engine keys of features meshrl's engine does not have, or does not need (key_policy says which)
+    over_sample_rate: float = 0.0
+    scheduling_policy: Optional[str] = "fcfs"
+    quantization: Optional[str] = None
+    quantization_config_file: Optional[str] = None
+    skip_tokenizer_init: bool = True
+    pipeline_model_parallel_size: int = 1
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    full_determinism: bool = False
+    moe_load_balance_metrics_interval: int = 0
+    standalone_gpu_memory_utilization: Optional[float] = None
+    skip_rollout: bool = False
+    skip_dump_dir: str = "/tmp/rollout_dump"
+    layer_name_map: Dict[str, Any] = field(default_factory=_layer_name_map)
+    qat: Optional[Dict[str, Any]] = None  # verl's copy of the actor's qat section
+    mtp: Optional[Dict[str, Any]] = None  # verl's copy of model.mtp
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    trace: RolloutTraceConfig = field(default_factory=RolloutTraceConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 
 def _actor_section() -> ActorConfig:
@@ -525,6 +718,8 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=_actor_section)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=_rollout_section)
+    # the older verl's fully async config's copy of async_training.checkpoint_engine (inert, as that section)
+    checkpoint_engine: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -537,6 +732,23 @@ class CriticModelConfig:
     override_config: Dict[str, Any] = field(default_factory=dict)
     # verl's critic FSDP section (its older place); the offload flags are the critic's offload
     fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
+    # verl's model keys the critic shares with the policy's (key_policy: refused or FSDP-only)
+    external_lib: Optional[str] = None
+    custom_chat_template: Optional[str] = None
+    hf_config_path: Optional[str] = None
+    use_shm: bool = False
+    use_liger: bool = False
+    use_fused_kernels: bool = False
+    enable_activation_offload: bool = False
+    fused_kernel_options: Dict[str, Any] = field(default_factory=lambda: {"impl_backend": "torch"})
+    tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    exclude_modules: Any = None
+    lora_adapter_path: Optional[str] = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -566,6 +778,13 @@ class CriticConfig:
     fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
     fsdp: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)  # verl-project's name of the critic's FSDP section
     checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+    data_loader_seed: int = 42
+    load_weight: bool = True
+    # verl's copies of other keys (its defaults interpolate them; meshrl's critic ranks time out at
+    # actor_rollout_ref.nccl_timeout): refused set apart from those
+    rollout_n: int = II("actor_rollout_ref.rollout.n")
+    forward_micro_batch_size: Optional[int] = II("critic.ppo_micro_batch_size")
+    nccl_timeout: int = II("actor_rollout_ref.nccl_timeout")
 
 
 @dataclass
@@ -594,6 +813,24 @@ class RewardModelRolloutConfig:
     response_length: int = 2048
     seed: int = 42
     kv_cache_memory_bytes: Optional[int] = None  # meshrl's: the judge's KV cache on CPU (null: 1 GiB)
+    # verl-project's keys of its reward engine (key_policy: the sampling ones are inert, the rest as the policy's)
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    n: int = 1
+    ignore_eos: bool = False
+    full_determinism: bool = False
+    layered_summon: bool = False
+    multi_stage_wake_up: bool = False
+    limit_images: Optional[int] = None
+    pipeline_model_parallel_size: int = 1
+    quantization: Optional[str] = None
+    quantization_config_file: Optional[str] = None
+    scheduling_policy: Optional[str] = "fcfs"
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    mtp: Optional[Dict[str, Any]] = None
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
 
 @dataclass
@@ -630,6 +867,8 @@ class RewardModelModelConfig:
     override_config: Dict[str, Any] = field(default_factory=dict)
     use_remove_padding: bool = True
     fsdp_config: FSDPCompatConfig = field(default_factory=FSDPCompatConfig)
+    use_shm: bool = False
+    use_fused_kernels: bool = False
 
 
 @dataclass
@@ -673,6 +912,12 @@ class RewardModelConfig:
     rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
     sandbox_fusion: RewardModelSandboxConfig = field(default_factory=RewardModelSandboxConfig)
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)  # a reward manager's arguments (DAPO's overlong buffer)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    ulysses_sequence_parallel_size: int = 1
+    reward_loop_source: Optional[str] = None
+    reward_loop_module_path: Optional[str] = None
+    reward_loop_class_name: Optional[str] = None
+    nccl_timeout: int = II("actor_rollout_ref.nccl_timeout")  # verl's own: refused set apart from the policy's
 
 
 @dataclass
@@ -767,6 +1012,16 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (refused)."""
+
+    enable: bool = False
+    metric: Optional[str] = None
+    max_num_gen_batches: int = 0
+    max_inflight_gen_batches: int = 1
+
+
+@dataclass
 class PFPPOConfig:
     reweight_method: str = "pow"
     weight_pow: float = 2.0
@@ -790,6 +1045,7 @@ class AlgorithmConfig:
     # normalised in its group on its own; required with adv_estimator=gdpo (verl's keys and defaults)
     gdpo_reward_keys: Optional[List[str]] = None
     gdpo_reward_weights: Optional[List[float]] = None  # one per key; None: all 1
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -944,6 +1200,11 @@ class TrainerConfig:
     # Library output (vLLM, Ray, Megatron, transformers, torch) on the console, as the libraries write it, instead
     # of in <default_local_dir>/logs/ (meshrl.logs). verl has no such key (its own loggers read VERL_LOGGING_LEVEL).
     verbose: bool = False
+    # verl's HDFS copy of checkpoints, its deletion of the local copy after a load, and its save ahead of a
+    # cloud instance's expiry (refused: key_policy says what to do instead)
+    default_hdfs_dir: Optional[str] = None
+    del_local_ckpt_after_load: bool = False
+    esi_redundant_time: float = 0
     seed: int = 1
     # verl's choice between its V0 and V1 trainers (V1 is its default); both synchronous unless trainer.v1 says
     # otherwise: meshrl's trainer is trainer.async_mode's (use_v1: key_policy, inert; trainer.v1: async_keys)
@@ -984,6 +1245,83 @@ class GlobalProfilerConfig:
     profile_continuous_steps: bool = False
     save_path: str = "outputs/profile"
     global_tool_config: Dict[str, Any] = field(default_factory=_global_tool_config)
+    finish_hook_cmd: Optional[str] = None
+    finish_hook_ranks: List[int] = field(default_factory=list)
+    finish_hook_all_ranks: bool = False
+    relocate_results: bool = False
+
+
+@dataclass
+class DistillationLossConfig:
+    loss_mode: str = "k3"
+    topk: int = 32
+    use_task_rewards: bool = True
+    distillation_loss_coef: float = 1.0
+    loss_max_clamp: Optional[float] = None
+    log_prob_min_clamp: Optional[float] = None
+    use_policy_gradient: bool = False
+    policy_loss_mode: str = "vanilla"
+    clip_ratio: float = 0.2
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+
+
+@dataclass
+class DistillationConfig:
+    """verl-project's on-policy distillation from teacher models (refused). ``teacher_models`` maps a teacher's name
+    to its settings (verl's example: ``teacher_model``)."""
+
+    enabled: bool = False
+    n_gpus_per_node: int = 8
+    nnodes: int = 0
+    teacher_key: str = "data_source"
+    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+    teacher_models: Dict[str, Any] = field(default_factory=dict)
+
+
+def _transfer_queue_backend() -> Dict[str, Any]:
+    return {"storage_backend": "SimpleStorage",
+            "SimpleStorage": {"total_storage_size": 100000, "num_data_storage_units": 8},
+            "MooncakeStore": {"auto_init": False, "metadata_server": "localhost:50123",
+                              "master_server_address": "localhost:50124", "local_hostname": "localhost",
+                              "protocol": "tcp", "global_segment_size": 4294967296, "local_buffer_size": 1073741824,
+                              "device_name": ""}}
+
+
+@dataclass
+class TransferQueueConfig:
+    """verl's TransferQueue data plane (refused)."""
+
+    enable: bool = False
+    metrics: Dict[str, Any] = field(default_factory=lambda: {"enabled": False, "port": 0})
+    backend: Dict[str, Any] = field(default_factory=_transfer_queue_backend)
+
+
+@dataclass
+class SkipStageConfig:
+    enable: bool = False
+    dump_dir: str = "~/.verl/rollout_dump"
+    steps: List[int] = field(default_factory=list)
+    action: str = "cache"
+
+
+@dataclass
+class SkipConfig:
+    """verl-project's dump and replay of generated batches (refused)."""
+
+    rollout: SkipStageConfig = field(default_factory=SkipStageConfig)
+    rollout_tq: SkipStageConfig = field(default_factory=SkipStageConfig)
+    async_rollout: SkipStageConfig = field(default_factory=SkipStageConfig)
+
+
+@dataclass
+class LegacySandboxFusionConfig:
+    """verl-project's top-level ``sandbox_fusion``, which its reward loop moves to ``reward.sandbox_fusion`` (refused:
+    set that)."""
+
+    url: Optional[str] = None
+    max_concurrent: Optional[int] = None
+    memory_limit_mb: Optional[int] = None
 
 
 @dataclass
@@ -1002,3 +1340,11 @@ class MeshRLConfig:
     model_engine: str = "megatron"  # one of MODEL_ENGINES
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    # verl sections of features meshrl does not have (key_policy: refused)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
+    skip: SkipConfig = field(default_factory=SkipConfig)
+    sandbox_fusion: LegacySandboxFusionConfig = field(default_factory=LegacySandboxFusionConfig)
+    # the older verl's home of reward.reward_manager (its name a copy of reward_model.reward_manager; refused)
+    reward_manager: RewardManagerConfig = field(
+        default_factory=lambda: RewardManagerConfig(name=II("reward_model.reward_manager")))

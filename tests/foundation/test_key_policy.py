@@ -293,11 +293,18 @@ def test_the_recorder_names_full_paths_of_tracked_trees_only():
     assert reads.paths["trainer.seed"] == {f"{__name__}.test_the_recorder_names_full_paths_of_tracked_trees_only"}
 
 
+@functools.lru_cache(maxsize=1)
+def recipe_config():
+    """The config the key tests below start from."""
+    return load_config([], recipe="cpu_tiny_grpo")
+
+
 def other_value(key: str):
-    """A value of the key's type other than its default."""
+    """A value of the key's type other than its value in ``recipe_config`` (its default, or for verl's copy of another
+    key, that key's value there)."""
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(default_config(), parent)._get_node(leaf)
-    default = OmegaConf.select(default_config(), key)
+    default = OmegaConf.select(recipe_config(), key)
     if isinstance(default, bool):
         return not default
     if isinstance(default, (int, float)):
