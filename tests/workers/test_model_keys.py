@@ -104,7 +104,7 @@ def test_use_dist_checkpointing_starts_from_the_megatron_checkpoint(one_rank, ti
         assert torch.equal(a, b), name
         assert not torch.equal(a, c), name
     # the converter's own output loads the same way
-    converted = hf_to_mcore(tiny_llama_dir, tmp_path / "converted")
+    converted = hf_to_mcore(tiny_llama_dir, hf_config, tmp_path / "converted")
     arr = actor_cfg(f"{MEGATRON}.use_dist_checkpointing=True", f"{MEGATRON}.dist_checkpointing_path={converted}")
     load_initial_weights(from_ckpt, arr.actor.megatron, str(tiny_llama_dir), hf_config)
     for a, c in zip(from_ckpt[0].parameters(), from_hf[0].parameters()):
