@@ -103,7 +103,7 @@ class ColocateAsyncTrainer(RLTrainer):
             keys[replica].append(self.next_key)
             chosen[replica].append(row)
             self.next_key += 1
-        self.policy.stream_submit([self.worker_prompts(r) for r in chosen], keys)
+        self.policy.stream_submit([self.prompts_of(r) for r in chosen], keys)
 
     def finished_groups(self) -> tuple[list[list[int]], int]:
         """Each replica's share of the groups to train, tagged earliest first; and how many stale groups were
@@ -135,7 +135,7 @@ class ColocateAsyncTrainer(RLTrainer):
     def take(self, keys: list[list[int]]) -> tuple[Batch, Batch]:
         """The groups ``keys`` (per replica) as one batch, replica after replica, and their prompts."""
         rows = [[self.groups.pop(key)[0] for key in replica_keys] for replica_keys in keys]
-        parts = self.policy.stream_take([self.worker_prompts(r) for r in rows], keys)
+        parts = self.policy.stream_take([self.prompts_of(r) for r in rows], keys)
         prompts = prompts_batch(self.train_data, [row for replica_rows in rows for row in replica_rows],
                                 raw_chat=self.raw_chat)
         batch = Batch.concat(parts)
@@ -145,9 +145,9 @@ class ColocateAsyncTrainer(RLTrainer):
             batch.set("raw_prompt", prompts["raw_prompt"][batch["uid"].numpy()])
         return batch, prompts
 
-    def worker_prompts(self, rows: list[int]) -> Batch:
-        prompts = prompts_batch(self.train_data, rows, raw_chat=self.raw_chat)
-        return prompts if self.workers_read_chat else prompts.select([k for k in prompts.keys() if k != "raw_prompt"])
+    def prompts_of(self, rows: list[int]) -> Batch:
+        """The dataset rows' prompts as the workers take them."""
+        return self.worker_prompts(prompts_batch(self.train_data, rows, raw_chat=self.raw_chat))
 
     def age(self, tag: int) -> int:
         """verl's span of a group tagged at step ``tag``, at this step."""

@@ -239,7 +239,7 @@ class RLTrainer:
         """``generate``, returning the function that gives its batch: generated at once, or with ``background`` on
         the policy workers' generation threads while the driver goes on calling them (``policy.start_generate``)."""
         raw = prompts["raw_prompt"] if "raw_prompt" in prompts else None
-        sent = prompts if self.workers_read_chat else prompts.select([k for k in prompts.keys() if k != "raw_prompt"])
+        sent = self.worker_prompts(prompts)
         wait = self.policy.start_generate(sent, mode) if background else None
         done = None if background else self.policy.generate(sent, mode=mode)
 
@@ -249,6 +249,11 @@ class RLTrainer:
                 out.set("raw_prompt", raw[out["uid"].numpy()])
             return out
         return batch
+
+    def worker_prompts(self, prompts: Batch) -> Batch:
+        """``prompts`` as the policy workers take them: the chat messages (``raw_prompt``) stay on the driver unless
+        interactions read them."""
+        return prompts if self.workers_read_chat else prompts.select([k for k in prompts.keys() if k != "raw_prompt"])
 
     def score(self, batch: Batch, prefix: str) -> dict[str, float]:
         """Score the responses and set ``token_level_scores`` (and a function's extra outputs); returns reward
