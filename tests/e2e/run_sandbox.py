@@ -116,8 +116,9 @@ class RunSandbox:
 
     def assert_clean(self, files: bool = True) -> None:
         """Nothing left; ``files=False`` after a ``kill -9`` of the driver, whose temporary folder the next start
-        removes."""
-        left = self.leftovers()
+        removes. Then Ray's agents get 90 s: an agent that sees its raylet killed first reports it to the GCS, which
+        died too, with a 60 s timeout (``ray._private.utils.publish_error_to_driver``), and only then exits."""
+        left = self.leftovers(wait_s=30.0 if files else 90.0)
         if not files:
             left.pop("files")
         assert not any(left.values()), left
