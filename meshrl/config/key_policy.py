@@ -30,12 +30,13 @@ layout must be the actor's, ``strategy`` names, ``critic.enable``) are checked i
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.config.async_keys import V1_ASYNC
-from meshrl.config.loader import _defaults_template, default_config, is_schema_key
+from meshrl.config.loader import _defaults_template, is_schema_key
 
 # verl's critic FSDP section has had three places: critic.fsdp_config, critic.model.fsdp_config, critic.fsdp.
 CRITIC_FSDP = ("critic.fsdp_config", "critic.model.fsdp_config", "critic.fsdp")
@@ -465,6 +466,7 @@ def key_status(key: str) -> str:
     return classify(key) if is_schema_key(_defaults_template(), key) else "unknown"
 
 
+@functools.lru_cache(maxsize=None)  # every config check classifies the same ~2,000 keys against ~400 patterns
 def classify(key: str) -> str:
     """'refused', 'fsdp_only', 'inert' or 'read' for a schema key (the rules above)."""
     if _match(key, REFUSED):
@@ -508,15 +510,37 @@ def _entries(value: dict, prefix: str = "") -> list[tuple[str, object]]:
     return out
 
 
+_ABSENT = object()
+
+
+def _raw(tree: dict, key: str):
+    """The unresolved value at dotted ``key`` of a plain-container config (``_ABSENT`` where there is none)."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
+    return tree
+
+
+@functools.lru_cache(maxsize=1)
+def _raw_defaults() -> dict:
+    """The schema's defaults as plain containers, interpolations unresolved (read only)."""
+    return OmegaConf.to_container(_defaults_template(), resolve=False)
+
+
 def key_policy(cfg: DictConfig) -> tuple[list[str], list[str]]:
     """(problems, warnings) of ``cfg``'s keys set away from their defaults under the rules above."""
-    defaults = default_config()
+    defaults = _defaults_template()  # read only
+    # Most keys hold their schema default as written (a value, or the same ``${...}``): compared unresolved, in
+    # plain containers, they need none of OmegaConf's selects (a config check otherwise spends ~0.2 s on them).
+    raw_cfg, raw_defaults = OmegaConf.to_container(cfg, resolve=False), _raw_defaults()
     refused: dict[str, list[str]] = {}  # message -> the keys set under it: one message per missing feature
     inert: dict[str, list[str]] = {}  # reason -> the keys set under it
     fsdp = []
     for key in leaf_keys(cfg):
         kind = classify(key)
-        if kind == "read" and not isinstance(OmegaConf.select(cfg, key), DictConfig):
+        raw = _raw(raw_cfg, key)
+        if kind == "read" and not isinstance(raw, dict) or raw == _raw(raw_defaults, key):
             continue
         value = _set_away_from_default(cfg, defaults, key)
         if value is _DEFAULT:

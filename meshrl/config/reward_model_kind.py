@@ -17,6 +17,8 @@ verl's newer one): ``judge_rollout`` resolves them, and ``unused_judge_keys`` na
 
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 from typing import Any
@@ -55,17 +57,16 @@ def reward_model_kind(cfg: DictConfig) -> str | None:
     return DISCRIMINATIVE
 
 
+@functools.lru_cache(maxsize=1)
+def _rollout_defaults() -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(RewardModelRolloutConfig), resolve=True)
+
+
 def _changed(section: DictConfig) -> dict[str, Any]:
-    """The fields of a ``reward_model.rollout``-shaped section set away from the schema's defaults, as plain values."""
-    defaults = OmegaConf.structured(RewardModelRolloutConfig)
-    changed = {}
-    for name in section.keys():
-        # each side a plain value: a list or dict key may be None on one side (cudagraph_capture_sizes)
-        value, default = (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
-                          for v in (section[name], defaults[name]))
-        if value != default:
-            changed[name] = value
-    return changed
+    """The fields of a ``reward_model.rollout``-shaped section set away from the schema's defaults, as plain values
+    (a list or dict key may be None on one side: cudagraph_capture_sizes)."""
+    values = OmegaConf.to_container(section, resolve=True)
+    return {name: value for name, value in values.items() if value != _rollout_defaults()[name]}
 
 
 def judge_rollout(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:

@@ -49,7 +49,8 @@ from meshrl.rollout.base import Completion
 from meshrl.trainer.main import load_inputs, preflight, run
 from meshrl.workers.sequences import responses_batch
 
-KEYS = leaf_keys(default_config())
+DEFAULTS = default_config()  # read only
+KEYS = leaf_keys(DEFAULTS)
 
 # Readers that read every key of a section, whatever the run uses, to compare it with its default: their reads say
 # nothing about a key being used.
@@ -303,7 +304,7 @@ def other_value(key: str):
     """A value of the key's type other than its value in ``recipe_config`` (its default, or for verl's copy of another
     key, that key's value there)."""
     parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(default_config(), parent)._get_node(leaf)
+    node = OmegaConf.select(DEFAULTS, parent)._get_node(leaf)
     default = OmegaConf.select(recipe_config(), key)
     if isinstance(default, bool):
         return not default
