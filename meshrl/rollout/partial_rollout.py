@@ -70,18 +70,46 @@ def resume_seed(sample_seed: int, generated: int) -> int:
 
 
 @dataclass
-class _Sample:
-    """One sample across its segments: what it asked for, and what its requests delivered so far."""
+class Segments:
+    """One sample across the requests (segments) it took: what it asked for and what they delivered so far. Shared
+    by ``PartialRollout`` and ``rollout_stream.RolloutStream``."""
 
     prompt: list[int]
-    sampling: SamplingConfig
     seed: int
-    max_tokens: int
-    future: asyncio.Future  # the finish reason, once its last segment finished
-    version: int = 0  # the policy version of its current segment's request
+    cap: int  # max_tokens over all segments
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
+
+    def next_request(self, engine: RolloutEngine, sampling: SamplingConfig) -> tuple[list[int], Any]:
+        """The next segment's prompt (the prompt + the tokens so far) and vLLM sampling params: the rest of the cap,
+        ``resume_seed``, a ``DELTA`` per engine step (every step's tokens and log-probs reach the sample as they are
+        sampled, so an abort loses none)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        generated = len(self.token_ids)
+        params = engine.sampling_params(sampling, resume_seed(self.seed, generated), self.cap - generated, n=1)
+        params.output_kind = RequestOutputKind.DELTA
+        return self.prompt + self.token_ids, params
+
+    def extend(self, output: Any, version: int) -> str | None:
+        """Append a request's ``DELTA`` output, its tokens sampled under policy ``version``; the sample's finish
+        reason once its request finished, else None."""
+        (delta,) = output.outputs
+        tokens = list(delta.token_ids)
+        self.token_ids += tokens
+        self.logprobs += [step[token].logprob for step, token in zip(delta.logprobs, tokens)]
+        self.policy_versions += [version] * len(tokens)
+        if not output.finished:
+            return None
+        return "stop" if delta.finish_reason == "stop" else "length"
+
+
+@dataclass(kw_only=True)
+class _Sample(Segments):
+    sampling: SamplingConfig
+    future: asyncio.Future  # the finish reason, once its last segment finished
+    version: int = 0  # the policy version of its current segment's request
 
 
 class PartialRollout(AsyncEngine):
@@ -101,8 +129,8 @@ class PartialRollout(AsyncEngine):
         """``AsyncEngine.sample``, resumed across every sync it lives through; the ``Completion`` carries
         ``policy_versions``."""
         self._check_serving()
-        state = _Sample(list(map(int, prompt)), sampling, seed, int(max_tokens),
-                        asyncio.get_running_loop().create_future())
+        state = _Sample(list(map(int, prompt)), seed, int(max_tokens), sampling=sampling,
+                        future=asyncio.get_running_loop().create_future())
         self._submit(state)
         finish = await state.future
         return Completion(prompt_index, sample_index, state.token_ids, state.logprobs, finish,
@@ -110,27 +138,16 @@ class PartialRollout(AsyncEngine):
 
     def _submit(self, state: _Sample) -> None:
         """A request for the sample's next segment on the current weights."""
-        from vllm.sampling_params import RequestOutputKind
-
-        generated = len(state.token_ids)
-        params = self.engine.sampling_params(state.sampling, resume_seed(state.seed, generated),
-                                             state.max_tokens - generated, n=1)
-        # Every step's new tokens and log-probs reach the sample as they are sampled, so an abort loses none.
-        params.output_kind = RequestOutputKind.DELTA
+        prompt, params = state.next_request(self.engine, state.sampling)
         state.version = self.version
-        request_id = self._add_request(state.prompt + state.token_ids, params, state.future)
-        self._live[request_id] = state
+        self._live[self._add_request(prompt, params, state.future)] = state
 
     def _deliver(self, output: Any) -> None:
         state = self._live[output.request_id]
-        (delta,) = output.outputs
-        tokens = list(delta.token_ids)
-        state.token_ids += tokens
-        state.logprobs += [step[token].logprob for step, token in zip(delta.logprobs, tokens)]
-        state.policy_versions += [state.version] * len(tokens)
-        if output.finished:
+        finish = state.extend(output, state.version)
+        if finish is not None:
             del self._live[output.request_id]
-            self._waiting.pop(output.request_id).set_result("stop" if delta.finish_reason == "stop" else "length")
+            self._waiting.pop(output.request_id).set_result(finish)
 
     def sync(self, load: Callable[[], T], version: int) -> T:
         """Between two engine steps: abort every unfinished request (keeping what it generated), ``load()`` new
@@ -177,4 +194,4 @@ class PartialRollout(AsyncEngine):
             self._live.clear()  # the base aborted their requests
 
 
-__all__ = ["PartialRollout", "resume_seed"]
+__all__ = ["PartialRollout", "Segments", "resume_seed"]

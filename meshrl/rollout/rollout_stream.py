@@ -32,24 +32,18 @@ tokens; a resumed segment is seeded with ``partial_rollout.resume_seed`` of the 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence
 
 from meshrl.rollout.async_engine import add_engine_request
 from meshrl.rollout.base import Completion, RolloutEngine, SamplingConfig
-from meshrl.rollout.partial_rollout import resume_seed
+from meshrl.rollout.partial_rollout import Segments
 
 
 @dataclass
-class _Trajectory:
-    """One sample across its segments."""
+class _Trajectory(Segments):
+    """A stream's sample: its segments, and its finish reason once its last segment finished."""
 
-    prompt: list[int]
-    seed: int
-    cap: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
     finish: str | None = None
 
 
@@ -120,7 +114,7 @@ class RolloutStream:
                 raise KeyError(f"group {key!r} is not a finished group of this stream")
             del self._groups[key]
             self._finished.remove(key)
-            taken.append([Completion(position, j, s.token_ids, s.logprobs, s.finish, policy_versions=s.versions)
+            taken.append([Completion(position, j, s.token_ids, s.logprobs, s.finish, policy_versions=s.policy_versions)
                           for j, s in enumerate(group.samples)])
         return taken
 
@@ -137,29 +131,18 @@ class RolloutStream:
 
     def versions_of(self, key: Hashable) -> list[list[int]]:
         """Each sample's token versions so far (what a staleness check reads before taking a group)."""
-        return [list(s.versions) for s in self._groups[key].samples]
+        return [list(s.policy_versions) for s in self._groups[key].samples]
 
     def _submit(self, sample: _Trajectory, sampling: SamplingConfig) -> str:
-        from vllm.sampling_params import RequestOutputKind
-
-        generated = len(sample.token_ids)
-        params = self.engine.sampling_params(sampling, resume_seed(sample.seed, generated), sample.cap - generated,
-                                             n=1)
-        params.output_kind = RequestOutputKind.DELTA  # every step's tokens reach the sample: an abort loses none
         request_id = f"meshrl-stream-{next(self._ids)}"
-        add_engine_request(self.engine, request_id, sample.prompt + sample.token_ids, params)
+        add_engine_request(self.engine, request_id, *sample.next_request(self.engine, sampling))
         return request_id
 
     def _deliver(self, output: Any, live: dict[str, tuple[Hashable, _Trajectory]], version: int) -> None:
         key, sample = live[output.request_id]
-        (delta,) = output.outputs
-        tokens = list(delta.token_ids)
-        sample.token_ids += tokens
-        sample.logprobs += [step[token].logprob for step, token in zip(delta.logprobs, tokens)]
-        sample.versions += [version] * len(tokens)
-        if output.finished:
+        sample.finish = sample.extend(output, version)
+        if sample.finish is not None:
             del live[output.request_id]
-            sample.finish = "stop" if delta.finish_reason == "stop" else "length"
             if self._groups[key].finished:
                 self._finished.append(key)
 
