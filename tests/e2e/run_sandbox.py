@@ -114,13 +114,9 @@ class RunSandbox:
         return {"processes": [" ".join(p.cmdline())[:120] for p in alive if p.is_running()],
                 "files": files, "shm": shm}
 
-    def assert_clean(self, files: bool = True) -> None:
-        """Nothing left; ``files=False`` after a ``kill -9`` of the driver, whose temporary folder the next start
-        removes. Then Ray's agents get 90 s: an agent that sees its raylet killed first reports it to the GCS, which
-        died too, with a 60 s timeout (``ray._private.utils.publish_error_to_driver``), and only then exits."""
-        left = self.leftovers(wait_s=30.0 if files else 90.0)
-        if not files:
-            left.pop("files")
+    def assert_clean(self, wait_s: float = 30.0) -> None:
+        """Nothing left, processes given ``wait_s`` to exit."""
+        left = self.leftovers(wait_s)
         assert not any(left.values()), left
 
     def cleanup(self) -> None:
