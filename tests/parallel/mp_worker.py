@@ -50,11 +50,15 @@ TIMEOUT_S = 120.0
 # q/k norms, Mistral, Phi-3's fused projections, GLM-4's extra norms) differ only inside a layer, which their TP2
 # parity checks, and run at PP2 in `make test-extended` (the "pp2_families" phase of suite "w2x").
 PP2_FAMILIES = ("llama", "qwen2", "gemma", "gemma2", "gemma3_text")
+# The families whose critics (the family's decoder under a value head) run at every layout in `make test`; the
+# other families' decoders are their policies' parity, and their critics run at TP2 in `make test-extended` (the
+# "tp2_critics" phase of suite "w2x").
+REPRESENTATIVE = ("llama", "qwen2")
 SUITES = {
     "w1": [("tp1", {})],
     "w2": [("tp2", dict(tensor_parallel=2)), ("pp2", dict(pipeline_parallel=2)),
            ("vpp2", dict(pipeline_parallel=2, virtual_pipeline=2)), ("dp2", {})],
-    "w2x": [("pp2_families", dict(pipeline_parallel=2))],
+    "w2x": [("pp2_families", dict(pipeline_parallel=2)), ("tp2_critics", dict(tensor_parallel=2))],
     "w4": [("tp2pp2", dict(tensor_parallel=2, pipeline_parallel=2))],
 }
 # Adam's update g / (sqrt(v) + eps) turns fp32 rounding of near-zero gradients into O(lr) differences
@@ -608,6 +612,11 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
             path, temperature = tiny_model_dir(FAMILIES[tag]), TEMPERATURE[tag]
             rec.run(f"parity.{tag}", lambda: check_parity(path, False, temperature=temperature))
             rec.run(f"roundtrip.{tag}", lambda: check_roundtrip(path, workdir, f"{name}-{tag}"))
+    elif name == "tp2_critics":
+        for tag in (tag for tag in FAMILIES if tag not in REPRESENTATIVE):
+            critic = workdir / f"critic-{tag}"
+            rec.run(f"parity.{tag}_critic", lambda: check_parity(critic, True))
+            rec.run(f"roundtrip.{tag}_critic", lambda: check_roundtrip(critic, workdir, f"{name}-{tag}c", True))
     elif name == "vpp2":
         rec.run("parity.llama4", lambda: check_parity(llama4, False))
         rec.run("parity.llama4_critic", lambda: check_parity(workdir / "critic-llama4", True))
@@ -616,17 +625,16 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
         rec.run("checkpoint_roundtrip", lambda: check_checkpoint_roundtrip(llama4, workdir, name, False))
         rec.run("forward_only_model", lambda: check_forward_only_model(llama4))
     else:
-        # Every family's policy and critic at TP2 (its layers sharded), PP2_FAMILIES' policies at PP2. What
-        # the other layouts add does not depend on the family: Llama and Qwen2 (tied and untied output layers,
-        # with and without QKV bias) cover TP2xPP2 (both at once; world 4, two processes per core on 2 cores),
-        # DP2 (TP1 replicas) and the critic's value head on the last PP2 stage.
-        representative = ("llama", "qwen2")
-        tags = tuple(FAMILIES) if name == "tp2" else PP2_FAMILIES if name == "pp2" else representative
+        # Every family's policy at TP2 (its layers sharded), PP2_FAMILIES' policies at PP2. What the other
+        # layouts add does not depend on the family: Llama and Qwen2 (tied and untied output layers, with and
+        # without QKV bias) cover TP2xPP2 (both at once; world 4, two processes per core on 2 cores), DP2 (TP1
+        # replicas) and the critic's value head at TP2 and on the last PP2 stage (REPRESENTATIVE).
+        tags = tuple(FAMILIES) if name == "tp2" else PP2_FAMILIES if name == "pp2" else REPRESENTATIVE
         for tag in tags:
             path, critic, temperature = tiny_model_dir(FAMILIES[tag]), workdir / f"critic-{tag}", TEMPERATURE[tag]
             rec.run(f"parity.{tag}", lambda: check_parity(path, False, temperature=temperature))
             rec.run(f"roundtrip.{tag}", lambda: check_roundtrip(path, workdir, f"{name}-{tag}"))
-            if name == "tp2" or tag in representative:
+            if tag in REPRESENTATIVE:
                 rec.run(f"parity.{tag}_critic", lambda: check_parity(critic, True))  # values ignore the temperature
                 rec.run(f"roundtrip.{tag}_critic", lambda: check_roundtrip(critic, workdir, f"{name}-{tag}c", True))
         rec.run("invariance", lambda: check_invariance(llama))
@@ -658,11 +666,14 @@ def merge(per_rank: list[dict]) -> dict:
     return merged
 
 
-def make_critic_dirs(workdir: Path) -> None:
-    """HF token-classification critics (random ``score`` head) built from the tiny causal LMs."""
+def make_critic_dirs(workdir: Path, suite: str) -> None:
+    """HF token-classification critics (random ``score`` head) built from the tiny causal LMs that ``suite`` runs as
+    critics."""
     from transformers import AutoModelForTokenClassification
 
-    for tag, spec in {**FAMILIES, "llama4": LLAMA4}.items():
+    specs = ({tag: FAMILIES[tag] for tag in FAMILIES if tag not in REPRESENTATIVE} if suite == "w2x"
+             else {**{tag: FAMILIES[tag] for tag in REPRESENTATIVE}, "llama4": LLAMA4})
+    for tag, spec in specs.items():
         target = workdir / f"critic-{tag}"
         if (target / "model.safetensors").is_file():
             continue
@@ -686,8 +697,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     if dist.get_rank() == 0:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        if args.suite in ("w2", "w4"):  # the suites with critics
-            make_critic_dirs(args.workdir)
+        if args.suite in ("w2", "w4", "w2x"):  # the suites with critics
+            make_critic_dirs(args.workdir, args.suite)
     dist.barrier()
     wanted = set(args.phases.split(",")) if args.phases else None
     results: dict[str, dict] = {}

@@ -3,9 +3,10 @@
 Two torchrun launches run every layout (``mp_worker.py``): world 2 runs TP2, PP2, PP2 x virtual PP2
 and DP2 (each DP replica is TP1), world 4 runs TP2 x PP2. The tests below only read their results.
 The TP2 phase saves the checkpoint that the other layouts load, so the world-4 launch follows the
-world-2 one. Parity and export run for every registered dense family (``mp_worker.FAMILIES``) at TP2, critics
-at TP2; at PP2 the families whose stages differ (``mp_worker.PP2_FAMILIES`` says which and why), the others in
-``make test-extended``; TP2 x PP2, DP2 and the PP2 critic keep to Llama and Qwen2 (``mp_worker.run_phase`` says
+world-2 one. Parity and export run for every registered dense family's policy (``mp_worker.FAMILIES``) at TP2,
+Llama's and Qwen2's critics at every layout (``mp_worker.REPRESENTATIVE``; the other critics at TP2 in ``make
+test-extended``); at PP2 the families whose stages differ (``mp_worker.PP2_FAMILIES`` says which and why), the others
+in ``make test-extended``; TP2 x PP2 and DP2 keep to Llama and Qwen2 (``mp_worker.run_phase`` says
 why). Budget on 2 cores: ~150 s for both launches on a fast machine.
 """
 
@@ -135,18 +136,22 @@ def test_layout(results: dict, phase: str, group: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.extended
 @pytest.mark.timeout(600)
-def test_the_llama_like_families_match_hf_at_pp2(tmp_path: Path) -> None:
-    """Qwen3, Mistral, Phi-3 and GLM-4 split into two pipeline stages: parity with HF and the export, bit for bit
-    (``make test`` runs them at TP2 and the families whose stages differ at PP2)."""
-    values = launch("mp_worker.py", 2, tmp_path, "w2x", 500, "--suite", "w2x", "--workdir", str(tmp_path))
-    assert "pp2_families" in values, values["_log"]
-    checked = values["pp2_families"]
-    errors = {k: v for k, v in checked.items() if k.endswith(".error")}
-    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
-    tags = {key.split(".")[1] for key in checked if key.startswith("parity.")}
-    assert tags == {"qwen3", "mistral", "phi3", "glm4"}, sorted(checked)
-    failures = _failures(checked)
-    assert not failures, "; ".join(failures)
+def test_the_llama_like_families_match_hf_at_pp2_and_every_critic_at_tp2(tmp_path: Path) -> None:
+    """Qwen3, Mistral, Phi-3 and GLM-4 split into two pipeline stages, and the critics of the families other than
+    Llama and Qwen2 at TP2: parity with HF and the export, bit for bit (``make test`` runs every family's policy at
+    TP2, the families whose stages differ at PP2, and Llama's and Qwen2's critics at every layout)."""
+    values = launch("mp_worker.py", 2, tmp_path, "w2x", 700, "--suite", "w2x", "--workdir", str(tmp_path))
+    expected = {"pp2_families": {"qwen3", "mistral", "phi3", "glm4"},
+                "tp2_critics": {"qwen3_critic", "mistral_critic", "gemma_critic", "gemma2_critic",
+                                "gemma3_text_critic", "phi3_critic", "glm4_critic"}}
+    for phase, tags in expected.items():
+        assert phase in values, values["_log"]
+        checked = values[phase]
+        errors = {k: v for k, v in checked.items() if k.endswith(".error")}
+        assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+        assert {key.split(".")[1] for key in checked if key.startswith("parity.")} == tags, sorted(checked)
+        failures = _failures(checked)
+        assert not failures, "; ".join(failures)
 
 
 @pytest.mark.multiproc
