@@ -2,7 +2,8 @@
 .PHONY: setup run test test-unit test-heavy test-extended
 
 PY := .venv/bin/python
-# vLLM torch.compiles its sampler on first use (~20 s cold on CPU); eager gives identical outputs.
+# torch.compile off: the policy's and reference's compiled regions (use_torch_compile, on by verl's default) are an
+# inductor C++ build per process on CPU; eager runs the same formulas (tests/parallel/test_compiled.py).
 export TORCHDYNAMO_DISABLE ?= 1
 # Heavy tests: multi-process (gloo), real vLLM engines and end-to-end runs. `make test` runs those not
 # marked `extended` (heavy tests whose path another heavy test runs); `make test-extended` runs the extended

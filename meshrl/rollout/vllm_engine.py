@@ -73,7 +73,8 @@ memory (``vllm_worker.meshrl_release_kv_cache``), ``wake_up`` (all, or ``"kv_cac
 they are dropped as CUDA's level 2 drops them (``vllm_worker.meshrl_drop_weights``: parameter storages and the CPU
 kernels' packed copies), and the next sync (``begin_weight_update`` wakes the weights) rebuilds them. Generating
 while asleep raises, and generating after a level-2 sleep without a sync raises too (the weights are incomplete).
-Set ``TORCHDYNAMO_DISABLE=1`` to skip the ~20 s compile of the sampler on the first call (identical outputs).
+vLLM's sampler ops are not compiled (``TORCHDYNAMO_DISABLE=1`` while the engine starts): identical outputs,
+without the 8-20 s inductor build on the first ``generate`` of every process.
 
 **Configuration passed through.** ``EngineConfig.load_format`` picks vLLM's loader: a dummy format is
 vLLM's ``dummy`` (random weights, no checkpoint read; the engine refuses to generate until a sync), the
@@ -302,6 +303,12 @@ class VLLMEngine(RolloutEngine):
 
     def _start(self, config: EngineConfig, colocated: bool) -> Any:
         environ = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process else "1"}
+        if not self._cuda:
+            # vLLM wraps its sampler's small ops in torch.compile as it builds the engine (inductor: a C++ build of
+            # ~8-20 s on the first generate of every process, cached or not); a CPU engine runs eager anyway.
+            # torch reads the switch when a function is wrapped: the wraps made during the start (in this process,
+            # or in the engine core's) stay eager, the trainer's own compiled regions are not touched.
+            environ["TORCHDYNAMO_DISABLE"] = "1"
         if colocated:
             # external_launcher reads the rank from the environment; Ray actors do not set it.
             environ["RANK"] = os.environ.get("RANK", str(dist.get_rank()))

@@ -7,8 +7,6 @@ models' 4-token window, which the 40-token prompt passes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -21,15 +19,9 @@ PROMPTS = [[1, 9690, 198, 2683, 359], [5, 6, 7], list(range(300, 340))]
 def tp1():
     from meshrl.parallel import state
 
-    previous = os.environ.get("TORCHDYNAMO_DISABLE")
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # skip compiling vLLM's sampler (identical outputs)
     state.initialize(state.ParallelConfig())
     yield
     state.destroy()
-    if previous is None:
-        os.environ.pop("TORCHDYNAMO_DISABLE")
-    else:
-        os.environ["TORCHDYNAMO_DISABLE"] = previous
 
 
 @torch.no_grad()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from datetime import timedelta
@@ -156,7 +155,6 @@ def phase_tp2(model_dir: Path, results: dict) -> None:
 
 
 def run(rank: int, args: argparse.Namespace) -> None:
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
     from meshrl.runtime import configure_environment
 
     configure_environment()

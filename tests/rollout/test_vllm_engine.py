@@ -46,15 +46,34 @@ ENGINE = EngineConfig(kv_cache_memory_bytes=256 * MIB, max_model_len=256, max_nu
 @pytest.fixture(scope="module")
 def engine(model_dir):
     """The default engine (processed_logprobs)."""
-    previous = os.environ.get("TORCHDYNAMO_DISABLE")
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # skip compiling vLLM's sampler (identical outputs)
     engine = create_engine(model_dir, ENGINE)
     yield engine
     engine.shutdown()
-    if previous is None:
-        os.environ.pop("TORCHDYNAMO_DISABLE")
-    else:
-        os.environ["TORCHDYNAMO_DISABLE"] = previous
+
+
+UNCOMPILED = """
+import os, sys
+from meshrl.rollout import EngineConfig, SamplingConfig, create_engine
+engine = create_engine(sys.argv[1], EngineConfig(kv_cache_memory_bytes=64 << 20, max_model_len=64, max_num_seqs=4))
+engine.generate([[1, 2, 3]], SamplingConfig(temperature=0.5, max_response_length=4, ignore_eos=True, seed=1))
+from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+print(hasattr(batched_count_greater_than, "_torchdynamo_orig_callable"), os.environ.get("TORCHDYNAMO_DISABLE"))
+"""
+
+
+@pytest.mark.extended
+def test_a_cpu_engine_leaves_vllms_sampler_uncompiled_and_the_switch_as_it_was(model_dir):
+    """Without TORCHDYNAMO_DISABLE in the environment (a run started outside make), a CPU engine's start keeps vLLM
+    from wrapping its sampler ops in torch.compile (an inductor C++ build on the first generate: 8-20 s measured),
+    and leaves the variable unset for the trainer's own compiled regions."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    done = subprocess.run([sys.executable, "-c", UNCOMPILED, str(model_dir)], env=env, capture_output=True,
+                          text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["False", "None"], done.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,9 @@ def test_flat_buckets_round_trip():
 
 @pytest.mark.vllm
 @pytest.mark.timeout(240)
-def test_multiprocess_engine_syncs_through_flat_buffers(tiny_llama_dir, monkeypatch):
+def test_multiprocess_engine_syncs_through_flat_buffers(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     engine = create_engine(tiny_llama_dir, EngineConfig(in_process=False, kv_cache_memory_bytes=128 << 20,
                                                         max_model_len=256, max_num_seqs=16))
     try:

@@ -43,7 +43,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--end", choices=("shutdown", "kill", "kill-while-starting"), required=True)
     args = parser.parse_args()
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
     from meshrl.runtime import configure_environment
 
     configure_environment()
