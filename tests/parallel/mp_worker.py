@@ -666,14 +666,12 @@ def merge(per_rank: list[dict]) -> dict:
     return merged
 
 
-def make_critic_dirs(workdir: Path, suite: str) -> None:
-    """HF token-classification critics (random ``score`` head) built from the tiny causal LMs that ``suite`` runs as
-    critics."""
+def make_critic_dirs(workdir: Path, tags=(*FAMILIES, "llama4")) -> None:
+    """HF token-classification critics (random ``score`` head) built from the tiny causal LMs of ``tags``
+    (``critic-<tag>``)."""
     from transformers import AutoModelForTokenClassification
 
-    specs = ({tag: FAMILIES[tag] for tag in FAMILIES if tag not in REPRESENTATIVE} if suite == "w2x"
-             else {**{tag: FAMILIES[tag] for tag in REPRESENTATIVE}, "llama4": LLAMA4})
-    for tag, spec in specs.items():
+    for tag, spec in {tag: LLAMA4 if tag == "llama4" else FAMILIES[tag] for tag in tags}.items():
         target = workdir / f"critic-{tag}"
         if (target / "model.safetensors").is_file():
             continue
@@ -698,7 +696,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         args.workdir.mkdir(parents=True, exist_ok=True)
         if args.suite in ("w2", "w4", "w2x"):  # the suites with critics
-            make_critic_dirs(args.workdir, args.suite)
+            others = [tag for tag in FAMILIES if tag not in REPRESENTATIVE]
+            make_critic_dirs(args.workdir, others if args.suite == "w2x" else [*REPRESENTATIVE, "llama4"])
     dist.barrier()
     wanted = set(args.phases.split(",")) if args.phases else None
     results: dict[str, dict] = {}
