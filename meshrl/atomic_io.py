@@ -1,6 +1,7 @@
 """Crash-safe writes of a file or a whole folder: readers see the old version or the new one, never a mix.
 
-Both functions follow one contract:
+``write_text_atomically`` and ``publish_dir`` follow one contract (``publish_cached_dir``, for caches that
+several processes build at once, the first three steps):
 
 1. the new version is written under a temporary name in the *same* folder as the target (a rename
    is atomic only within one filesystem);
@@ -61,6 +62,21 @@ def publish_dir(tmp: Path, final: Path, *, aside: Path) -> None:
     _fsync(final.parent)
     if replaced:
         shutil.rmtree(aside)
+
+
+def publish_cached_dir(tmp: Path, final: Path, complete: Path) -> None:
+    """Publish the finished folder ``tmp`` as the cache entry ``final`` that several processes may build at once
+    (the ranks of a launch, two test processes): the first to publish wins, the others discard their ``tmp``. A
+    complete entry (its file ``complete`` exists) is never removed, since another process may be reading it; an
+    incomplete one (left by an interrupted writer) is. The same folder in the same place: no fsync (a cache)."""
+    if not complete.is_file():
+        shutil.rmtree(final, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # published meanwhile by another process (a rename onto a non-empty folder fails)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not complete.is_file():
+            raise
 
 
 def _fsync(path: Path) -> None:

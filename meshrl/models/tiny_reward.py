@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+from meshrl.atomic_io import publish_cached_dir
 from meshrl.runtime import cache_dir
 
 
@@ -42,6 +43,5 @@ def tiny_reward_model_dir(model_type: str = "llama", seed: int = 0) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    publish_cached_dir(tmp, target, target / "model.safetensors")
     return target

@@ -60,3 +60,39 @@ def test_a_failed_rename_leaves_the_previous_version(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk gone"):
         atomic_io.write_text_atomically(final, "new")
     assert final.read_text() == "old"
+
+
+def _built(folder, text: str):
+    folder.mkdir()
+    (folder / "weights").write_text(text)
+    return folder
+
+
+def test_publish_cached_dir_keeps_a_complete_entry_another_process_published(tmp_path):
+    """Two builders of one cache entry (the ranks of a launch): the second's rename fails on the published folder,
+    which stays as it is (a reader may hold it); its own copy is discarded."""
+    final = tmp_path / "model"
+    atomic_io.publish_cached_dir(_built(tmp_path / "model.tmp-1", "first"), final, final / "weights")
+    reading = (final / "weights").open()
+    atomic_io.publish_cached_dir(_built(tmp_path / "model.tmp-2", "second"), final, final / "weights")
+    assert reading.read() == "first" and (final / "weights").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_publish_cached_dir_replaces_an_incomplete_entry(tmp_path):
+    final = tmp_path / "model"
+    final.mkdir()
+    (final / "config.json").write_text("{}")  # an interrupted writer's folder: no weights
+    atomic_io.publish_cached_dir(_built(tmp_path / "model.tmp-1", "new"), final, final / "weights")
+    assert sorted(p.name for p in final.iterdir()) == ["weights"] and (final / "weights").read_text() == "new"
+
+
+def test_publish_cached_dir_raises_when_the_rename_fails_with_nothing_published(tmp_path, monkeypatch):
+    def refuse(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(atomic_io.os, "replace", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_io.publish_cached_dir(_built(tmp_path / "model.tmp-1", "x"), tmp_path / "model",
+                                     tmp_path / "model" / "w")
+    assert not (tmp_path / "model.tmp-1").exists()
