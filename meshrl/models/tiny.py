@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from meshrl.atomic_io import publish_cached_dir
+from meshrl.atomic_io import cached_dir
 from meshrl.runtime import cache_dir
 
 
@@ -120,21 +118,17 @@ def tiny_model_dir(spec: TinySpec = TinySpec()) -> Path:
     from meshrl.models.embedded import smollm2_hf_dir
     from transformers import AutoTokenizer
 
-    target = cache_dir() / "models" / spec.name()
-    if (target / "model.safetensors").is_file():
-        return target
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
-    if len(tokenizer) > spec.vocab_size:
-        raise ValueError(f"vocab_size {spec.vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
-    model = build_tiny_model(spec)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.config.bos_token_id = tokenizer.bos_token_id
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "meshrl_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=1))
-    publish_cached_dir(tmp, target, target / "model.safetensors")
-    return target
+    def build(tmp: Path) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
+        if len(tokenizer) > spec.vocab_size:
+            raise ValueError(f"vocab_size {spec.vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
+        model = build_tiny_model(spec)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.config.bos_token_id = tokenizer.bos_token_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "meshrl_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=1))
+
+    return cached_dir(cache_dir() / "models" / spec.name(), "model.safetensors", build)

@@ -5,11 +5,9 @@ scores differ between responses."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-from meshrl.atomic_io import publish_cached_dir
+from meshrl.atomic_io import cached_dir
 from meshrl.runtime import cache_dir
 
 
@@ -24,24 +22,21 @@ def tiny_reward_model_dir(model_type: str = "llama", seed: int = 0) -> Path:
     from meshrl.models.tiny import tiny_config, tiny_spec
 
     spec = tiny_spec(model_type, seed=seed)
-    target = cache_dir() / "models" / spec.name().replace("tiny-", "tiny-rm-", 1)
-    if (target / "model.safetensors").is_file():
-        return target
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
-    config = tiny_config(spec)
-    config.num_labels = 1
-    config.pad_token_id = tokenizer.pad_token_id
-    classifier = getattr(transformers, f"{family(model_type).hf_prefix}ForSequenceClassification")
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = classifier(config).to(torch.float32)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if param.dim() >= 2:
-                    param.normal_(0.0, 0.08)
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    publish_cached_dir(tmp, target, target / "model.safetensors")
-    return target
+    def build(tmp: Path) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
+        config = tiny_config(spec)
+        config.num_labels = 1
+        config.pad_token_id = tokenizer.pad_token_id
+        classifier = getattr(transformers, f"{family(model_type).hf_prefix}ForSequenceClassification")
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = classifier(config).to(torch.float32)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if param.dim() >= 2:
+                        param.normal_(0.0, 0.08)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return cached_dir(cache_dir() / "models" / spec.name().replace("tiny-", "tiny-rm-", 1), "model.safetensors",
+                      build)

@@ -62,37 +62,68 @@ def test_a_failed_rename_leaves_the_previous_version(tmp_path, monkeypatch):
     assert final.read_text() == "old"
 
 
-def _built(folder, text: str):
-    folder.mkdir()
-    (folder / "weights").write_text(text)
-    return folder
+
+def _writer(text: str, log: list):
+    def build(tmp):
+        log.append(text)
+        tmp.mkdir()
+        (tmp / "weights").write_text(text)
+    return build
 
 
-def test_publish_cached_dir_keeps_a_complete_entry_another_process_published(tmp_path):
-    """Two builders of one cache entry (the ranks of a launch): the second's rename fails on the published folder,
-    which stays as it is (a reader may hold it); its own copy is discarded."""
-    final = tmp_path / "model"
-    atomic_io.publish_cached_dir(_built(tmp_path / "model.tmp-1", "first"), final, final / "weights")
+def test_cached_dir_builds_once_and_keeps_the_entry_a_reader_holds(tmp_path):
+    """A complete entry is returned as it is: neither rebuilt nor replaced under a reader."""
+    log = []
+    final = atomic_io.cached_dir(tmp_path / "model", "weights", _writer("first", log))
     reading = (final / "weights").open()
-    atomic_io.publish_cached_dir(_built(tmp_path / "model.tmp-2", "second"), final, final / "weights")
-    assert reading.read() == "first" and (final / "weights").read_text() == "first"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert atomic_io.cached_dir(tmp_path / "model", "weights", _writer("second", log)) == final
+    assert log == ["first"] and reading.read() == "first" and (final / "weights").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.lock"]
 
 
-def test_publish_cached_dir_replaces_an_incomplete_entry(tmp_path):
+def test_cached_dir_waits_for_the_builder_holding_the_lock(tmp_path):
+    """Two processes asking at once (the ranks of a launch): the second waits for the first's build and then finds
+    the entry complete, building nothing and removing nothing."""
+    import fcntl
+    import threading
+
+    log, final = [], tmp_path / "model"
+    lock = open(tmp_path / "model.lock", "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another process building
+    waiter = threading.Thread(target=atomic_io.cached_dir, args=(final, "weights", _writer("second", log)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and log == []  # it waits
+    _writer("first", [])(tmp_path / "model")  # the other process publishes, then releases
+    lock.close()
+    waiter.join(10)
+    assert log == [] and (final / "weights").read_text() == "first"
+
+
+def test_cached_dir_replaces_an_incomplete_entry_and_cleans_up_a_failed_build(tmp_path):
     final = tmp_path / "model"
     final.mkdir()
     (final / "config.json").write_text("{}")  # an interrupted writer's folder: no weights
-    atomic_io.publish_cached_dir(_built(tmp_path / "model.tmp-1", "new"), final, final / "weights")
+
+    def failing(tmp):
+        tmp.mkdir()
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_io.cached_dir(final, "weights", failing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.lock"]
+    atomic_io.cached_dir(final, "weights", _writer("new", []))
     assert sorted(p.name for p in final.iterdir()) == ["weights"] and (final / "weights").read_text() == "new"
 
 
-def test_publish_cached_dir_raises_when_the_rename_fails_with_nothing_published(tmp_path, monkeypatch):
-    def refuse(src, dst):
-        raise OSError("disk full")
+def test_cached_dir_refuses_a_build_that_wrote_no_complete_file(tmp_path):
+    """A builder that wrote less than it should (transformers' save_pretrained on a torch.distributed rank other
+    than 0 writes no weights) is an error, not a cache entry other processes would then read."""
+    def tokenizer_only(tmp):
+        tmp.mkdir()
+        (tmp / "tokenizer.json").write_text("{}")
 
-    monkeypatch.setattr(atomic_io.os, "replace", refuse)
-    with pytest.raises(OSError, match="disk full"):
-        atomic_io.publish_cached_dir(_built(tmp_path / "model.tmp-1", "x"), tmp_path / "model",
-                                     tmp_path / "model" / "w")
-    assert not (tmp_path / "model.tmp-1").exists()
+    with pytest.raises(RuntimeError, match="wrote no weights"):
+        atomic_io.cached_dir(tmp_path / "model", "weights", tokenizer_only)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.lock"]
+

@@ -221,8 +221,9 @@ class Recorder:
                 self.values.update({f"{name}.{k}": v for k, v in result.items()})
             else:
                 self.values[name] = result
-        except Exception:  # recorded, reported by pytest
+        except Exception:  # recorded, reported by pytest; printed too, for a launch that dies before reporting
             self.values[f"{name}.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
+            print(self.values[f"{name}.error"], file=sys.stderr, flush=True)
         print(f"[rank {dist.get_rank()}] {name}: {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
 
 
@@ -695,6 +696,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     if dist.get_rank() == 0:
         args.workdir.mkdir(parents=True, exist_ok=True)
+        for spec in (*FAMILIES.values(), LLAMA4):  # transformers saves a model only on rank 0: the cache, built here
+            tiny_model_dir(spec)
         if args.suite in ("w2", "w4", "w2x"):  # the suites with critics
             others = [tag for tag in FAMILIES if tag not in REPRESENTATIVE]
             make_critic_dirs(args.workdir, others if args.suite == "w2x" else [*REPRESENTATIVE, "llama4"])
