@@ -18,7 +18,6 @@ verl's newer one): ``judge_rollout`` resolves them, and ``unused_judge_keys`` na
 from __future__ import annotations
 
 import functools
-
 import json
 from pathlib import Path
 from typing import Any

@@ -74,7 +74,7 @@ they are dropped as CUDA's level 2 drops them (``vllm_worker.meshrl_drop_weights
 kernels' packed copies), and the next sync (``begin_weight_update`` wakes the weights) rebuilds them. Generating
 while asleep raises, and generating after a level-2 sleep without a sync raises too (the weights are incomplete).
 vLLM's sampler ops are not compiled (``TORCHDYNAMO_DISABLE=1`` while the engine starts): identical outputs,
-without the 8-20 s inductor build on the first ``generate`` of every process.
+without the inductor build (10-17 s measured) on the first ``generate`` of every process.
 
 **Configuration passed through.** ``EngineConfig.load_format`` picks vLLM's loader: a dummy format is
 vLLM's ``dummy`` (random weights, no checkpoint read; the engine refuses to generate until a sync), the
@@ -305,7 +305,7 @@ class VLLMEngine(RolloutEngine):
         environ = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process else "1"}
         if not self._cuda:
             # vLLM wraps its sampler's small ops in torch.compile as it builds the engine (inductor: a C++ build of
-            # ~8-20 s on the first generate of every process, cached or not); a CPU engine runs eager anyway.
+            # 10-17 s measured on the first generate of every process, cached or not); a CPU engine runs eager anyway.
             # torch reads the switch when a function is wrapped: the wraps made during the start (in this process,
             # or in the engine core's) stay eager, the trainer's own compiled regions are not touched.
             environ["TORCHDYNAMO_DISABLE"] = "1"

@@ -54,6 +54,7 @@ PP2_FAMILIES = ("llama", "qwen2", "gemma", "gemma2", "gemma3_text")
 # other families' decoders are their policies' parity, and their critics run at TP2 in `make test-extended` (the
 # "tp2_critics" phase of suite "w2x").
 REPRESENTATIVE = ("llama", "qwen2")
+OTHER_CRITICS = tuple(tag for tag in FAMILIES if tag not in REPRESENTATIVE)
 SUITES = {
     "w1": [("tp1", {})],
     "w2": [("tp2", dict(tensor_parallel=2)), ("pp2", dict(pipeline_parallel=2)),
@@ -614,7 +615,7 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
             rec.run(f"parity.{tag}", lambda: check_parity(path, False, temperature=temperature))
             rec.run(f"roundtrip.{tag}", lambda: check_roundtrip(path, workdir, f"{name}-{tag}"))
     elif name == "tp2_critics":
-        for tag in (tag for tag in FAMILIES if tag not in REPRESENTATIVE):
+        for tag in OTHER_CRITICS:
             critic = workdir / f"critic-{tag}"
             rec.run(f"parity.{tag}_critic", lambda: check_parity(critic, True))
             rec.run(f"roundtrip.{tag}_critic", lambda: check_roundtrip(critic, workdir, f"{name}-{tag}c", True))
@@ -699,8 +700,7 @@ def main() -> None:
         for spec in (*FAMILIES.values(), LLAMA4):  # transformers saves a model only on rank 0: the cache, built here
             tiny_model_dir(spec)
         if args.suite in ("w2", "w4", "w2x"):  # the suites with critics
-            others = [tag for tag in FAMILIES if tag not in REPRESENTATIVE]
-            make_critic_dirs(args.workdir, others if args.suite == "w2x" else [*REPRESENTATIVE, "llama4"])
+            make_critic_dirs(args.workdir, OTHER_CRITICS if args.suite == "w2x" else (*REPRESENTATIVE, "llama4"))
     dist.barrier()
     wanted = set(args.phases.split(",")) if args.phases else None
     results: dict[str, dict] = {}

@@ -64,7 +64,7 @@ print(hasattr(batched_count_greater_than, "_torchdynamo_orig_callable"), os.envi
 @pytest.mark.extended
 def test_a_cpu_engine_leaves_vllms_sampler_uncompiled_and_the_switch_as_it_was(model_dir):
     """Without TORCHDYNAMO_DISABLE in the environment (a run started outside make), a CPU engine's start keeps vLLM
-    from wrapping its sampler ops in torch.compile (an inductor C++ build on the first generate: 8-20 s measured),
+    from wrapping its sampler ops in torch.compile (an inductor C++ build on the first generate: 10-17 s measured),
     and leaves the variable unset for the trainer's own compiled regions."""
     import subprocess
     import sys
