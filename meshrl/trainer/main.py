@@ -152,7 +152,6 @@ def run(cfg, plan, inputs: RunInputs | None = None, clock: StartupClock | None =
 def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, float]:
     import ray
 
-    from meshrl.models.resolve import resolve_model_path
     from meshrl.rewards.pool import RewardPool
     from meshrl.rollout.vllm_shm import remove_stale_segments
     from meshrl.logs import DRIVER_LOG, logs_dir
@@ -163,10 +162,8 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
     from meshrl.trainer.rl_trainer import total_training_steps
     from meshrl.trainer.trainer_modes import trainer_class
     from meshrl.trainer.tracking import Tracker
-    from meshrl.workers.actor_rollout_ref import ActorRolloutRefGroup
+    from meshrl.trainer.worker_start import start_workers
     from meshrl.workers.cluster import start_ray
-    from meshrl.workers.critic import CriticGroup
-    from meshrl.workers.reward_model import RewardModelGroup
     from omegaconf import OmegaConf
 
     for warning in plan.warnings:
@@ -198,16 +195,7 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
                                     num_workers=cfg.reward_model.num_workers, timeout_s=cfg.reward_model.timeout_s,
                                     on_nonfinite_score=cfg.reward_model.on_nonfinite_score,
                                     max_failed_batches=cfg.reward_model.max_failed_batches)
-            with clock.phase("actor_rollout_ref"):
-                policy = ActorRolloutRefGroup(cfg, plan, inputs.model_dir)
-            clock.group_started("actor_rollout_ref", policy.startup)
-            if plan.use_critic:
-                with clock.phase("critic"):
-                    critic = CriticGroup(cfg, plan, resolve_model_path(cfg.critic.model.path)
-                                         if cfg.critic.model.path else inputs.model_dir)
-            if plan.use_reward_model:
-                with clock.phase("reward_model"):
-                    reward_model = RewardModelGroup(cfg, plan, resolve_model_path(cfg.reward_model.model.path))
+            policy, critic, reward_model = start_workers(cfg, plan, inputs.model_dir, clock)
             print(f"meshrl: {clock.line()}", file=sys.stderr)
             with Tracker(list(cfg.trainer.logger), run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                          OmegaConf.to_container(cfg), total_steps) as tracker:

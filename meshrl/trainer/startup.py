@@ -1,5 +1,6 @@
-"""Where a run's time to its first step goes: the driver's phases (config checks, data, Ray, each worker group)
-and, inside a group's start, its rank 0's own (imports, models, engine).
+"""Where a run's time to its first step goes: the driver's phases (config checks, data, Ray, the workers), each
+worker group's own start (the groups start together: ``meshrl.trainer.worker_start``) and, inside it, its rank 0's
+phases (imports, models, engine).
 
 A run prints them in one line once its workers are ready (``meshrl: ready in 31.2 s (...)``) and logs them with its
 first training step as ``startup/<phase>_s``, with ``startup/first_step_s``: from the start of the process (the
@@ -29,6 +30,8 @@ class StartupClock:
     def __init__(self, origin_age_s: float = 0.0) -> None:
         self._origin = time.monotonic() - origin_age_s
         self.phases: dict[str, float] = {}
+        # each group's own start, within the "workers" phase: {"actor_rollout_ref": 17.5, "critic": 8.1}
+        self.groups: dict[str, float] = {}
         # a group's phases inside its start, by group: {"actor_rollout_ref": {"imports": 7.1, ...}}
         self.inside: dict[str, dict[str, float]] = {}
         if origin_age_s:  # the interpreter and the imports before the clock existed
@@ -43,27 +46,33 @@ class StartupClock:
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.monotonic() - started
 
-    def group_started(self, group: str, inner: dict[str, float]) -> None:
-        """The phases rank 0 of ``group`` reported from inside its start (``phase(group)`` timed the whole start);
-        the rest of that time is ``start``: placing the workers, starting their processes, importing the role."""
+    def group_started(self, group: str, seconds: float, inner: dict[str, float]) -> None:
+        """``group`` took ``seconds`` to start (beside the other groups, within the ``workers`` phase); ``inner``: the
+        phases its rank 0 reported from inside that start, the rest of which is ``start``: placing the workers,
+        starting their processes, importing the role."""
+        self.groups[group] = seconds
         if inner:
-            self.inside[group] = {"start": max(0.0, self.phases[group] - sum(inner.values())), **inner}
+            self.inside[group] = {"start": max(0.0, seconds - sum(inner.values())), **inner}
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self._origin
 
     def line(self) -> str:
-        """``ready in T s (phase t, ..., group t: inner t, ...)``."""
-        parts = []
-        for name, seconds in self.phases.items():
-            inner = self.inside.get(name)
-            detail = ": " + ", ".join(f"{k} {v:.1f}" for k, v in inner.items()) if inner else ""
-            parts.append(f"{name} {seconds:.1f}{detail}")
+        """``ready in T s (phase t; ...; workers t [group t: inner t, ...; group t])``."""
+        groups = "; ".join(self._group_text(group) for group in self.groups)
+        parts = [f"{name} {seconds:.1f}" + (f" [{groups}]" if name == "workers" and groups else "")
+                 for name, seconds in self.phases.items()]
         return f"ready in {self.elapsed_s():.1f} s ({'; '.join(parts)})"
 
+    def _group_text(self, group: str) -> str:
+        inner = self.inside.get(group, {})
+        return f"{group} {self.groups[group]:.1f}" + (": " + ", ".join(f"{k} {v:.1f}" for k, v in inner.items())
+                                                      if inner else "")
+
     def metrics(self) -> dict[str, float]:
-        """``startup/<phase>_s`` for every phase and group-inner phase (``startup/<group>/<phase>_s``)."""
-        out = {f"{PREFIX}{name}_s": seconds for name, seconds in self.phases.items()}
+        """``startup/<phase>_s`` for every phase and group (``startup/<group>_s``) and group-inner phase
+        (``startup/<group>/<phase>_s``)."""
+        out = {f"{PREFIX}{name}_s": seconds for name, seconds in {**self.phases, **self.groups}.items()}
         for group, inner in self.inside.items():
             out.update({f"{PREFIX}{group}/{name}_s": seconds for name, seconds in inner.items()})
         return out

@@ -111,22 +111,19 @@ class ActorRolloutRefWorker(RankWorker):
     _stream = None  # the partial rollout across steps (verl V1 colocate_async), made on first stream_submit
 
     # ---------------------------------------------------------------------------------- set-up
-    def setup(self, address: tuple[str, int]) -> dict[str, Any]:
-        """Join the process group, build the policy (and reference) and the rollout engine; returns the rank's
-        layout, with ``startup``: seconds spent on the imports below, the models and the engine."""
+    def setup(self, address: tuple[str, int], start_engine: bool = True) -> dict[str, Any]:
+        """Join the process group, build the policy (and reference) and, unless ``start_engine`` is False (then
+        ``start_engine()`` does, later), the rollout engine; returns the rank's layout, with ``startup``: seconds
+        spent on the imports below, the models and the engine."""
         started = time.monotonic()  # before the imports: the libraries' import is most of a start on CPU
         from transformers import AutoTokenizer
 
-        from meshrl.models.hf_config import load_model_config, model_overrides
+        from meshrl.models.hf_config import load_model_config
         from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
                                                     param_dtype)
         from meshrl.parallel.compiled import compile_elementwise
         from meshrl.parallel.offload import HostBuffers, offload
         from meshrl.parallel.optimizer import build_optimizer
-        from meshrl.rollout.base import EngineConfig, SamplingConfig
-        from meshrl.rollout.agent_loop import agent_loop_for
-        from meshrl.rollout.async_engine import async_engine_for
-        from meshrl.rollout.engines import create_engine
 
         arr = self.section
         actor = arr.actor
@@ -135,8 +132,9 @@ class ActorRolloutRefWorker(RankWorker):
         layout = self._init_distributed(address, actor.megatron, threads)
         trust = {"trust_remote_code": arr.model.trust_remote_code}
         self.hf_config = load_model_config(self.model_dir, arr.model.override_config, **trust)
-        tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir, **trust)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir, **trust)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+            else self.tokenizer.eos_token_id
         distributed_opt = actor.megatron.use_distributed_optimizer
         self.policy = build_model(self.hf_config, dtype=param_dtype(actor.megatron.dtype),
                                   use_distributed_optimizer=distributed_opt,
@@ -176,10 +174,30 @@ class ActorRolloutRefWorker(RankWorker):
         # Policy and reference run packed THD micro-batches (no compute on padding) unless the key says no
         # or the device has no fast variable-length attention (model_builder.packed_sequences).
         self.remove_padding = packed_sequences(arr.model.use_remove_padding)
-        rollout = arr.rollout
         self.response_length = self.plan.response_length
         # LoRA: the engine serves the adapters (vLLM's adapter path) or is sent merged weights
         self.adapter_sync = self.plan.lora is not None and not self.plan.lora.merge
+        self.replica = self.rank // arr.rollout.tensor_model_parallel_size
+        startup = {"imports": imported - started, "models": time.monotonic() - imported}
+        if start_engine:
+            startup.update(self.start_engine())
+        return {**self.layout_dict(), "replica": self.replica,
+                "replica_leader": self.rank % arr.rollout.tensor_model_parallel_size == 0,
+                "num_replicas": self.world_size // arr.rollout.tensor_model_parallel_size, "startup": startup}
+
+    def start_engine(self) -> dict[str, float]:
+        """The rollout engine, after ``setup(start_engine=False)``: a run starts it once every group has loaded its
+        models, as verl starts its rollout last, so that a GPU engine sizes its cache on the memory they left
+        (``meshrl.trainer.worker_start``). Returns ``{"engine": seconds}``."""
+        from meshrl.models.hf_config import model_overrides
+        from meshrl.rollout.agent_loop import agent_loop_for
+        from meshrl.rollout.async_engine import async_engine_for
+        from meshrl.rollout.base import EngineConfig, SamplingConfig
+        from meshrl.rollout.engines import create_engine
+
+        started = time.monotonic()
+        arr, rollout = self.section, self.section.rollout
+        threads = int(os.environ.get("MESHRL_THREADS", "1"))
         # verl's sleep level 2 (vLLM >= 0.8.5: drop the weights while training; the policy's come back at the next
         # sync), but 1 (keep them) when only adapters are synced: verl resends the base with the adapters after a
         # level-2 sleep, meshrl keeps the base and sends the adapters alone.
@@ -187,8 +205,6 @@ class ActorRolloutRefWorker(RankWorker):
             rollout, max_model_len=self.plan.prompt_length + self.response_length,
             generation_threads=threads, max_lora_rank=self.plan.lora.rank if self.adapter_sync else 0,
             sleep_level=1 if self.adapter_sync else 2, hf_overrides=model_overrides(arr.model.override_config))
-        self.replica = self.rank // rollout.tensor_model_parallel_size
-        built = time.monotonic()
         self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)
         self.bucket_bytes = engine_cfg.bucket_bytes
         if not self.engine.weights_complete:  # rollout.load_format=dummy: random weights until the policy's arrive
@@ -200,14 +216,11 @@ class ActorRolloutRefWorker(RankWorker):
         # rollout.mode=async: one request per sample (one coroutine per conversation) on this engine's core.
         self.async_engine = async_engine_for(rollout, self.engine)
         # rollout.multi_turn: conversations with tools, turn by turn on this engine (None: single-turn).
-        self.agent_loop = agent_loop_for(rollout, self.engine, tokenizer, self.response_length, self.async_engine)
+        self.agent_loop = agent_loop_for(rollout, self.engine, self.tokenizer, self.response_length,
+                                         self.async_engine)
         # The engine sleeps between rollouts (releases its GPU memory; on CPU its KV cache, and at level 2 its weights).
         self.engine.sleep()
-        return {**self.layout_dict(), "replica": self.replica,
-                "replica_leader": self.rank % rollout.tensor_model_parallel_size == 0,
-                "num_replicas": self.world_size // rollout.tensor_model_parallel_size,
-                "startup": {"imports": imported - started, "models": built - imported,
-                            "engine": time.monotonic() - built}}
+        return {"engine": time.monotonic() - started}
 
     # ---------------------------------------------------------------------------------- rollout
     @trims_heap
@@ -495,8 +508,12 @@ class ActorRolloutRefWorker(RankWorker):
 class ActorRolloutRefGroup(DispatchGroup):
     """Driver-side handle: the calls of ``RLTrainer.train_step`` on the policy workers."""
 
-    def __init__(self, cfg, plan, model_dir) -> None:
-        super().__init__(ActorRolloutRefWorker, cfg, plan, model_dir)
+    def __init__(self, cfg, plan, model_dir, start_engine: bool = True) -> None:
+        super().__init__(ActorRolloutRefWorker, cfg, plan, model_dir, {"start_engine": start_engine})
+
+    def start_engine(self) -> None:
+        """The engines of a group made with ``start_engine=False``; rank 0's seconds join ``startup``."""
+        self.startup.update(self.group.call("start_engine")[0])
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         return self.dispatch("generate", prompts, by="replica", mode=mode)

@@ -83,9 +83,10 @@ def use_cuda(cfg: DictConfig) -> bool:
 
 class DispatchGroup:
     """Start ``world_size(cfg)`` workers of ``worker_cls``, each given its role's config section
-    (``worker_cls.SECTION``) and the run plan."""
+    (``worker_cls.SECTION``) and the run plan, and set them up (``setup(address, **setup_kwargs)``)."""
 
-    def __init__(self, worker_cls: type, cfg: DictConfig, plan: RunPlan, model_dir) -> None:
+    def __init__(self, worker_cls: type, cfg: DictConfig, plan: RunPlan, model_dir,
+                 setup_kwargs: dict[str, Any] | None = None) -> None:
         import ray
 
         from meshrl.workers.group import WorkerGroup
@@ -113,7 +114,7 @@ class DispatchGroup:
         )
         try:
             address = ray.get(self.group.workers[0].address.remote(), timeout=cfg.trainer.worker_timeout_s)
-            self.layouts: list[dict[str, Any]] = self.group.call("setup", address)
+            self.layouts: list[dict[str, Any]] = self.group.call("setup", address, **(setup_kwargs or {}))
         except BaseException:
             self.group.shutdown()
             raise

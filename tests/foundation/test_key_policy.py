@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import re
+import threading
 from types import SimpleNamespace
 from unittest import mock
 
@@ -137,6 +138,10 @@ def stood_in_imports():
         yield
 
 
+# The run starts its groups on threads of its own (meshrl.trainer.worker_start), each normally in its own processes.
+SETUP_LOCK = threading.Lock()
+
+
 class InProcessGroup:
     """``meshrl.workers.group.WorkerGroup`` without Ray: rank 0's worker, built in this process from what the
     driver hands it (its section, tracked under the section's key), set up with its imports stood in; the step
@@ -152,10 +157,12 @@ class InProcessGroup:
 
     def call_per_rank(self, method: str, per_rank: list[tuple], **kwargs) -> list:
         (args,) = per_rank
-        if method != "setup":
+        if method not in ("setup", "start_engine"):
             return [canned(self.worker, method, *args, **kwargs)]
-        with stood_in_imports():
-            self.worker.setup(*args)
+        with SETUP_LOCK, stood_in_imports():  # one at a time: the groups share this process's Megatron state
+            started = getattr(self.worker, method)(*args, **kwargs)
+            if method == "start_engine":  # the policy's engine, once every group is set up
+                return [started]
             if hasattr(self.worker, "_offload_hooks"):  # the policy's offload keys, read by each (canned) rollout
                 self.worker._offload_hooks()
         return [{"rank": 0, "dp_rank": 0, "dp_size": 1, "collect": True, "replica": 0, "replica_leader": True,
