@@ -32,6 +32,7 @@ tokens; a resumed segment is seeded with ``partial_rollout.resume_seed`` of the 
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence
 
@@ -83,20 +84,27 @@ class RolloutStream:
         for key, prompt, seed, cap in zip(keys, prompts, seeds, caps):
             self._groups[key] = _Group(sampling, [_Trajectory(prompt, seed + j, cap) for j in range(sampling.n)])
 
-    def run(self, until: int, version: int, wait_for: Iterable[Hashable] = ()) -> list[Hashable]:
+    def run(self, until: int | None, version: int, wait_for: Iterable[Hashable] = (),
+            stop: threading.Event | None = None) -> list[Hashable]:
         """Generate with the engine's weights (policy ``version``) until ``until`` groups are finished and not
-        taken and so is every group of ``wait_for``, or none is left unfinished; then abort every request still
+        taken and so is every group of ``wait_for`` (``until=None``: until none is left unfinished), or ``stop`` is
+        set (from another thread: the run ends after the engine step in progress); then abort every request still
         running, keeping its tokens. Returns the finished groups' keys, oldest finish first."""
         core = self.engine.llm.llm_engine
         waited = [self._groups[key] for key in wait_for]
         live: dict[str, tuple[Hashable, _Trajectory]] = {}
+
+        def enough() -> bool:
+            return (until is not None and len(self._finished) >= until and all(g.finished for g in waited)) or (
+                stop is not None and stop.is_set())
+
         with self.engine.generation_scope():
             try:
                 for key, group in self._groups.items():
                     for sample in group.samples:
                         if sample.finish is None:
                             live[self._submit(sample, group.sampling)] = (key, sample)
-                while live and (len(self._finished) < until or not all(g.finished for g in waited)):
+                while live and not enough():
                     for output in core.step():
                         self._deliver(output, live, version)
             finally:

@@ -10,7 +10,8 @@ sample queue of ``meshrl.trainer.sample_queue``, whose admission rule bounds how
         batch    ← queue.take(required_samples), oldest first          (+ fully_async/* and training/off_policy/*;
                                                                          waiting for the rollouter if none is queued)
         learn(batch)                                                    (bypass mode: logπ_old ← logπ_rollout)
-        every trigger_parameter_sync_step steps:  wait for the rollouter;  engine ← policy;  v ← v + 1
+        every trigger_parameter_sync_step steps:  stop (partial rollout) or wait for the rollouter;
+                                                  engine ← policy;  v ← v + 1
 
 - **fully async** (verl ``fully_async_policy``): ``required_samples = ppo_mini_batch_size × require_batches``
   prompts per step, ``trigger_parameter_sync_step`` steps per version, ``staleness_threshold`` of verl's bound.
@@ -24,10 +25,13 @@ sample queue of ``meshrl.trainer.sample_queue``, whose admission rule bounds how
 **The overlap.** verl runs its rollouter on GPUs of its own (the top-level ``rollout.nnodes`` × ``n_gpus_per_node``)
 at the same time as the trainer. meshrl's rollouter is the training ranks' colocated engines: each policy worker
 generates on a thread of its own (``ActorRolloutRefWorker.start_generate``) while its main thread runs the step's
-log-prob passes and updates, and a parameter sync waits for that generation first (so it never finds a sample in
-flight: ``partial_rollout`` has nothing to interrupt; ``meshrl.rollout.partial_rollout`` is the engine side for a
-rollouter that does not wait). The samples are those the serial schedule draws (same prompts, weights and seeds, one
-engine call per sync); only when they are made differs. Where the two would share something (``why_serial``: an
+log-prob passes and updates. A parameter sync first waits for that generation, except in the fully async trainer
+with ``async_training.partial_rollout`` (verl's default) on the vLLM engine: there the rollouter generates on each
+replica's ``meshrl.rollout.rollout_stream.RolloutStream``, and a sync stops it after the engine step in progress;
+the samples finished are queued, the others keep their tokens and go on at the next generation on the new weights
+(each token tagged with the version that sampled it: a trajectory can span two versions, ``fully_async/partial/*``,
+``training/off_policy/trajectory_spans``). Otherwise the samples are those the serial schedule draws (same prompts,
+weights and seeds, one engine call per sync); only when they are made differs. Where the two would share something (``why_serial``: an
 inference replica across ranks, offloaded trainer state, ReMax's greedy pass, multi-turn tools) generation and
 training take turns instead, and the run says why. The engine and the trainer then hold their memory at once (on a
 GPU: the KV cache beside the training state). The standalone rollout pool is not built; the run says so once. With
@@ -47,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -98,7 +102,13 @@ class AsyncRLTrainer(RLTrainer):
         # the rollouter overlaps the trainer: it generates on the workers' threads during the updates (why_serial)
         self.serial_reason = why_serial(cfg, self.plan)
         self.overlap = self.serial_reason is None
-        self._in_flight: tuple[list[int], Any] | None = None  # (prompts, what waits for their rows)
+        # verl's partial rollout: a sync stops the rollouter's generation instead of waiting for it (module docstring)
+        self.partial = (cfg.trainer.async_mode == "fully_async" and bool(cfg.async_training.partial_rollout)
+                        and self.overlap and cfg.actor_rollout_ref.rollout.name == "vllm")
+        self.groups: dict[int, tuple[int, int]] = {}  # partial rollout: stream key -> (dataset row, replica)
+        self.next_key = 0
+        # what gives the (dataset row, rows) of the generation in flight: collect(stop), stop=True at a sync
+        self._in_flight: Callable[[bool], list[tuple[int, Batch]]] | None = None
         self._fresh = True  # every trajectory of the step's batch came from the weights the trainer evaluates
         for line in self.notes():
             print(f"meshrl: note: {line}", file=sys.stderr)
@@ -114,9 +124,10 @@ class AsyncRLTrainer(RLTrainer):
                  f"= {pool} devices is not started (a standalone rollout pool is not built"
                  + ("; actor_rollout_ref.hybrid_engine=False asks for one" if not cfg.actor_rollout_ref.hybrid_engine
                     else "") + ")"]
-        if cfg.trainer.async_mode == "fully_async" and cfg.async_training.partial_rollout:
-            lines.append("async_training.partial_rollout: a parameter sync waits for the rollouter's generation in "
-                         "flight (one engine call per sync), so no sample is interrupted")
+        if cfg.trainer.async_mode == "fully_async" and cfg.async_training.partial_rollout and not self.partial:
+            why = self.serial_reason or "rollout.name=hf: the partial rollout drives vLLM's engine request by request"
+            lines.append(f"async_training.partial_rollout: a parameter sync waits for the rollouter's generation in "
+                         f"flight, so no sample is interrupted ({why})")
         return lines
 
     # ------------------------------------------------------------------------------- the step
@@ -139,42 +150,85 @@ class AsyncRLTrainer(RLTrainer):
             batch.set("uid", torch.arange(len(indices)).repeat_interleave(len(batch) // len(indices)))
             batch = self.learn(batch, prompts, timer, metrics)  # the rollouter's generation runs meanwhile
             if sync_due:
-                with timer("gen"):
-                    self.finish_generation()  # nothing may touch the engine while it generates
+                with timer("gen"):  # nothing may touch the engine while it generates: stopped (partial rollout)
+                    self.finish_generation(stop=self.partial)  # or waited for
                 if self.step > self.cfg.trainer.critic_warmup:  # the policy was updated
                     with timer("sync"):
                         metrics.update(self.policy.sync_weights())
                 metrics.update(self.queue.reset_staleness())
         return self.step_metrics(batch, timer, metrics)
 
-    def start_generation(self) -> tuple[list[int], Any] | None:
-        """Start every sample the queue admits now, in one engine call with the engine's weights: on the workers'
-        generation threads when the rollouter overlaps the trainer, else at once. (prompts, what waits for the
-        rows); None when nothing is admitted."""
+    def start_generation(self) -> Callable[[bool], list[tuple[int, Batch]]] | None:
+        """Start every sample the queue admits now with the engine's weights: in one engine call, on the workers'
+        generation threads when the rollouter overlaps the trainer, else at once; with partial rollout on the
+        workers' streams, with the samples a sync stopped. What collects them (``finish_generation``); None when
+        nothing is generating."""
         count = 0
         while self.queue.try_admit():
             count += 1
-        if not count:
-            return None
         while len(self.pending) < count:
             self.pending.extend(int(i) for i in self.sampler.next_batch())
         indices = [self.pending.popleft() for _ in range(count)]
+        if self.partial:
+            if indices:
+                self.submit(indices)
+            if not self.groups:
+                return None
+            self.policy.stream_start(self.queue.rollout_version)
+            return lambda stop: self.take(self.policy.stream_finish(stop))
+        if not indices:
+            return None
         prompts = prompts_batch(self.train_data, indices, raw_chat=self.raw_chat)
-        return indices, self.start_generate(prompts, mode="train", background=self.overlap)
+        wait = self.start_generate(prompts, mode="train", background=self.overlap)
 
-    def finish_generation(self) -> None:
-        """Queue the rows of the generation in flight, if any: each prompt's ``rollout.n`` trajectories with their
-        versions."""
-        started, self._in_flight = self._in_flight, None
-        if started is None:
+        def collect(stop: bool) -> list[tuple[int, Batch]]:
+            rows = wait()
+            n = len(rows) // len(indices)
+            return [(index, rows.take(list(range(position * n, (position + 1) * n))))
+                    for position, index in enumerate(indices)]
+        return collect
+
+    def finish_generation(self, stop: bool = False) -> None:
+        """Queue the samples of the generation in flight, if any, each prompt's ``rollout.n`` trajectories with their
+        tokens' versions: all of them, or with ``stop`` (partial rollout, at a sync) those finished so far, the others
+        going on at the next generation on the weights of then."""
+        collect, self._in_flight = self._in_flight, None
+        if collect is None:
             return
-        indices, wait = started
-        rows = wait()
-        n = len(rows) // len(indices)
-        for position, index in enumerate(indices):
-            group = rows.take(list(range(position * n, (position + 1) * n)))
+        for index, group in collect(stop):
             versions = list(group[POLICY_VERSION]) if POLICY_VERSION in group else None
-            self.queue.put((index, group), versions, n_trajectories=n)
+            self.queue.put((index, group), versions, n_trajectories=len(group))
+
+    def submit(self, rows: list[int]) -> None:
+        """Partial rollout: one group per dataset row on the workers' streams, in consecutive equal shares per
+        inference replica (as ``generate`` splits a batch)."""
+        replicas = self.policy.num_replicas
+        keys: list[list[int]] = [[] for _ in range(replicas)]
+        chosen: list[list[int]] = [[] for _ in range(replicas)]
+        for position, row in enumerate(rows):
+            replica = position * replicas // len(rows)
+            self.groups[self.next_key] = (row, replica)
+            keys[replica].append(self.next_key)
+            chosen[replica].append(row)
+            self.next_key += 1
+        self.policy.stream_submit([self.worker_prompts(prompts_batch(self.train_data, r, raw_chat=self.raw_chat))
+                                   for r in chosen], keys)
+
+    def take(self, finished: list[list[int]]) -> list[tuple[int, Batch]]:
+        """Partial rollout: the finished groups (keys per replica), taken off the streams, as (dataset row, rows)."""
+        rows = [[self.groups.pop(key)[0] for key in keys] for keys in finished]
+        prompts = [prompts_batch(self.train_data, r, raw_chat=self.raw_chat) for r in rows]
+        parts = self.policy.stream_take([self.worker_prompts(p) for p in prompts], finished)
+        taken = []
+        for replica_rows, replica_prompts, part in zip(rows, prompts, parts):
+            if not replica_rows:
+                continue
+            if "raw_prompt" in replica_prompts:  # the chat messages stay on the driver (worker_prompts)
+                part.set("raw_prompt", replica_prompts["raw_prompt"][part["uid"].numpy()])
+            n = len(part) // len(replica_rows)
+            taken += [(row, part.take(list(range(position * n, (position + 1) * n))))
+                      for position, row in enumerate(replica_rows)]
+        return taken
 
     def fit(self) -> dict[str, float]:
         """``RLTrainer.fit``, leaving the engine idle before anything stops it (a generation ahead is discarded; after
@@ -194,6 +248,7 @@ class AsyncRLTrainer(RLTrainer):
 
     def save(self):
         self.finish_generation()  # the engine's state and the queue's prompts, as of no generation in flight
+        # (partial rollout: the streams' groups all finished and queued; their rows are the queued prompts)
         return super().save()
 
     def sync_after_update(self) -> bool:

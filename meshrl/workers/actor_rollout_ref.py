@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -109,6 +111,7 @@ class ActorRolloutRefWorker(RankWorker):
     _background = None  # the generation start_generate began (a Future), until finish_generate
     _generation_thread = None  # its one thread, made on first use
     _stream = None  # the partial rollout across steps (verl V1 colocate_async), made on first stream_submit
+    _stop = None  # what stream_finish sets to stop the stream_start run early (a threading.Event)
 
     # ---------------------------------------------------------------------------------- set-up
     def setup(self, address: tuple[str, int], start_engine: bool = True) -> dict[str, Any]:
@@ -254,8 +257,6 @@ class ActorRolloutRefWorker(RankWorker):
         two share nothing: an inference replica of one rank (no collective in generation) and no trainer state
         offloaded while the engine generates; ``finish_generate`` returns the result, and nothing may touch the
         engine (a weight sync) before it."""
-        from concurrent.futures import ThreadPoolExecutor
-
         if self._background is not None:
             raise RuntimeError("start_generate() while a generation is in flight: finish_generate() first")
         if self.section.rollout.tensor_model_parallel_size != 1 or any(actor_offload(self.section.actor)):
@@ -287,20 +288,44 @@ class ActorRolloutRefWorker(RankWorker):
         self._stream.submit(keys, [list(p) for p in prompts["prompt_ids"]], self.sampling["train"])
 
     @trims_heap
-    def stream_run(self, until: int, version: int, wait_for: list[int]) -> list[int]:
+    def stream_run(self, until: int | None, version: int, wait_for: list[int],
+                   stop: threading.Event | None = None) -> list[int]:
         """Generate on the engine's weights (policy ``version``) until ``until`` groups are finished and every
-        group of ``wait_for`` is, then abort the rest (kept for the next run); the finished groups' keys."""
+        group of ``wait_for`` is (``None``: every group), or ``stop`` is set, then abort the rest (kept for the next
+        run); the finished groups' keys."""
         from meshrl.rollout.weight_sync import colocated_rollout
 
         if self.engine.weights_dropped:
             self.sync_weights()
         offload, onload = self._offload_hooks()
         with colocated_rollout(self.engine, offload_trainer=offload, onload_trainer=onload):
-            return self._stream.run(until, version, wait_for=wait_for) if self._stream is not None else []
+            return self._stream.run(until, version, wait_for=wait_for, stop=stop) if self._stream is not None else []
 
-    def stream_take(self, prompts: Batch, keys: list[int]) -> Batch:
+    def stream_start(self, version: int) -> None:
+        """``stream_run`` of every submitted group on this worker's generation thread (as ``start_generate``), while
+        the worker trains: verl's fully async rollouter with ``partial_rollout``. ``stream_finish`` ends it."""
+        if self._background is not None:
+            raise RuntimeError("stream_start() while a generation is in flight: stream_finish() first")
+        if self._generation_thread is None:
+            self._generation_thread = ThreadPoolExecutor(1, thread_name_prefix="meshrl-rollouter")
+        self._stop = threading.Event()
+        self._background = self._generation_thread.submit(self.stream_run, None, version, [], self._stop)
+
+    def stream_finish(self, stop: bool) -> list[int]:
+        """The keys of the groups finished by the run ``stream_start`` began: waiting until every group is finished,
+        or with ``stop`` at once (after the engine step in progress; the unfinished keep their tokens for the next
+        run, on the weights of then)."""
+        if self._background is None:
+            return []
+        if stop:
+            self._stop.set()
+        return self.finish_generate()
+
+    def stream_take(self, prompts: Batch, keys: list[int]) -> Batch | None:
         """The finished groups ``keys`` (prompts: their rows, in that order) as ``generate``'s rows, each token's
-        policy version in ``rollout_policy_version``; removed from the stream."""
+        policy version in ``rollout_policy_version``; removed from the stream. None for no keys."""
+        if not keys:  # a replica with nothing finished (or never given a group)
+            return None
         completions = [c for group in self._stream.take(keys) for c in group]
         return responses_batch(prompts, completions, self.sampling["train"].n, self.response_length, self.pad_id)
 
@@ -532,6 +557,12 @@ class ActorRolloutRefGroup(DispatchGroup):
 
     def stream_run(self, until: list[int], version: int, wait_for: list[list[int]]) -> list[list[int]]:
         return self._per_replica("stream_run", until, [version] * len(until), wait_for)
+
+    def stream_start(self, version: int) -> None:
+        self.group.call("stream_start", version)
+
+    def stream_finish(self, stop: bool) -> list[list[int]]:
+        return self._per_replica("stream_finish", [stop] * self.num_replicas)
 
     def stream_take(self, prompts: list[Batch], keys: list[list[int]]) -> list[Batch]:
         return self._per_replica("stream_take", prompts, keys)

@@ -184,6 +184,15 @@ def canned(worker, method: str, *args, **kwargs):
         return None
     if method == "finish_generate":
         return worker.canned_generation
+    # the fully async rollouter's partial rollout (stream_submit, stream_start): every group submitted finishes
+    if method == "stream_submit":
+        worker.canned_keys = getattr(worker, "canned_keys", []) + list(args[1])
+        return None
+    if method == "stream_finish":
+        keys, worker.canned_keys = getattr(worker, "canned_keys", []), []
+        return keys
+    if method == "stream_take":
+        return canned(worker, "generate", args[0], mode="train")
     if method == "compute_log_probs":
         field = "ref_log_probs" if kwargs["model"] == "ref" else "old_log_probs"
         return Batch(tensors={field: torch.zeros(args[0]["responses"].shape)})

@@ -292,8 +292,10 @@ def test_an_asynchronous_checkpoint_resumes_its_queue_and_no_trainer_resumes_the
     """Fully async at staleness 1 (4 prompts a step, up to 8 ahead), the rollouter overlapping the trainer: after step
     2 the queue holds the 4 prompts that step's rollouter generated; a resume generates those first (with the
     checkpoint's weights), counts on, and takes them at step 3. A synchronous checkpoint does not resume
-    asynchronously, nor the other way round."""
+    asynchronously, nor the other way round. (The rollouter that waits at a sync, one engine call per version: with
+    partial rollout a save also waits for every group, so the queue saved is the same.)"""
     fully_async = ("trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=True",
+                   "async_training.partial_rollout=False",
                    "async_training.staleness_threshold=1", "async_training.require_batches=2",
                    "async_training.trigger_parameter_sync_step=1", "trainer.save_freq=1")
     trainer, policy = run(*fully_async)  # the recipe's 2 steps
