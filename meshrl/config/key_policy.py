@@ -191,8 +191,9 @@ MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl t
        "DeepSeek-V3 with TP / PP / DP / EP, megatron's load-balancing / z-loss (override_transformer_config."
        "moe_aux_loss_coeff, moe_z_loss_coeff, moe_router_load_balancing_type), DeepSeek-V3's expert-bias update rate "
        "(moe_router_bias_update_rate), the router's precision (moe_router_dtype), the fused token permutation "
-       "(moe_permute_fusion, on CUDA with Transformer Engine) and router replay "
-       "(actor.megatron.router_replay.mode=R2), but not with other MoE settings or MoE rollout sizes; leave those keys at their defaults")
+       "(moe_permute_fusion, on CUDA with Transformer Engine), the expert layer's performance switches "
+       "(moe_grouped_gemm, moe_enable_deepep, moe_token_dispatcher_type: noted, same numbers) and router replay "
+       "(actor.megatron.router_replay.mode=R2), but not with other MoE settings; leave those keys at their defaults")
 # Router replay's R3 (the rollout engine's routing replayed in training), and why it is refused.
 ROLLOUT_ROUTING = ("replaying the rollout's routing (verl's R3) needs the engine to report each token's experts: vLLM "
                    "0.32 does so only through its aux-output connector (enable_return_routed_experts), wired to Model "
@@ -277,8 +278,10 @@ REFUSED = {
     "reward_model.megatron.dist_checkpointing_path": "the reward model loads its HF folder (reward_model.model.path); "
                                                      "reward_model.megatron.use_dist_checkpointing is refused too",
     "*.megatron.override_transformer_config.moe_*": MOE,  # but READ_ENTRIES
-    "actor_rollout_ref.rollout.expert_parallel_size": MOE,
-    "actor_rollout_ref.rollout.moe_tensor_parallel_size": MOE,
+    "actor_rollout_ref.rollout.moe_tensor_parallel_size": (
+        "verl takes it for TensorRT-LLM only (with vLLM it asserts it is 1): with the vLLM engine each expert splits "
+        "over the replica's TP ranks, or with expert_parallel_size = tensor_model_parallel_size the experts go whole "
+        "to the ranks; leave it at 1"),
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": ROLLOUT_ROUTING,
     "*.megatron.use_megatron_fsdp": "Megatron's own FSDP is not wired: meshrl shards with Megatron's DDP and "
                                     "use_distributed_optimizer; set False",
@@ -297,6 +300,7 @@ REFUSED = {
     "actor_rollout_ref.*.rollout_n": _copy_of("actor_rollout_ref.rollout.n"),
     "critic.rollout_n": _copy_of("actor_rollout_ref.rollout.n"),
     "actor_rollout_ref.actor.use_fused_kernels": _copy_of("actor_rollout_ref.model.use_fused_kernels"),
+    "actor_rollout_ref.actor.model_engine": _copy_of("model_engine"),
     "actor_rollout_ref.actor.use_remove_padding": _copy_of("actor_rollout_ref.model.use_remove_padding"),
     "critic.forward_micro_batch_size": "the critic's forward passes take critic.forward_micro_batch_size_per_gpu, else "
                                        "critic.ppo_micro_batch_size (verl's default of this key): set one of those",
@@ -436,12 +440,21 @@ ALIASES = {
 # (``model_builder.FUSED_KERNEL_SWITCHES``: on CUDA with Transformer Engine, else off with a start-up note).
 READ_ENTRIES = tuple(f"*.megatron.override_transformer_config.{name}"
                      for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
-                                  "moe_router_bias_update_rate", "moe_router_dtype", "moe_permute_fusion"))
+                                  "moe_router_bias_update_rate", "moe_router_dtype", "moe_permute_fusion",
+                                  "moe_grouped_gemm", "moe_enable_deepep", "moe_token_dispatcher_type"))
+
+# override_transformer_config's choices of how megatron's MoE layer computes, which change its speed and not its
+# numbers: grouped GEMM over the local experts (Transformer Engine's or the grouped_gemm package's CUDA kernels),
+# DeepEP's fused all-to-all and the flex dispatcher that drives it. meshrl's expert layer computes the experts one
+# after another (megatron's SequentialMLP) and exchanges tokens with megatron's alltoall dispatcher: the values here,
+# which the model builder sets whatever the config says; a run that sets others gets one start-up note
+# (meshrl.config.validate). verl's MoE scripts set all three.
+MOE_EXPERT_LAYER = {"moe_grouped_gemm": False, "moe_enable_deepep": False, "moe_token_dispatcher_type": "alltoall"}
 
 # override_transformer_config's switches of Transformer Engine's fused CUDA kernels: honoured where the kernels run,
 # else turned off by meshrl.parallel.model_builder (fused_kernel_switches_off) and named in one start-up note
 # (meshrl.config.validate).
-FUSED_KERNEL_SWITCHES = ("moe_permute_fusion", "apply_rope_fusion")
+FUSED_KERNEL_SWITCHES = ("moe_permute_fusion", "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion")
 
 
 def _match(key: str, patterns) -> str | None:

@@ -483,6 +483,8 @@ class ActorConfig:
     rollout_n: int = II("actor_rollout_ref.rollout.n")
     use_fused_kernels: bool = II("actor_rollout_ref.model.use_fused_kernels")
     use_remove_padding: bool = II("actor_rollout_ref.model.use_remove_padding")
+    # verl's router-replay script sets the training backend here too (verl reads the top-level key)
+    model_engine: str = II("model_engine")
 
 
 @dataclass
@@ -666,7 +668,8 @@ class RolloutConfig:
     n_gpus_per_node: int = 8
     layered_summon: bool = False  # verl's FSDP LoRA weight collection; inert
     multi_stage_wake_up: bool = False  # meshrl always wakes weights, syncs, then the KV cache; inert
-    # verl's mixture-of-experts rollout keys; refused
+    # verl's mixture-of-experts rollout keys: vLLM's expert parallelism (1 or the rollout's TP); moe_tensor_parallel_
+    # size is TensorRT-LLM's, refused (key_policy)
     expert_parallel_size: int = 1
     moe_tensor_parallel_size: int = 1
     enable_rollout_routing_replay: bool = False

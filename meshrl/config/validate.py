@@ -14,7 +14,7 @@ import difflib
 from omegaconf import DictConfig, OmegaConf
 
 from meshrl.config.async_keys import async_problems, with_async_keys
-from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES, ROLLOUT_ROUTING, key_policy
+from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES, MOE_EXPERT_LAYER, ROLLOUT_ROUTING, key_policy
 from meshrl.config.reward_kwargs import reward_kwargs_problems
 from meshrl.config.schema import ROUTER_REPLAY_MODES
 from meshrl.config.loader import ConfigError, default_config
@@ -240,6 +240,7 @@ def validate_config(cfg: DictConfig) -> RunPlan:
               "(trainer.nnodes × trainer.n_gpus_per_node)")
     notes += _sequence_parallel_notes(cfg, use_critic)
     notes += _fused_kernel_notes(cfg, use_critic)
+    notes += _moe_expert_layer_notes(cfg, use_critic)
     p.raise_if_any("configuration")
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
 
@@ -269,6 +270,8 @@ def _sequence_parallel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
 
 # megatron's TransformerConfig.moe_router_dtype (null: the parameters' dtype)
 MOE_ROUTER_DTYPES = ("fp32", "fp64")
+# megatron's TransformerConfig.moe_token_dispatcher_type (meshrl's expert layer runs alltoall: MOE_EXPERT_LAYER)
+MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
 
 
 def _fused_kernel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
@@ -287,6 +290,23 @@ def _fused_kernel_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
     why = "trainer.device=cpu" if cfg.trainer.device == "cpu" else "transformer_engine is not installed"
     return [f"{', '.join(on)}: off ({why}): these switch on Transformer Engine's fused CUDA kernels; the same "
             "computation runs unfused"]
+
+
+def _moe_expert_layer_notes(cfg: DictConfig, use_critic: bool) -> list[str]:
+    """One note naming the expert layer's performance settings a run asks for that meshrl's expert layer does not
+    take (``key_policy.MOE_EXPERT_LAYER``): they change megatron's speed, not its numbers."""
+    asked = {}
+    for key, mg in _megatron_sections(cfg, use_critic, with_reference=True).items():
+        overrides = mg.override_transformer_config
+        if entries := [f"{name}={overrides[name]}" for name, value in MOE_EXPERT_LAYER.items()
+                       if overrides.get(name, value) != value]:
+            asked[f"{key}.override_transformer_config"] = ", ".join(entries)
+    if not asked:
+        return []
+    return ["; ".join(f"{key}: {entries}" for key, entries in asked.items()) + ": not taken: meshrl's expert layer "
+            "computes the experts one after another (megatron's SequentialMLP) and exchanges tokens with megatron's "
+            "alltoall dispatcher; grouped GEMM, DeepEP and the flex dispatcher are CUDA kernels for speed that compute "
+            "the same numbers"]
 
 
 # Group estimators whose advantage for a group of one still carries the reward, as verl computes it (a group of one
@@ -448,6 +468,9 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
         if overrides.get("moe_router_dtype") is not None:
             p.choice(overrides.moe_router_dtype, f"{key}.override_transformer_config.moe_router_dtype",
                      MOE_ROUTER_DTYPES)
+        if "moe_token_dispatcher_type" in overrides:
+            p.choice(overrides.moe_token_dispatcher_type, f"{key}.override_transformer_config.moe_token_dispatcher_type",
+                     MOE_DISPATCHERS)
         if "moe_router_load_balancing_type" in overrides:
             p.require(overrides.moe_router_load_balancing_type in MOE_BALANCING,
                       f"{key}.override_transformer_config.moe_router_load_balancing_type",

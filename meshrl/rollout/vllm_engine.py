@@ -252,12 +252,13 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"inference TP {tp} > 1 needs torch.distributed initialised by the caller "
                              "(one engine per rank, consecutive ranks form a replica)")
         self._owns_world = not colocated
-        if not self._cuda:  # vLLM-cpu's MLA kernel would fail at the first decode step
+        if not self._cuda:  # vLLM-cpu's MLA kernel would fail at the first decode step, its fused MoE with EP
             from transformers import AutoConfig
 
-            from meshrl.rollout.serving_limits import vllm_cpu_mla_problem
+            from meshrl.rollout.serving_limits import vllm_cpu_expert_parallel_problem, vllm_cpu_mla_problem
 
-            if problem := vllm_cpu_mla_problem(AutoConfig.from_pretrained(self.model_path)):
+            if problem := (vllm_cpu_mla_problem(AutoConfig.from_pretrained(self.model_path))
+                           or vllm_cpu_expert_parallel_problem(config.expert_parallel_size)):
                 raise ValueError(problem)
         self._manifest = hf_weight_manifest(str(self.model_path))
         self._adapter = AdapterSlot()
@@ -297,6 +298,8 @@ class VLLMEngine(RolloutEngine):
             kwargs["distributed_executor_backend"] = "external_launcher"
         if config.hf_overrides:  # the trainer's model has them too (meshrl.models.hf_config)
             kwargs["hf_overrides"] = dict(config.hf_overrides)
+        if config.expert_parallel_size > 1:  # the experts whole on each rank (EngineConfig: EP = the replica's TP)
+            kwargs["enable_expert_parallel"] = True
         if config.max_lora_rank:  # one adapter at a time: the policy's (meshrl.rollout.lora_adapter)
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(config.max_lora_rank))
         return kwargs

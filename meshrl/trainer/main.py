@@ -247,7 +247,8 @@ def preflight(cfg):
     from meshrl.models.resolve import resolve_model_path
     from meshrl.process_memory import mmap_threshold_setting
     from meshrl.rollout.engines import unsupported_rollout_features
-    from meshrl.rollout.serving_limits import engine_window_problems, hf_engine_moe_problem, vllm_cpu_mla_problem
+    from meshrl.rollout.serving_limits import (engine_length_problems, engine_window_problems, hf_engine_moe_problem,
+                                               vllm_cpu_expert_parallel_problem, vllm_cpu_mla_problem)
     from meshrl.trainer.checkpoint import hf_export_roles
     from meshrl.trainer.early_checks import device_problem, model_weights_problem, run_folder_problem
     from meshrl.workers.cluster import ray_init_kwargs
@@ -271,6 +272,11 @@ def preflight(cfg):
         raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}'s multi-latent attention is "
                           "not built yet; train every weight (no LoRA keys) or use another family",
                           ["actor_rollout_ref.model.lora"])
+    if plan.lora is not None and model_spec(hf_config).moe:
+        # meshrl's adapters wrap the dense layers' linear projections; the expert layer's experts and router have none
+        raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}'s mixture-of-experts layers "
+                          "is not built yet; train every weight (no LoRA keys) or use a dense family",
+                          ["actor_rollout_ref.model.lora"])
     if plan.use_reward_model or plan.reward_judge:
         from meshrl.rewards.judge import judge_problems
         from meshrl.workers.reward_model import reward_model_problems
@@ -281,10 +287,13 @@ def preflight(cfg):
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
     problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + engine_window_problems(
         cfg.actor_rollout_ref.rollout.name, hf_config, plan.prompt_length + plan.response_length) + \
-        hf_engine_moe_problem(cfg.actor_rollout_ref.rollout.name, hf_config)
-    mla_problem = vllm_cpu_mla_problem(hf_config)
-    if mla_problem and cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.device == "cpu":
-        problems.append(f"actor_rollout_ref.rollout.name: {mla_problem}")  # under device auto: at engine start
+        engine_length_problems(cfg.actor_rollout_ref.rollout.name, hf_config, plan.prompt_length + plan.response_length) \
+        + hf_engine_moe_problem(cfg.actor_rollout_ref.rollout.name, hf_config)
+    if cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.device == "cpu":  # under device auto: at start
+        if mla_problem := vllm_cpu_mla_problem(hf_config):
+            problems.append(f"actor_rollout_ref.rollout.name: {mla_problem}")
+        if ep_problem := vllm_cpu_expert_parallel_problem(cfg.actor_rollout_ref.rollout.expert_parallel_size):
+            problems.append(f"actor_rollout_ref.rollout.expert_parallel_size: {ep_problem}")
     if problems:
         raise ConfigError("invalid rollout configuration ({} problem(s)):\n  - {}".format(
             len(problems), "\n  - ".join(problems)), [line.split(":")[0] for line in problems])

@@ -40,17 +40,28 @@ SCRIPTS = {  # name: (mirror, path, tiny model)
     # CPU with a start-up note
     "dppo_moe_megatron": ("verl-project/verl", "examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh", "tiny:qwen3_moe"),
     "gspo_moe_megatron": ("verl-project/verl", "examples/gspo_trainer/run_qwen3_30b_a3b_megatron.sh", "tiny:qwen3_moe"),
+    # verl's most used MoE script: DAPO's reward manager, grouped GEMM and the fused permutation (both noted, not
+    # taken on CPU), the rollout's expert and MoE tensor parallel sizes (hardware sizes: swapped to 1)
+    "grpo_moe_megatron": ("verl-project/verl", "examples/grpo_trainer/run_qwen3_30b_a3b_megatron.sh", "tiny:qwen3_moe"),
 }
 # Expert parallelism is a hardware size too: one CPU process here (EP2 runs in the test below).
-EXPERT_SIZES = {r".*\.megatron\.expert_(model|tensor)_parallel_size": "1"}
+EXPERT_SIZES = {r".*\.megatron\.expert_(model|tensor)_parallel_size": "1",
+                r"actor_rollout_ref\.rollout\.(expert|moe_tensor)_parallel_size": "1",
+                r".*\.megatron\.virtual_pipeline_model_parallel_size": "null",  # no pipeline stages to interleave
+                # the rollout's own lengths and token budget, CPU-sized as the data's are (256 + 12 tokens)
+                r"actor_rollout_ref\.rollout\.prompt_length": "256", r"actor_rollout_ref\.rollout\.response_length": "12",
+                r"actor_rollout_ref\.rollout\.max_model_len": "268",
+                r"actor_rollout_ref\.rollout\.max_num_batched_tokens": "2048"}
 # `make test-extended`: DeepSeek-V3 trains through the same MoE path as Qwen2-MoE (the layer is megatron's, the
 # resharding per expert the same); what is its own (MLA, routing, expert bias) matches HF at EP1/EP2/EP2xTP2/EP2xPP2
 # in tests/parallel/test_moe_parallel.py and reaches vLLM in tests/models/test_moe_vllm.py.
 # The Qwen3-30B-A3B method scripts: their losses match verl's in tests/algorithms/test_verl_reference.py and train
 # GRPO's path (tests/e2e/test_algorithms_e2e.py's grpo case); Qwen3-MoE matches HF in test_moe_parallel.py and the
 # MoE script path is qwen1.5_moe_ppo's; moe_router_dtype reaching megatron's router is
-# tests/workers/test_model_keys.py's, the fused-kernel switches' note tests/foundation/test_verl_features.py's.
-EXTENDED = {"moonlight_grpo", "tiny:deepseek_v3", "dppo_moe_megatron", "gspo_moe_megatron"}
+# tests/workers/test_model_keys.py's, the fused-kernel switches' note tests/foundation/test_verl_features.py's; the
+# GRPO script's keys (grouped GEMM noted, the rollout's expert parallelism) load in test_verl_features.py, and the
+# expert layer with its speed switches is the plain one (test_model_keys.py).
+EXTENDED = {"moonlight_grpo", "tiny:deepseek_v3", "dppo_moe_megatron", "gspo_moe_megatron", "grpo_moe_megatron"}
 
 
 @pytest.mark.parametrize("name", with_extended(SCRIPTS, EXTENDED))
@@ -87,9 +98,13 @@ def test_verls_moe_script_trains_one_cpu_step(tmp_path: Path, name: str) -> None
         assert plan.use_critic and step["critic/optimizer_steps"] >= 1
     if plan.use_reference:  # the reference loaded the policy's checkpoint: step 1's policy is it
         assert step["actor/ref_log_prob_max_abs_diff"] == 0.0
-    if name in ("dppo_moe_megatron", "gspo_moe_megatron"):
+    if name == "grpo_moe_megatron":
+        (note,) = [w for w in plan.warnings if "expert layer" in w]
+        assert "moe_grouped_gemm=True" in note and "not taken" in note
+    if name in ("dppo_moe_megatron", "gspo_moe_megatron", "grpo_moe_megatron"):
         (note,) = [w for w in plan.warnings if "moe_permute_fusion=True" in w]
         assert "off (trainer.device=cpu)" in note
+    if name in ("dppo_moe_megatron", "gspo_moe_megatron"):
         assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype == "fp32"
     check_method(name, plan, step)
 

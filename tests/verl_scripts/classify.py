@@ -46,6 +46,15 @@ CPU_SWAPS = [
     "trainer.n_gpus_per_node=2",
     "trainer.device=cpu",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    # the rollout's expert parallelism follows its TP (1 here); TensorRT-LLM's MoE TP size too
+    "actor_rollout_ref.rollout.expert_parallel_size=1",
+    "actor_rollout_ref.rollout.moe_tensor_parallel_size=1",
+    # lengths within the tiny model's 2,048 positions (vLLM serves no further: a length check of preflight)
+    "data.max_prompt_length=256",
+    "data.max_response_length=64",
+    "actor_rollout_ref.rollout.prompt_length=256",
+    "actor_rollout_ref.rollout.response_length=64",
+    "actor_rollout_ref.rollout.max_model_len=320",
     *(f"{section}.megatron.{size}=1" for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic",
                                                      "reward_model") for size in PARALLEL),
     *(f"{section}.megatron.virtual_pipeline_model_parallel_size=null"

@@ -40,6 +40,8 @@ MIRRORS = {
 FOLDERS = ("remax_trainer", "gpg_trainer", "grpo_trainer", "ppo_trainer", "rloo_trainer",
            "reinforce_plus_plus_trainer", "cispo_trainer", "dppo_trainer", "gdpo_trainer", "gmpo_trainer",
            "gspo_trainer", "otb_trainer", "sapo_trainer", "rollout_correction")
+# verl's MoE scripts outside those folders: router replay, LoRA on experts (the MoE issue's scripts)
+MOE_SCRIPTS = ("examples/router_replay/run_qwen3_30b_a3b_megatron.sh", "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh")
 # the asynchronous trainers' scripts (each folder's shell/*.sh)
 ASYNC_SHELLS = ("verl/experimental/one_step_off_policy/shell/", "verl/experimental/fully_async_policy/shell/")
 # verl's trainer entry modules (main_ppo*: the synchronous trainer; then the one-step-off and fully async ones)
@@ -100,7 +102,8 @@ ulimit() {
 def list_scripts(git_dir: str) -> list[str]:
     names = subprocess.run(["git", "-C", git_dir, "ls-tree", "-r", "--name-only", "HEAD", "examples/",
                             *ASYNC_SHELLS], check=True, capture_output=True, text=True).stdout.split()
-    return sorted(n for n in names if n.endswith(".sh") and (n.split("/")[1] in FOLDERS or n.startswith(ASYNC_SHELLS)))
+    return sorted(n for n in names if n.endswith(".sh") and (n.split("/")[1] in FOLDERS or n.startswith(ASYNC_SHELLS)
+                                                              or n in MOE_SCRIPTS))
 
 
 def run_script(text: str, rel_path: str, sandbox: Path) -> list[dict]:

@@ -73,6 +73,36 @@ def test_moe_router_dtype_reaches_megatrons_router_and_fused_permutation_is_off_
     assert logits["fp32"].dtype == torch.float32 and logits["default"].dtype == torch.bfloat16
 
 
+def test_the_expert_layers_speed_switches_build_the_same_model(one_rank):
+    """verl's Qwen3-30B-A3B scripts' grouped GEMM, DeepEP and flex dispatcher: read (the run notes them once) and not
+    taken, so the model is the one built without them: the same megatron config, the same expert modules and, from
+    the same seed, the same outputs."""
+    from meshrl.models.tiny import tiny_config, tiny_spec
+    from meshrl.parallel.layers import tp_split_moe_layer_class
+
+    arr = actor_cfg("actor_rollout_ref.model.path=tiny:qwen3_moe",
+                    f"+{MEGATRON}.override_transformer_config.moe_grouped_gemm=True",
+                    f"+{MEGATRON}.override_transformer_config.moe_enable_deepep=True",
+                    f"+{MEGATRON}.override_transformer_config.moe_token_dispatcher_type=flex")
+    overrides = transformer_overrides(arr.model, arr.actor.megatron)
+    assert overrides["moe_grouped_gemm"] is True and overrides["moe_token_dispatcher_type"] == "flex"
+    hf_config = tiny_config(tiny_spec("qwen3_moe"))
+    built = {}
+    for name, settings in (("asked", overrides), ("plain", {})):
+        torch.manual_seed(0)
+        chunks = build_model(hf_config, dtype=torch.float32, **settings)
+        config = model_config(chunks)
+        layer = next(m for m in chunks[0].modules() if isinstance(m, tp_split_moe_layer_class()))
+        hidden = torch.randn(3, 1, hf_config.hidden_size, generator=torch.Generator().manual_seed(1))
+        built[name] = ({f: getattr(config, f) for f in ("moe_grouped_gemm", "moe_enable_deepep",
+                                                         "moe_token_dispatcher_type")},
+                       type(layer.experts).__name__, layer(hidden)[0])
+    assert built["asked"][0] == built["plain"][0] == {"moe_grouped_gemm": False, "moe_enable_deepep": False,
+                                                      "moe_token_dispatcher_type": "alltoall"}
+    assert built["asked"][1] == built["plain"][1] == "SequentialMLP"
+    assert torch.equal(built["asked"][2], built["plain"][2])
+
+
 @pytest.mark.parametrize("override, message", [
     (f"+{MEGATRON}.override_transformer_config.moe_router_dtype=bf16", "moe_router_dtype: 'bf16' is not one of fp32"),
     (f"+{MEGATRON}.override_transformer_config.recompute_granularty=full", "recompute_granularity"),
