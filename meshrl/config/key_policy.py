@@ -454,7 +454,8 @@ MOE_EXPERT_LAYER = {"moe_grouped_gemm": False, "moe_enable_deepep": False, "moe_
 # override_transformer_config's switches of Transformer Engine's fused CUDA kernels: honoured where the kernels run,
 # else turned off by meshrl.parallel.model_builder (fused_kernel_switches_off) and named in one start-up note
 # (meshrl.config.validate).
-FUSED_KERNEL_SWITCHES = ("moe_permute_fusion", "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion")
+FUSED_KERNEL_SWITCHES = ("moe_permute_fusion", "apply_rope_fusion", "persist_layer_norm",
+                         "gradient_accumulation_fusion")
 
 
 def _match(key: str, patterns) -> str | None:

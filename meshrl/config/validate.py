@@ -469,8 +469,8 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
             p.choice(overrides.moe_router_dtype, f"{key}.override_transformer_config.moe_router_dtype",
                      MOE_ROUTER_DTYPES)
         if "moe_token_dispatcher_type" in overrides:
-            p.choice(overrides.moe_token_dispatcher_type, f"{key}.override_transformer_config.moe_token_dispatcher_type",
-                     MOE_DISPATCHERS)
+            p.choice(overrides.moe_token_dispatcher_type,
+                     f"{key}.override_transformer_config.moe_token_dispatcher_type", MOE_DISPATCHERS)
         if "moe_router_load_balancing_type" in overrides:
             p.require(overrides.moe_router_load_balancing_type in MOE_BALANCING,
                       f"{key}.override_transformer_config.moe_router_load_balancing_type",

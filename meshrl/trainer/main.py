@@ -285,11 +285,11 @@ def preflight(cfg):
             raise ConfigError("invalid reward model ({} problem(s)):\n  - {}".format(
                 len(problems), "\n  - ".join(problems)), [line.split(":")[0].split("=")[0] for line in problems])
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
-    problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + engine_window_problems(
-        cfg.actor_rollout_ref.rollout.name, hf_config, plan.prompt_length + plan.response_length) + \
-        engine_length_problems(cfg.actor_rollout_ref.rollout.name, hf_config, plan.prompt_length + plan.response_length) \
-        + hf_engine_moe_problem(cfg.actor_rollout_ref.rollout.name, hf_config)
-    if cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.device == "cpu":  # under device auto: at start
+    engine, sequence_length = cfg.actor_rollout_ref.rollout.name, plan.prompt_length + plan.response_length
+    problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + \
+        engine_window_problems(engine, hf_config, sequence_length) + \
+        engine_length_problems(engine, hf_config, sequence_length) + hf_engine_moe_problem(engine, hf_config)
+    if engine == "vllm" and cfg.trainer.device == "cpu":  # under device auto: at the engine's start
         if mla_problem := vllm_cpu_mla_problem(hf_config):
             problems.append(f"actor_rollout_ref.rollout.name: {mla_problem}")
         if ep_problem := vllm_cpu_expert_parallel_problem(cfg.actor_rollout_ref.rollout.expert_parallel_size):
