@@ -41,6 +41,8 @@ from meshrl.parallel.optimizer import initialize_state
 
 LATEST = "latest"
 _META = "meshrl.json"
+# A critic's value head (model_builder.ValueHead) sits where a language model's output layer does.
+VALUE_HEAD_PREFIX = "output_layer."
 # The DistributedOptimizer's only format in megatron-core 0.16 that reshards across TP/PP; the
 # memory-efficient variant gathers a replica's state on its DP rank 0 over gloo, in host memory (and
 # avoids a CUDA-only path). Other optimizers ignore these keys.
@@ -164,6 +166,13 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return folder
 
 
+def checkpoint_folder(path: str | os.PathLike) -> Path | None:
+    """The checkpoint folder ``path`` names: itself when it holds one, else the one its ``latest`` names; None when
+    there is none (``latest_checkpoint`` raises for a ``latest`` naming an incomplete folder)."""
+    path = Path(path)
+    return path if (path / _META).is_file() else latest_checkpoint(path)
+
+
 def checkpoint_metadata(folder: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(folder) / _META).read_text())
 
@@ -173,24 +182,26 @@ def load_checkpoint(path: str | os.PathLike, chunks: list[torch.nn.Module], opti
     """Load a checkpoint into ``chunks`` (and optimizer / scheduler when given); collective.
 
     ``path`` is a checkpoint root (its ``latest`` is used) or a ``step_*`` folder. The model spec saved
-    with the checkpoint must equal the chunks' (else ``ValueError`` naming the fields). Returns
-    ``{"step": int, "extra": ...}``.
+    with the checkpoint must equal the chunks' (else ``ValueError`` naming the fields). A critic's weights (no
+    ``optimizer``) may come from a language model's checkpoint of the same spec, as verl's scripts point the critic
+    at the policy's converted checkpoint: its decoder, and the zero value head a critic built from an HF causal LM
+    gets (``hf_conversion.load_hf_weights``). Returns ``{"step": int, "extra": ...}``.
     """
     from megatron.core import dist_checkpointing
 
     from meshrl.parallel.model_builder import ModelSpec
 
-    path = Path(path)
-    folder = path if (path / _META).is_file() else latest_checkpoint(path)
+    folder = checkpoint_folder(path)
     if folder is None:
         raise FileNotFoundError(f"no checkpoint in {path}")
     meta = checkpoint_metadata(folder)
     gpt = unwrap(chunks[0])
     saved = ModelSpec(**meta["model_spec"])
     mismatches = saved.mismatches(gpt.meshrl_spec)
-    if mismatches or meta["critic"] != bool(getattr(gpt, "meshrl_critic", False)):
-        detail = mismatches + ([f"critic: {meta['critic']} vs {gpt.meshrl_critic}"]
-                               if meta["critic"] != gpt.meshrl_critic else [])
+    critic = bool(getattr(gpt, "meshrl_critic", False))
+    language_model_into_critic = critic and not meta["critic"] and optimizer is None
+    if mismatches or (meta["critic"] != critic and not language_model_into_critic):
+        detail = mismatches + ([f"critic: {meta['critic']} vs {critic}"] if meta["critic"] != critic else [])
         raise ValueError(f"checkpoint {folder} does not match the model (checkpoint vs model): " + "; ".join(detail))
     if optimizer is not None and not meta["has_optimizer"]:
         raise ValueError(f"checkpoint {folder} has no optimizer state")
@@ -200,9 +211,16 @@ def load_checkpoint(path: str | os.PathLike, chunks: list[torch.nn.Module], opti
     if optimizer is not None:
         initialize_state(optimizer)
     sharded = _sharded_state(chunks, optimizer, scheduler, extra=None, is_loading=True)
+    if language_model_into_critic:  # the value head stays as built: not asked of the checkpoint
+        for chunk_state in sharded["model"].values():
+            for key in [key for key in chunk_state if key.startswith(VALUE_HEAD_PREFIX)]:
+                del chunk_state[key]
     loaded = dist_checkpointing.load(sharded, str(folder))
     for index, chunk in enumerate(chunks):
-        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{index}"], strict=True)
+        missing, unexpected = unwrap(chunk).load_state_dict(loaded["model"][f"chunk{index}"],
+                                                            strict=not language_model_into_critic)
+        if [key for key in missing if not key.startswith(VALUE_HEAD_PREFIX)] or unexpected:
+            raise ValueError(f"checkpoint {folder}: chunk {index} missing {missing}, unexpected {unexpected}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     bad = _nonfinite_tensors(chunks, optimizer)

@@ -93,6 +93,52 @@ def model_weights_problem(key: str, folder: Path) -> str | None:
     return f"{key}: {folder} has no weights (no model.safetensors or model.safetensors.index.json){found}"
 
 
+def dist_checkpoint_problems(cfg, use_reference: bool, use_critic: bool, hf_config) -> list[str]:
+    """Why a role's ``megatron.dist_checkpointing_path`` (with ``use_dist_checkpointing``) holds no checkpoint that
+    role can start from, one line per role, each naming the command that makes one: the folder has no meshrl
+    checkpoint, holds another model's (its spec against the role's HF config; ``hf_config``: the policy's), or a
+    critic's for the policy. One language model's checkpoint serves the policy, the reference and the critic (whose
+    value head then starts at zero: ``meshrl.parallel.checkpoint.load_checkpoint``), as verl's scripts point them at
+    one."""
+    from omegaconf import OmegaConf
+
+    from meshrl.models.families import model_spec
+    from meshrl.models.hf_config import load_model_config
+    from meshrl.models.resolve import resolve_model_path
+    from meshrl.parallel.checkpoint import checkpoint_folder, checkpoint_metadata
+    from meshrl.parallel.model_builder import ModelSpec
+
+    roles = {"actor_rollout_ref.actor": False, "actor_rollout_ref.ref": False, "critic": True}
+    policy_model = cfg.actor_rollout_ref.model.path
+    lines = []
+    for role, critic in roles.items():
+        megatron = OmegaConf.select(cfg, f"{role}.megatron")
+        if (not megatron.use_dist_checkpointing or (role == "critic" and not use_critic)
+                or (role == "actor_rollout_ref.ref" and not use_reference)):
+            continue
+        key, path = f"{role}.megatron.dist_checkpointing_path", megatron.dist_checkpointing_path
+        model = (cfg.critic.model.path or policy_model) if critic else policy_model
+        make = f"make one with `meshrl convert hf-to-mcore --hf {resolve_model_path(model)} --out {path}`"
+        try:
+            folder = checkpoint_folder(path)
+        except RuntimeError as exc:  # a 'latest' naming an incomplete folder
+            lines.append(f"{key}={path}: {exc}; {make}")
+            continue
+        if folder is None:
+            lines.append(f"{key}={path}: no meshrl checkpoint there (no meshrl.json, no 'latest'); {make}")
+            continue
+        meta = checkpoint_metadata(folder)
+        config = hf_config if model == policy_model else load_model_config(resolve_model_path(model))
+        mismatches = ModelSpec(**meta["model_spec"]).mismatches(model_spec(config))
+        if mismatches:
+            lines.append(f"{key}={path}: {folder} is another model's checkpoint than {model} (checkpoint vs model: "
+                         f"{'; '.join(mismatches)}); {make}")
+        elif meta["critic"] and not critic:
+            lines.append(f"{key}={path}: {folder} is a critic's checkpoint (a value head, no output layer); the "
+                         f"policy starts from the language model's: {make} (without --critic)")
+    return lines
+
+
 def check_resume(cfg, num_prompts: int) -> None:
     """The checkpoint the run would resume from (``trainer.resume_mode``), checked as the trainer will load it:
     it exists and is complete, its files are as its save wrote them (``checkpoint.damaged_files``), its driver

@@ -250,7 +250,8 @@ def preflight(cfg):
     from meshrl.rollout.serving_limits import (engine_length_problems, engine_window_problems, hf_engine_moe_problem,
                                                vllm_cpu_expert_parallel_problem, vllm_cpu_mla_problem)
     from meshrl.trainer.checkpoint import hf_export_roles
-    from meshrl.trainer.early_checks import device_problem, model_weights_problem, run_folder_problem
+    from meshrl.trainer.early_checks import (device_problem, dist_checkpoint_problems, model_weights_problem,
+                                             run_folder_problem)
     from meshrl.workers.cluster import ray_init_kwargs
 
     plan = validate_config(cfg)
@@ -259,7 +260,9 @@ def preflight(cfg):
     model = cfg.actor_rollout_ref.model
     weights = None if cfg.actor_rollout_ref.actor.megatron.use_dist_checkpointing else \
         model_weights_problem("actor_rollout_ref.model.path", resolve_model_path(model.path))
-    if problems := [p for p in (run_folder_problem(cfg.trainer.default_local_dir), device_problem(cfg), weights) if p]:
+    problems = [p for p in (run_folder_problem(cfg.trainer.default_local_dir), device_problem(cfg), weights) if p]
+    problems += dist_checkpoint_problems(cfg, plan.use_reference, plan.use_critic, hf_config)
+    if problems:
         raise ConfigError("\n".join(problems), [line.split("=")[0].split(":")[0] for line in problems])
     validate_against_model(cfg, plan, hf_config)
     if plan.lora is not None and model_spec(hf_config).hf_fused:

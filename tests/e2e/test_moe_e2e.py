@@ -4,7 +4,8 @@ started from Megatron dist checkpoints) on ``tiny:qwen2_moe`` (its shared expert
 top-k weights), and, in ``make test-extended``, the Moonlight one (``run_moonlight_16b_a3b_megatron.sh``: GRPO with a
 KL loss, PP3 x TP4 x EP4, dist checkpoints for the policy and the reference) on ``tiny:deepseek_v3`` (multi-latent
 attention, a dense first layer, sigmoid grouped routing with the expert bias). The scripts' own step 1 (convert the
-HF model to a Megatron checkpoint) is ``meshrl convert hf-to-mcore``, once per role that loads one. The engine's
+HF model to a Megatron checkpoint) is ``meshrl convert hf-to-mcore``, once: the policy, the reference and the
+critic start from it, as the scripts point them. The engine's
 step-1 log-probs must be the trainer's: the experts came through the resharding into vLLM's fused-MoE layers.
 
 Then one GRPO step at expert parallelism 2 into a vLLM engine at TP2, with router replay and megatron's
@@ -49,7 +50,8 @@ EXPERT_SIZES = {r".*\.megatron\.expert_(model|tensor)_parallel_size": "1",
                 r"actor_rollout_ref\.rollout\.(expert|moe_tensor)_parallel_size": "1",
                 r".*\.megatron\.virtual_pipeline_model_parallel_size": "null",  # no pipeline stages to interleave
                 # the rollout's own lengths and token budget, CPU-sized as the data's are (256 + 12 tokens)
-                r"actor_rollout_ref\.rollout\.prompt_length": "256", r"actor_rollout_ref\.rollout\.response_length": "12",
+                r"actor_rollout_ref\.rollout\.prompt_length": "256",
+                r"actor_rollout_ref\.rollout\.response_length": "12",
                 r"actor_rollout_ref\.rollout\.max_model_len": "268",
                 r"actor_rollout_ref\.rollout\.max_num_batched_tokens": "2048"}
 # `make test-extended`: DeepSeek-V3 trains through the same MoE path as Qwen2-MoE (the layer is megatron's, the
@@ -73,20 +75,15 @@ def test_verls_moe_script_trains_one_cpu_step(tmp_path: Path, name: str) -> None
     skip_fp32_mla_on_amx(model)
     hf_dir = resolve_model_path(model)
     script = swapped(vendored_args(mirror, path), tmp_path / "run", model, sizes=EXPERT_SIZES)
-    # the roles that start from a dist checkpoint: the reference loads the policy's
+    # the roles that start from a dist checkpoint (the policy, the reference, the critic) start from one, as in the
+    # scripts: the language model's, converted once (the critic takes its decoder and a zero value head)
     roles = {arg.split(".")[0] for arg in script if arg.partition("=")[0].endswith("megatron.dist_checkpointing_path")}
-    checkpoints = {}
-    for role in sorted(roles):
-        checkpoints[role] = tmp_path / f"mcore-{role}"
+    checkpoint = tmp_path / "mcore"
+    if roles:
         subprocess.run([sys.executable, "-m", "meshrl.parallel.convert_cli", "hf-to-mcore", "--hf", str(hf_dir),
-                        "--out", str(checkpoints[role]), *(["--critic"] if role == "critic" else [])],
-                       check=True, capture_output=True)
-    args = []
-    for arg in script:
-        key = arg.partition("=")[0]
-        if key.endswith("megatron.dist_checkpointing_path"):
-            arg = f"{key}={checkpoints[key.split('.')[0]]}"
-        args.append(arg)
+                        "--out", str(checkpoint)], check=True, capture_output=True)
+    key = "megatron.dist_checkpointing_path"
+    args = [f"{arg.partition('=')[0]}={checkpoint}" if arg.partition("=")[0].endswith(key) else arg for arg in script]
     recipe, overrides = parse_args(args)
     cfg = load_config(overrides, recipe=recipe)
     plan = preflight(cfg)

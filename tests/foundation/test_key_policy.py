@@ -39,6 +39,7 @@ import meshrl.workers.cluster
 import meshrl.workers.group
 import meshrl.workers.rank
 from meshrl.config import ConfigError, load_config
+from verl_scripts.classify import converted_checkpoint
 from meshrl.config.key_policy import classify, leaf_keys
 from meshrl.config.loader import _check_model_engine, default_config
 from meshrl.config.reads import ConfigReads, recording
@@ -212,6 +213,7 @@ def data_dir(tmp_path_factory):
     for name, text in FILES.items():
         (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_text(text)
+    (folder / "mcore").symlink_to(converted_checkpoint())  # the Megatron checkpoint CONFIGS start from
     return folder
 
 

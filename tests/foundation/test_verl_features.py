@@ -23,7 +23,7 @@ SCRIPTS = {classify.script_id(s): s["calls"][0]["args"]
 
 def problems(args: list[str]) -> list[str]:
     """The problems ``python -m meshrl.trainer.main`` reports for a verl script's arguments before training."""
-    recipe, overrides = parse_args([*args, *classify.CPU_SWAPS])
+    recipe, overrides = parse_args([*args, *classify.cpu_swaps()])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # model_engine=dp's note
@@ -69,7 +69,7 @@ def test_reward_model_scripts_pass_preflight_with_a_tiny_reward_model(script):
 ])
 def test_verl_lora_scripts_load_with_their_adapters(script, keys):
     assert problems(SCRIPTS[script]) == []
-    recipe, overrides = parse_args([*SCRIPTS[script], *classify.CPU_SWAPS])
+    recipe, overrides = parse_args([*SCRIPTS[script], *classify.cpu_swaps()])
     assert validate_config(load_config(overrides, recipe=recipe)).lora.keys == keys
 
 

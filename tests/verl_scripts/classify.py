@@ -5,7 +5,7 @@
 Each call's arguments go through what ``python -m meshrl.trainer.main`` does before training
 (``parse_args``, ``load_config``, ``preflight``), with the model/data paths (the Megatron checkpoint
 folders too: the scripts name them by environment variables) and hardware sizes swapped to CPU-sized
-values (``CPU_SWAPS``, appended as a user's own overrides are; ``PATH_SWAPS`` where a script sets them). The outcome:
+values (``cpu_swaps()``, appended as a user's own overrides are; ``PATH_SWAPS`` where a script sets them). The outcome:
 
 - ``ok``: loads and validates;
 - ``load``: ``load_config`` refuses ``keys`` (unknown keys, wrong types, an engine meshrl lacks);
@@ -59,9 +59,31 @@ CPU_SWAPS = [
                                                      "reward_model") for size in PARALLEL),
     *(f"{section}.megatron.virtual_pipeline_model_parallel_size=null"
       for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
-    *(f"{section}.megatron.dist_checkpointing_path=/models/mcore"
-      for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
 ]
+
+
+def cpu_swaps() -> list[str]:
+    """``CPU_SWAPS``, and the Megatron checkpoint folders the scripts name pointed at tiny:llama's converted one
+    (``converted_checkpoint``: preflight checks that a role's folder holds its model's checkpoint)."""
+    checkpoint = converted_checkpoint()
+    return [*CPU_SWAPS, *(f"{section}.megatron.dist_checkpointing_path={checkpoint}"
+                          for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"))]
+
+
+def converted_checkpoint() -> Path:
+    """tiny:llama as ``meshrl convert hf-to-mcore`` writes it (the scripts' step 1), built once into meshrl's cache."""
+    import subprocess
+    import sys
+
+    from meshrl.atomic_io import cached_dir
+    from meshrl.models.tiny import tiny_model_dir, tiny_spec
+    from meshrl.runtime import cache_dir
+
+    def build(tmp: Path) -> None:
+        subprocess.run([sys.executable, "-m", "meshrl.parallel.convert_cli", "hf-to-mcore", "--hf",
+                        str(tiny_model_dir(tiny_spec("llama"))), "--out", str(tmp)], check=True, capture_output=True)
+
+    return cached_dir(cache_dir() / "models" / f"{tiny_spec('llama').name()}-mcore", "latest", build)
 # Paths a script sets only where it uses the feature, swapped (appended as CPU_SWAPS are) where it sets them: a reward
 # file of verl's repository scores verl's data; meshrl's test reward (GSM8K rows in verl's dict form, with GDPO's
 # components accuracy_reward and format_reward beside the score) stands in for it, as the data's paths are swapped.
@@ -125,7 +147,7 @@ def classify(args: list[str], module: str = "verl.trainer.main_ppo") -> dict:
     from meshrl.config import ConfigError, load_config
     from meshrl.trainer.main import parse_args, preflight
 
-    recipe, overrides = parse_args([*args, *CPU_SWAPS, *path_swaps(args)], entry_config(module))
+    recipe, overrides = parse_args([*args, *cpu_swaps(), *path_swaps(args)], entry_config(module))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # model_engine=dp's note, expected for verl's FSDP scripts

@@ -5,6 +5,7 @@ import torch
 from transformers import AutoConfig
 
 from meshrl.config import ConfigError, load_config
+from meshrl.models.tiny import tiny_model_dir, tiny_spec
 from meshrl.config.validate import validate_config
 from meshrl.parallel import state
 from meshrl.parallel.convert_cli import hf_to_mcore
@@ -139,3 +140,50 @@ def test_use_dist_checkpointing_starts_from_the_megatron_checkpoint(one_rank, ti
     load_initial_weights(from_ckpt, arr.actor.megatron, str(tiny_llama_dir), hf_config)
     for a, c in zip(from_ckpt[0].parameters(), from_hf[0].parameters()):
         assert torch.equal(a, c)
+
+
+def test_one_language_model_checkpoint_starts_the_critic_too(one_rank, tiny_llama_dir, tmp_path):
+    """verl's MoE PPO script points the policy, the reference and the critic at one converted checkpoint: the critic
+    takes its decoder and a zero value head, as a critic built from the HF causal LM does. A critic's checkpoint does
+    not start a policy (it has no output layer)."""
+    from meshrl.parallel.checkpoint import load_checkpoint
+    from meshrl.parallel.model_builder import unwrap
+
+    hf_config = AutoConfig.from_pretrained(tiny_llama_dir)
+    converted = hf_to_mcore(tiny_llama_dir, hf_config, tmp_path / "lm")
+    from_checkpoint, from_hf = build_model(hf_config, critic=True), build_model(hf_config, critic=True)
+    load_checkpoint(converted, from_checkpoint)
+    load_hf_weights(from_hf, tiny_llama_dir, hf_config)
+    for (name, a), b in zip(from_checkpoint[0].named_parameters(), from_hf[0].parameters()):
+        assert torch.equal(a, b), name
+    assert not unwrap(from_checkpoint[0]).output_layer.weight.any()
+    critic_checkpoint = hf_to_mcore(tiny_llama_dir, hf_config, tmp_path / "critic", critic=True)
+    with pytest.raises(ValueError, match="critic: True vs False"):
+        load_checkpoint(critic_checkpoint, build_model(hf_config))
+
+
+def test_a_dist_checkpoint_the_run_cannot_start_from_stops_it_naming_the_command(one_rank, tiny_llama_dir, tmp_path):
+    """verl's MoE scripts start from converted checkpoints: a path without one (the script's step 1 not run), a
+    critic's for the policy, another model's are refused before any worker starts, naming `meshrl convert`."""
+    from meshrl.trainer.early_checks import dist_checkpoint_problems
+
+    hf_config = AutoConfig.from_pretrained(tiny_llama_dir)
+    keys = ["actor_rollout_ref.actor.megatron.use_dist_checkpointing=True",
+            "critic.megatron.use_dist_checkpointing=True"]
+
+    def problems(actor, critic):
+        cfg = load_config([*keys, f"actor_rollout_ref.actor.megatron.dist_checkpointing_path={actor}",
+                           f"critic.megatron.dist_checkpointing_path={critic}", "algorithm.adv_estimator=gae"],
+                          recipe="cpu_tiny_grpo")
+        return dist_checkpoint_problems(cfg, use_reference=False, use_critic=True, hf_config=hf_config)
+
+    (missing,) = problems(tmp_path / "nothing", hf_to_mcore(tiny_llama_dir, hf_config, tmp_path / "lm"))
+    assert missing.startswith("actor_rollout_ref.actor.megatron.dist_checkpointing_path=") and \
+        "no meshrl checkpoint there" in missing and f"`meshrl convert hf-to-mcore --hf {tiny_llama_dir} --out " in missing
+    critic = hf_to_mcore(tiny_llama_dir, hf_config, tmp_path / "critic", critic=True)
+    (wrong,) = problems(critic, tmp_path / "lm")
+    assert "is a critic's checkpoint" in wrong and "(without --critic)" in wrong
+    qwen2 = tiny_model_dir(tiny_spec("qwen2"))
+    (other,) = problems(hf_to_mcore(qwen2, AutoConfig.from_pretrained(qwen2), tmp_path / "qwen2"), tmp_path / "lm")
+    assert "is another model's checkpoint than tiny:llama" in other
+    assert problems(tmp_path / "lm", tmp_path / "lm") == []  # one language model's checkpoint for both
