@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from meshrl.atomic_io import publish_dir
-from meshrl.models.families import ModelSpec, Piece, family, hf_fusions, hf_layout
+from meshrl.models.families import ModelSpec, Piece, family, hf_fusions, hf_layout, implicit_fields
 from meshrl.parallel import model_builder, state
 from meshrl.parallel.model_builder import unwrap
 
@@ -482,6 +482,8 @@ def _config_for_export(hf_config, critic: bool, dtype: torch.dtype):
 
     config = copy.deepcopy(hf_config)
     config.dtype = dtype
+    for key, value in implicit_fields(config).items():  # what the trainer computed, spelled out for every reader
+        setattr(config, key, value)
     if critic:
         config.architectures = [family(config.model_type).critic_class]
         config.num_labels = 1

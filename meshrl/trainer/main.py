@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -243,7 +244,7 @@ def preflight(cfg):
     contents and the Ray start; raises ``ConfigError`` listing the problems."""
     from meshrl.config import ConfigError
     from meshrl.config.validate import validate_against_model, validate_config
-    from meshrl.models.families import model_spec
+    from meshrl.models.families import config_notes, model_spec
     from meshrl.models.resolve import resolve_model_path
     from meshrl.process_memory import mmap_threshold_setting
     from meshrl.rollout.engines import unsupported_rollout_features
@@ -288,6 +289,7 @@ def preflight(cfg):
             raise ConfigError("invalid reward model ({} problem(s)):\n  - {}".format(
                 len(problems), "\n  - ".join(problems)), [line.split(":")[0].split("=")[0] for line in problems])
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
+    plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(config_notes(hf_config)))
     engine, sequence_length = cfg.actor_rollout_ref.rollout.name, plan.prompt_length + plan.response_length
     problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + \
         engine_window_problems(engine, hf_config, sequence_length) + \

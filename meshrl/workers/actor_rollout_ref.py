@@ -192,6 +192,7 @@ class ActorRolloutRefWorker(RankWorker):
         """The rollout engine, after ``setup(start_engine=False)``: a run starts it once every group has loaded its
         models, as verl starts its rollout last, so that a GPU engine sizes its cache on the memory they left
         (``meshrl.trainer.worker_start``). Returns ``{"engine": seconds}``."""
+        from meshrl.models.families import implicit_fields
         from meshrl.models.hf_config import model_overrides
         from meshrl.rollout.agent_loop import agent_loop_for
         from meshrl.rollout.async_engine import async_engine_for
@@ -207,7 +208,9 @@ class ActorRolloutRefWorker(RankWorker):
         engine_cfg = EngineConfig.from_rollout(
             rollout, max_model_len=self.plan.prompt_length + self.response_length,
             generation_threads=threads, max_lora_rank=self.plan.lora.rank if self.adapter_sync else 0,
-            sleep_level=1 if self.adapter_sync else 2, hf_overrides=model_overrides(arr.model.override_config))
+            sleep_level=1 if self.adapter_sync else 2,
+            # the family's fields vLLM would read otherwise when absent, then the run's own overrides
+            hf_overrides={**implicit_fields(self.hf_config), **model_overrides(arr.model.override_config)})
         self.engine = create_engine(self.model_dir, engine_cfg, dp_rank=self.replica)
         self.bucket_bytes = engine_cfg.bucket_bytes
         if not self.engine.weights_complete:  # rollout.load_format=dummy: random weights until the policy's arrive

@@ -5,10 +5,14 @@ tests/models/test_moe_vllm.py)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
+import torch
 
 from meshrl.models.families import hf_layout, layer_spec_options, model_spec, transformer_options
-from meshrl.models.tiny import tiny_config, tiny_spec
+from meshrl.models.tiny import tiny_config, tiny_model_dir, tiny_spec
 from meshrl.parallel import model_builder
 from meshrl.parallel.state import ParallelConfig
 
@@ -84,7 +88,6 @@ def test_dense_first_layer_and_moe_layers_name_the_checkpoints_tensors() -> None
     (dict(scoring_func="softmax"), "scoring_func='softmax'"),
     (dict(topk_method="greedy"), "topk_method='greedy'"),
     (dict(num_key_value_heads=2), "num_key_value_heads=2"),
-    (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers=1"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type='linear'"),
     (dict(rope_parameters=dict(YARN, attention_factor=1.0)), "rope_type='yarn': only plain RoPE and YaRN as megatron"),
     (dict(rope_parameters=dict(YARN, truncate=False)), "rope_type='yarn'"),
@@ -138,3 +141,32 @@ def test_sequence_parallelism_with_mla_is_refused_when_the_config_is_built() -> 
     with pytest.raises(ValueError, match="sequence_parallel with multi-latent attention is not built"):
         model_builder.transformer_config(model_spec(config()), ParallelConfig(tensor_parallel=2), torch.float32,
                                          sequence_parallel=True)
+
+
+def test_released_and_transformers_written_configs_load_as_transformers_computes_them(tmp_path) -> None:
+    """DeepSeek-V3 ships one multi-token-prediction layer: the policy is the main layers (noted once at start, an HF
+    export says 0); a config transformers wrote has no scoring_func / topk_method: the model is transformers'
+    (sigmoid, noaux_tc), and vLLM and the export are told so, since vLLM's defaults are softmax and no bias."""
+    from meshrl.config import load_config
+    from meshrl.models.families import config_notes, implicit_fields
+    from meshrl.parallel.hf_conversion import _config_for_export
+    from meshrl.trainer.main import preflight
+
+    released = config(num_nextn_predict_layers=1)
+    assert model_spec(released) == model_spec(config())
+    (note,) = config_notes(released)
+    assert note.startswith("num_nextn_predict_layers=1: the checkpoint's multi-token-prediction layer(s) are neither")
+    written = config()
+    del written.scoring_func, written.topk_method  # as transformers' DeepseekV3Config writes a config
+    assert getattr(written, "scoring_func", None) is None and model_spec(written) == model_spec(config())
+    assert implicit_fields(written) == {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    assert implicit_fields(released) == {"num_nextn_predict_layers": 0} and implicit_fields(config()) == {}
+    exported = _config_for_export(released, critic=False, dtype=torch.float32)
+    assert exported.num_nextn_predict_layers == 0 and released.num_nextn_predict_layers == 1
+    # the note reaches the run's start-up notes: the tiny model's folder with DeepSeek-V3's MTP count in its config
+    folder = tmp_path / "released"
+    shutil.copytree(tiny_model_dir(tiny_spec("deepseek_v3")), folder)
+    fields = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**fields, "num_nextn_predict_layers": 1}))
+    plan = preflight(load_config([f"actor_rollout_ref.model.path={folder}"], recipe="cpu_tiny_grpo"))
+    assert any(w.startswith("num_nextn_predict_layers=1") for w in plan.warnings)

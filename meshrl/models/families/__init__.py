@@ -286,6 +286,12 @@ class Family:
     # the tiny model's persistent buffers (name suffixes) drawn at random like its biases (DeepSeek-V3's
     # e_score_correction_bias, zero in HF's init, so that the tests see it used)
     tiny_buffers: tuple[str, ...] = ()
+    # HF config fields vLLM reads otherwise than transformers' class computes when they are absent: given to the engine
+    # (its hf_overrides) and written into an HF export, so that every reader computes what the trainer does
+    # (DeepSeek-V3's scoring_func / topk_method, which a transformers-written config lacks)
+    implicit_fields: Callable[[Any], dict[str, Any]] | None = None
+    # what a run says once at start about a config it takes with a part left out (DeepSeek-V3's MTP layers)
+    config_notes: Callable[[Any], list[str]] | None = None
 
     @property
     def config_class(self) -> str:
@@ -298,6 +304,18 @@ class Family:
     @property
     def critic_class(self) -> str:
         return self.critic_name or f"{self.hf_prefix}ForTokenClassification"
+
+
+def implicit_fields(hf_config) -> dict[str, Any]:
+    """The fields of ``hf_config`` its family spells out for vLLM and the HF export (``Family.implicit_fields``)."""
+    fam = family(getattr(hf_config, "model_type", None))
+    return fam.implicit_fields(hf_config) if fam.implicit_fields else {}
+
+
+def config_notes(hf_config) -> list[str]:
+    """What a run on ``hf_config`` says once at start (``Family.config_notes``)."""
+    fam = family(getattr(hf_config, "model_type", None))
+    return fam.config_notes(hf_config) if fam.config_notes else []
 
 
 def supported_model_types() -> tuple[str, ...]:

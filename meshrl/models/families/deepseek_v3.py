@@ -22,10 +22,16 @@ Refused, each with what megatron-core 0.16.1 or vLLM does otherwise:
 - grouped routing whose ``num_experts_per_tok // topk_group`` is not 2: megatron scores a group by the sum of its top
   ``topk // group_topk`` experts, transformers (and DeepSeek) by its top 2.
 - ``scoring_func`` other than sigmoid and ``topk_method`` other than noaux_tc: transformers' class routes that way
-  whatever they say, vLLM by what they say (its default is softmax without the bias); the released configs hold
-  sigmoid / noaux_tc.
-- ``num_key_value_heads`` other than ``num_attention_heads`` (MLA has no grouped keys), ``attention_bias``,
-  multi-token-prediction layers (``num_nextn_predict_layers`` > 0, as verl) and HF's own load-balancing loss.
+  whatever they say, vLLM by what they say (its default is softmax without the bias). The released configs hold
+  sigmoid / noaux_tc; a config transformers wrote (``DeepseekV3Config`` has neither field) means what transformers
+  computes, and vLLM and the HF export are told so explicitly (``implicit_fields``).
+- ``num_key_value_heads`` other than ``num_attention_heads`` (MLA has no grouped keys), ``attention_bias`` and HF's
+  own load-balancing loss.
+
+Taken with a note: multi-token-prediction layers (``num_nextn_predict_layers`` > 0, as DeepSeek-V3 ships one). The
+policy is the main layers, as transformers' class and vLLM without speculative decoding run it (both skip the MTP
+layer's weights, ``model.layers.{num_hidden_layers}.*``); the MTP layer is neither trained nor synced (verl trains it
+only in its MTP trainer, whose keys meshrl refuses), and an HF export holds none (its config says 0).
 
 Not refused, said here: the latent norms (``q_a_layernorm``, ``kv_a_layernorm``) normalise with ``rms_norm_eps`` in
 megatron (``layernorm_epsilon``, as verl builds them) and in vLLM, but with 1e-6 in transformers' class and
@@ -80,6 +86,27 @@ def deepseek_v3_fields(hf_config) -> dict:
         v_head_dim=hf_config.v_head_dim, yarn=yarn_values(hf_config))
 
 
+# What transformers' DeepseekV3 computes whatever the config says, and vLLM only when it says so (module docstring).
+ROUTING = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def implicit_fields(hf_config) -> dict:
+    """The routing fields the config leaves out, as transformers computes them; and no MTP layers in an export."""
+    fields = {key: value for key, value in ROUTING.items() if getattr(hf_config, key, None) is None}
+    if getattr(hf_config, "num_nextn_predict_layers", None):
+        fields["num_nextn_predict_layers"] = 0
+    return fields
+
+
+def config_notes(hf_config) -> list[str]:
+    layers = getattr(hf_config, "num_nextn_predict_layers", None)
+    if not layers:
+        return []
+    return [f"num_nextn_predict_layers={layers}: the checkpoint's multi-token-prediction layer(s) are neither trained "
+            f"nor synced; the policy is its {hf_config.num_hidden_layers} main layers, as transformers and vLLM "
+            "without speculative decoding run it (verl trains MTP only in its MTP trainer); an HF export holds none"]
+
+
 def _grouping_supported(topk_group, c) -> bool:
     groups = c.n_group or 1
     if c.n_routed_experts % groups:
@@ -103,19 +130,18 @@ FAMILY = Family(
                 "megatron's group-limited routing scores a group by its top num_experts_per_tok // topk_group "
                 "experts, transformers' by its top 2 (and n_group must divide n_routed_experts); only configs where "
                 "both agree (num_experts_per_tok // topk_group == 2, or topk_group >= n_group) are implemented"),
-        Refusal("scoring_func", lambda v, c: v == "sigmoid",
+        Refusal("scoring_func", lambda v, c: v in (None, "sigmoid"),
                 "transformers' DeepseekV3 scores experts with a sigmoid whatever this says, vLLM by this field "
                 "(default softmax); set scoring_func: sigmoid in config.json, as the released models have"),
-        Refusal("topk_method", lambda v, c: v == "noaux_tc",
+        Refusal("topk_method", lambda v, c: v in (None, "noaux_tc"),
                 "transformers' DeepseekV3 adds e_score_correction_bias before the top-k whatever this says, vLLM only "
                 "with noaux_tc; set topk_method: noaux_tc in config.json, as the released models have"),
         Refusal("num_key_value_heads", lambda v, c: v in (None, c.num_attention_heads),
                 "multi-latent attention has one key/value per query head; set it to num_attention_heads"),
         Refusal("attention_bias", lambda v, c: not v, "DeepSeek-V3 with attention biases is not implemented"),
-        Refusal("num_nextn_predict_layers", lambda v, c: not v,
-                "multi-token-prediction layers are not trained (as in verl); set num_nextn_predict_layers to 0 in "
-                "config.json"),
     ),
+    implicit_fields=implicit_fields,
+    config_notes=config_notes,
     lifts=("rope_type",),
     spec_fields=deepseek_v3_fields,
     # kv_lora_rank 512 / qk_rope_head_dim 64: the only latent vLLM's CPU MLA kernel serves (576 = 512 + 64).
