@@ -121,11 +121,29 @@ def use_run_temp_dir() -> Path:
 
 
 def prune_run_temp_dirs(base: Path) -> list[Path]:
-    """Remove the run temporary folders under ``base`` whose driver is dead; the removed paths."""
+    """Remove the run temporary folders under ``base`` whose driver is dead, after stopping the processes that run
+    left (``stop_leftovers``); the removed paths."""
     stale = []
     for folder in base.glob(f"{RUN_TEMP_PREFIX}*"):
         pid = folder.name[len(RUN_TEMP_PREFIX):].split("-", 1)[0]
         if folder.is_dir() and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            stop_leftovers(folder)
             shutil.rmtree(folder, ignore_errors=True)
             stale.append(folder)
     return stale
+
+
+def stop_leftovers(folder: Path) -> list[int]:
+    """Kill the processes whose ``TMPDIR`` is the run temporary folder ``folder`` of a dead driver: that run's
+    leftovers (every process a run starts inherits its folder). After a ``kill -9`` of the driver, Ray's dashboard and
+    runtime-env agents first report their raylet's death to the GCS, dead too, and wait up to 60 s for it
+    (``ray._private.utils.publish_error_to_driver``) before they exit. Returns the pids killed."""
+    killed = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("TMPDIR") == str(folder):
+                proc.kill()
+                killed.append(proc.pid)
+        except (psutil.Error, OSError):  # gone, or another user's
+            continue
+    return killed

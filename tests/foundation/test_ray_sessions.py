@@ -41,3 +41,26 @@ def test_a_process_makes_one_run_temp_dir_however_often_it_asks(monkeypatch, tmp
     first = runtime.use_run_temp_dir()
     assert first.parent == tmp_path and first.name.startswith(f"meshrl-run-{subprocess.os.getpid()}-")
     assert runtime.use_run_temp_dir() == first and tempfile.gettempdir() == str(first)
+
+
+def test_a_dead_drivers_leftover_processes_are_stopped_with_its_folder(tmp_path):
+    """After ``kill -9`` of a driver, Ray's agents linger up to 60 s on its dead GCS: the next run's start kills the
+    processes that inherited the dead run's folder as TMPDIR, then removes the folder; a live run's stay."""
+    import os
+
+    from meshrl.runtime import RUN_TEMP_PREFIX, prune_run_temp_dirs
+
+    dead, live = tmp_path / f"{RUN_TEMP_PREFIX}{_dead_pid()}-x", tmp_path / f"{RUN_TEMP_PREFIX}{os.getpid()}-y"
+    sleepers = {}
+    for folder in (dead, live):
+        folder.mkdir()
+        sleepers[folder] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                            env={**os.environ, "TMPDIR": str(folder)})
+    try:
+        assert prune_run_temp_dirs(tmp_path) == [dead]
+        assert sleepers[dead].wait(timeout=10) != 0  # killed
+        assert sleepers[live].poll() is None and live.is_dir() and not dead.exists()
+    finally:
+        for process in sleepers.values():
+            process.kill()
+            process.wait()
