@@ -284,13 +284,6 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be >= 0 (0: no LoRA adapters), got {self.max_lora_rank}")
         if self.max_lora_rank and self.name != "vllm":
             raise ValueError(f"rollout.name={self.name} has no LoRA adapter path: send it merged weights")
-        if self.expert_parallel_size not in (1, self.tensor_model_parallel_size):
-            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1 or equal to tensor_model_"
-                             f"parallel_size={self.tensor_model_parallel_size} (verl's rule: expert parallelism = TP x "
-                             "data parallelism, and each engine replica here is one data-parallel rank)")
-        if self.expert_parallel_size > 1 and self.name != "vllm":
-            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} needs the vLLM engine: "
-                             f"rollout.name={self.name} has no expert parallelism; leave it at 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -298,7 +291,8 @@ class EngineConfig:
         object.__setattr__(self, "vllm_kwargs", {key: value for key, value in plain_values(self.vllm_kwargs).items()
                                                  if value is not None})
         problems = [f"rollout.{line}" for line in load_format_problems(self.load_format)
-                    + vllm_kwargs_problems(self.name, self.vllm_kwargs)]
+                    + vllm_kwargs_problems(self.name, self.vllm_kwargs)
+                    + expert_parallel_problems(self.name, self.tensor_model_parallel_size, self.expert_parallel_size)]
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -591,6 +585,18 @@ def load_format_problems(load_format: str) -> list[str]:
     return [f"load_format: '{load_format}' is not one meshrl's engines load: {', '.join(CHECKPOINT_LOAD_FORMATS)} "
             f"read the model folder, {', '.join(DUMMY_LOAD_FORMATS)} start from random weights that the first "
             "weight sync replaces"]
+
+
+def expert_parallel_problems(engine: str, tensor_parallel: int, expert_parallel: int) -> list[str]:
+    """``expert_parallel_size: why`` when the engine cannot split its experts so (``EngineConfig``'s rule)."""
+    if expert_parallel not in (1, tensor_parallel):
+        return [f"expert_parallel_size: expert_parallel_size={expert_parallel} must be 1 or equal to "
+                f"tensor_model_parallel_size={tensor_parallel} (verl's rule: expert parallelism = TP x data "
+                "parallelism, and each engine replica here is one data-parallel rank)"]
+    if expert_parallel > 1 and engine != "vllm":
+        return [f"expert_parallel_size: expert_parallel_size={expert_parallel} needs the vLLM engine: "
+                f"rollout.name={engine} has no expert parallelism; leave it at 1"]
+    return []
 
 
 def vllm_kwargs_problems(engine: str, kwargs: Mapping[str, Any]) -> list[str]:

@@ -14,7 +14,8 @@ import os
 from typing import Any
 
 from meshrl.rollout.base import (ENGINE_NAMES, EngineConfig, EngineUnavailableError, RolloutEngine,
-                                 load_format_problems, plain_values, section_getter, vllm_kwargs_problems)
+                                 expert_parallel_problems, load_format_problems, plain_values, section_getter,
+                                 vllm_kwargs_problems)
 
 # rollout.name (one of base.ENGINE_NAMES) -> (module, class, the package it needs or None)
 ENGINES = {
@@ -65,16 +66,6 @@ def unsupported_rollout_features(rollout: Any) -> list[str]:
                                       get("expert_parallel_size", 1))
     lines += multi_turn_problems(get("multi_turn") or {})
     return [f"actor_rollout_ref.rollout.{line}" for line in lines]
-
-
-def expert_parallel_problems(name: str, tensor_parallel: int, expert_parallel: int) -> list[str]:
-    """``expert_parallel_size: why`` when the engine cannot split its experts so (``EngineConfig``'s rule)."""
-    try:
-        EngineConfig(name=name, tensor_model_parallel_size=tensor_parallel, expert_parallel_size=expert_parallel)
-    except ValueError as error:
-        if str(error).startswith("expert_parallel_size"):
-            return [f"expert_parallel_size: {error}"]
-    return []
 
 
 def multi_turn_problems(multi_turn: Any) -> list[str]:

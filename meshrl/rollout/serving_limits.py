@@ -98,3 +98,12 @@ def vllm_cpu_mla_dtype_problem(hf_config, dtype: str) -> str | None:
             "AMX kernel, which takes 16-bit weights only, so an fp32 engine (rollout.dtype=auto on CPU) cannot start: "
             "set actor_rollout_ref.rollout.dtype=bfloat16 (the engine's log-probs then carry bf16 rounding against an "
             "fp32 trainer), or roll out on a CPU without AMX or a GPU")
+
+
+def vllm_cpu_problems(hf_config, dtype: str, expert_parallel_size: int) -> list[str]:
+    """``key: why`` (keys of the rollout section) for what vLLM on this CPU cannot serve: the MLA latent width, an
+    fp32 MLA engine on an AMX CPU, expert parallelism. Checked by preflight on ``trainer.device=cpu`` and by the
+    engine's start on a CPU (``device=auto``)."""
+    return [f"{key}: {problem}" for key, problem in (
+        ("name", vllm_cpu_mla_problem(hf_config)), ("dtype", vllm_cpu_mla_dtype_problem(hf_config, dtype)),
+        ("expert_parallel_size", vllm_cpu_expert_parallel_problem(expert_parallel_size))) if problem]

