@@ -174,19 +174,27 @@ def driver_output(log_dir: Path, *, verbose: bool) -> Iterator[Path | None]:
 
 def route_worker_output(log_dir: Path, name: str) -> Path:
     """Send everything this worker process writes to ``log_dir/name`` from now on (module docstring); returns
-    the file's path. For the whole process: call it once, first thing in a dedicated worker process.
+    the file's path. For the whole process: first thing in a dedicated worker process; called again (a worker
+    kept for another run: ``meshrl.workers.pool``), it points the output at the new file and nothing else changes.
 
     The process's stdout and stderr file descriptors are pointed at the file (library output, C++ warnings,
     child processes such as an engine's); the console's lines go to the stderr the process had before, which
     Ray forwards to the driver.
     """
+    global _worker_console
     path = log_dir / name
     file = _open_log(path, path.stem)
     sys.stdout.flush()
     sys.stderr.flush()
-    console = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8")
+    first = _worker_console is None
+    if first:
+        _worker_console = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8")
     os.dup2(file.fileno(), 1)
     os.dup2(file.fileno(), 2)
     file.close()  # descriptors 1 and 2 keep the file open
-    _route(console, sys.stderr)
+    if first:
+        _route(_worker_console, sys.stderr)
     return path
+
+
+_worker_console: TextIO | None = None  # the stderr a routed worker process had first: its console

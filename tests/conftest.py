@@ -40,12 +40,22 @@ def ray_session():
     (``meshrl.trainer.main.run`` uses a Ray its caller started and leaves it running; a run's ``runtime_env``
     reaches its workers through their actor options either way): saves Ray's start and stop per module, ~5-10 s
     each on 2 cores. Eight logical CPUs: more than any test run places (2 ranks x policy, critic and reward
-    model)."""
+    model).
+
+    The runs' worker processes are kept between them (``meshrl.workers.pool.keep_workers``, as a notebook running
+    several trainings would): a run of a shape an earlier one had (role, ranks, environment) takes its released
+    workers instead of starting processes and importing torch, Megatron and vLLM again. Yields the pool."""
     import ray
 
     from meshrl.config import load_config
     from meshrl.workers.cluster import start_ray
+    from meshrl.workers.pool import keep_workers
 
     start_ray(load_config(["trainer.n_gpus_per_node=1", "trainer.nnodes=1", "ray_kwargs.ray_init.num_cpus=8"]))
-    yield
+    with keep_workers(max_idle=KEPT_WORKERS) as pool:
+        yield pool
     ray.shutdown()
+
+
+# Idle worker processes the shared Ray session keeps (~1 GiB each); a run needs at most six of its eight CPUs.
+KEPT_WORKERS = 2

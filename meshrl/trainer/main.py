@@ -187,6 +187,7 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
     curves = None  # the closing plot, drawn on a thread while the workers (and a Ray this run started) shut down
     sandbox = contextlib.ExitStack()  # the local code sandbox and the judge's server, when this run starts them
     failure = None
+    finished = False  # the run returned normally: its groups may be kept for the next (meshrl.workers.pool)
     # Installed after ray.init, which sets a SIGTERM handler of its own.
     with Interrupts(cfg.trainer.save_on_preempt) as interrupts:
         try:
@@ -212,6 +213,7 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
                 drawing = ThreadPoolExecutor(1, thread_name_prefix="meshrl-plot")
                 curves = drawing.submit(plot_finished_run, run_dir)
                 drawing.shutdown(wait=False)  # the thread still draws; the line is printed below, once it is done
+                finished = True
                 return final
         except KeyboardInterrupt:
             pass  # the workers stop below; then the line that says where the run stopped
@@ -224,7 +226,7 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
             sandbox.close()
             for group in (policy, critic, reward_model):
                 if group is not None:
-                    group.shutdown()
+                    group.shutdown(keep=finished and not owns_ray)  # a Ray this run stops takes them
             if owns_ray:
                 ray.shutdown()
             # Shared-memory names of engines whose worker was killed while they started (their pid is dead).

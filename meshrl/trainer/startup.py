@@ -34,6 +34,7 @@ class StartupClock:
         self.groups: dict[str, float] = {}
         # a group's phases inside its start, by group: {"actor_rollout_ref": {"imports": 7.1, ...}}
         self.inside: dict[str, dict[str, float]] = {}
+        self.kept: set[str] = set()  # groups an earlier run of the process left running (meshrl.workers.pool)
         if origin_age_s:  # the interpreter and the imports before the clock existed
             self.phases["python"] = origin_age_s
 
@@ -46,11 +47,13 @@ class StartupClock:
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.monotonic() - started
 
-    def group_started(self, group: str, seconds: float, inner: dict[str, float]) -> None:
+    def group_started(self, group: str, seconds: float, inner: dict[str, float], kept: bool = False) -> None:
         """``group`` took ``seconds`` to start (beside the other groups, within the ``workers`` phase); ``inner``: the
         phases its rank 0 reported from inside that start, the rest of which is ``start``: placing the workers,
-        starting their processes, importing the role."""
+        starting their processes, importing the role; ``kept``: its processes were an earlier run's."""
         self.groups[group] = seconds
+        if kept:
+            self.kept.add(group)
         if inner:
             self.inside[group] = {"start": max(0.0, seconds - sum(inner.values())), **inner}
 
@@ -66,7 +69,8 @@ class StartupClock:
 
     def _group_text(self, group: str) -> str:
         inner = self.inside.get(group, {})
-        return f"{group} {self.groups[group]:.1f}" + (": " + ", ".join(f"{k} {v:.1f}" for k, v in inner.items())
+        label = f"{group} (kept workers)" if group in self.kept else group
+        return f"{label} {self.groups[group]:.1f}" + (": " + ", ".join(f"{k} {v:.1f}" for k, v in inner.items())
                                                       if inner else "")
 
     def metrics(self) -> dict[str, float]:

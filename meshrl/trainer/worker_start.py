@@ -47,7 +47,7 @@ def start_workers(cfg, plan, model_dir, clock: StartupClock) -> tuple[Any, Any, 
                 group.shutdown()
             raise
     for name, group in groups.items():
-        clock.group_started(name, seconds[name], group.startup)
+        clock.group_started(name, seconds[name], group.startup, kept=group.kept)
     return policy, groups.get("critic"), groups.get("reward_model")
 
 

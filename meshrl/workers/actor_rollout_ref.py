@@ -532,6 +532,17 @@ class ActorRolloutRefWorker(RankWorker):
     def shutdown_engine(self) -> None:
         self.engine.shutdown()
 
+    def _release_role(self) -> bool:
+        """The engine shut down and the rollouter's thread ended; not with a generation in flight, nor a multi-turn
+        agent loop (its tools' and interactions' threads and clients are the tools' own)."""
+        if self._background is not None or getattr(self, "agent_loop", None) is not None:
+            return False
+        if self._generation_thread is not None:
+            self._generation_thread.shutdown(wait=True)
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()
+        return True
+
 
 class ActorRolloutRefGroup(DispatchGroup):
     """Driver-side handle: the calls of ``RLTrainer.train_step`` on the policy workers."""

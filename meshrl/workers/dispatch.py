@@ -27,6 +27,7 @@ from meshrl.config.validate import world_size
 from meshrl.data.dynamic_batching import balance_batch
 from meshrl.process_memory import allocator_environment
 from meshrl.protocol import Batch
+from meshrl.workers.pool import PoolKey, active_pool
 from meshrl.workers.sequences import sequence_lengths
 
 
@@ -101,18 +102,30 @@ class DispatchGroup:
         groups_per_device = groups_per_rank(plan)
         # The run's runtime_env in the actors' own options: it then applies in a Ray this run did not start too.
         run_env = worker_runtime_env(cfg)
-        self.group = WorkerGroup(
-            worker_cls, world, name=worker_cls.SECTION, num_cpus_per_worker=1,
-            num_gpus_per_worker=1 / groups_per_device if cuda else 0,
-            timeout_s=cfg.trainer.worker_timeout_s,
-            env_vars={"OMP_NUM_THREADS": str(threads), "MESHRL_THREADS": str(threads), **allocator_environment(),
-                      **{k: v for k, v in os.environ.items() if k.startswith(("MESHRL_", "VLLM_", "TORCHDYNAMO"))},
-                      **run_env.get("env_vars", {})},
-            py_executable=run_env.get("py_executable"),
-            init_kwargs={"section": OmegaConf.to_container(cfg[worker_cls.SECTION], resolve=True),
-                         "model_dir": str(model_dir), "plan": plan},
-        )
+        env_vars = {"OMP_NUM_THREADS": str(threads), "MESHRL_THREADS": str(threads), **allocator_environment(),
+                    **{k: v for k, v in os.environ.items() if k.startswith(("MESHRL_", "VLLM_", "TORCHDYNAMO"))},
+                    **run_env.get("env_vars", {})}
+        num_gpus = 1 / groups_per_device if cuda else 0
+        init_kwargs = {"section": OmegaConf.to_container(cfg[worker_cls.SECTION], resolve=True),
+                       "model_dir": str(model_dir), "plan": plan}
+        self._pool_key = PoolKey(f"{worker_cls.__module__}.{worker_cls.__qualname__}", world, 1, num_gpus,
+                                 tuple(sorted(env_vars.items())), run_env.get("py_executable"),
+                                 not plan.workers.verbose)
+        pool = active_pool()
+        kept = pool.take(self._pool_key) if pool is not None else None
+        if kept is not None:  # a group an earlier run of this process released (meshrl.workers.pool)
+            self.group = kept
+            kept.timeout_s = cfg.trainer.worker_timeout_s
+        else:
+            self.group = WorkerGroup(
+                worker_cls, world, name=worker_cls.SECTION, num_cpus_per_worker=1, num_gpus_per_worker=num_gpus,
+                timeout_s=cfg.trainer.worker_timeout_s, env_vars=env_vars,
+                py_executable=run_env.get("py_executable"), init_kwargs=init_kwargs,
+                make_room=pool.close if pool is not None else None)
+        self.kept = kept is not None
         try:
+            if self.kept:
+                self.group.call("rebind", **init_kwargs)
             address = ray.get(self.group.workers[0].address.remote(), timeout=cfg.trainer.worker_timeout_s)
             self.layouts: list[dict[str, Any]] = self.group.call("setup", address, **(setup_kwargs or {}))
         except BaseException:
@@ -166,5 +179,18 @@ class DispatchGroup:
         """Argument tuples for ``call_per_rank``: each rank gets its replica's entry."""
         return [(shards_by_dp[lay["dp_rank"]],) for lay in self.layouts]
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep: bool = False) -> None:
+        """Kill the workers; with ``keep`` (a run that ended normally) inside ``meshrl.workers.pool.keep_workers``,
+        release them into the pool instead when every rank can be (``RankWorker.release``)."""
+        from meshrl.workers.group import WorkerError
+
+        pool = active_pool()
+        if keep and pool is not None:
+            try:
+                released = all(self.group.call("release"))
+            except WorkerError:  # the group killed its workers
+                released = False
+            if released:
+                pool.give(self._pool_key, self.group)
+                return
         self.group.shutdown()

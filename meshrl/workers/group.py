@@ -15,12 +15,14 @@ Contract:
   large arguments should be ``ray.put`` once and passed as object refs, so TP ranks that need the
   same shard share one copy.
 - ``shutdown()`` kills every actor of the group and releases its placement group.
+- ``make_room``: called once when the group is not placed within ``PLACEMENT_GRACE_S`` (the worker pool's idle
+  groups then go), before the rest of ``timeout_s``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -32,6 +34,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 # errors can reach the driver before Ray reports the death itself: after a rank raises, the others get
 # this long to report, so that the message names the rank that died rather than a peer that saw it go.
 DEATH_REPORT_GRACE_S = 2.0
+# A group that cannot be placed within this long while ``make_room`` is given calls it (free placement normally
+# takes well under 0.1 s), then waits the rest of its timeout.
+PLACEMENT_GRACE_S = 2.0
 
 
 class WorkerError(RuntimeError):
@@ -51,6 +56,7 @@ class WorkerGroup:
         env_vars: dict[str, str] | None = None,
         py_executable: str | None = None,
         init_kwargs: dict[str, Any] | None = None,
+        make_room: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self.world_size = world_size
@@ -60,8 +66,15 @@ class WorkerGroup:
         if num_gpus_per_worker:
             bundle["GPU"] = num_gpus_per_worker
         self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        waited = 0.0
+        if make_room is not None:  # idle kept workers may hold the resources (meshrl.workers.pool)
+            try:
+                ray.get(self._pg.ready(), timeout=min(PLACEMENT_GRACE_S, timeout_s))
+            except GetTimeoutError:
+                make_room()
+                waited = PLACEMENT_GRACE_S
         try:
-            ray.get(self._pg.ready(), timeout=timeout_s)
+            ray.get(self._pg.ready(), timeout=max(0.0, timeout_s - waited))
         except GetTimeoutError:
             remove_placement_group(self._pg)
             raise WorkerError(

@@ -13,6 +13,7 @@ unless ``trainer.verbose``.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -24,7 +25,7 @@ from omegaconf import OmegaConf
 
 from meshrl.config.run_plan import RunPlan
 from meshrl.logs import logs_dir, route_worker_output, worker_log_name
-from meshrl.process_memory import limit_heap_growth
+from meshrl.process_memory import limit_heap_growth, trim_heap
 from meshrl.runtime import configure_environment
 
 
@@ -48,14 +49,46 @@ class RankWorker:
     def __init__(self, rank: int, world_size: int, section: dict, model_dir: str, plan: RunPlan) -> None:
         configure_environment()
         limit_heap_growth()  # before any model is allocated: freed activations go back to the system
-        if not plan.workers.verbose and _in_ray_actor():
-            # Before the rank imports its libraries (in setup): their output goes to the run's logs folder.
-            route_worker_output(logs_dir(plan.workers.run_dir), worker_log_name(type(self).__name__, rank))
         self.rank = rank
         self.world_size = world_size
+        self.rebind(section, model_dir, plan)
+
+    def rebind(self, section: dict, model_dir: str, plan: RunPlan) -> None:
+        """Take a run's arguments: at the start, and in a process kept from an earlier run (``release``, then
+        ``meshrl.workers.pool``) before that run's ``setup``."""
+        if not plan.workers.verbose and _in_ray_actor():
+            # Before the rank imports its libraries (in setup): their output goes to the run's logs folder.
+            route_worker_output(logs_dir(plan.workers.run_dir), worker_log_name(type(self).__name__, self.rank))
         self.section = OmegaConf.create(section)  # plain containers travel to Ray actors
         self.model_dir = model_dir
         self.plan = plan  # the run's decisions (roles, widths, micro-batching), made once by the driver
+
+    def release(self) -> bool:
+        """Drop everything the run built, for a later run of the same shape in this process (``meshrl.workers.pool``):
+        the role's own parts (``_release_role``), every attribute but the rank's place, Megatron's parallel state
+        and the process group; the freed memory goes back to the system. False (nothing dropped) when the role
+        holds what it cannot reset: the pool then kills the process."""
+        if not self._release_role():
+            return False
+        for name in [n for n in vars(self) if n not in ("rank", "world_size")]:
+            delattr(self, name)
+        import torch
+        import torch.distributed as dist
+
+        from meshrl.parallel import state
+
+        state.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        trim_heap()
+        if torch.cuda.is_available():  # the next run's engine sizes its cache on the device's free memory
+            torch.cuda.empty_cache()
+        return True
+
+    def _release_role(self) -> bool:
+        """Stop what the role started beside its models (an engine, threads); False if it cannot."""
+        return True
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for the rendezvous (called on rank 0)."""

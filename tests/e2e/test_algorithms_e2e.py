@@ -159,3 +159,31 @@ def test_on_policy_step_skips_the_old_log_prob_pass(train, tmp_path):
     # the update's forward pass is the policy before the step: the step-1 invariants hold on it too
     assert skip["actor/ref_log_prob_max_abs_diff"] == 0.0
     assert skip["rollout/log_prob_max_abs_diff"] == pytest.approx(full["rollout/log_prob_max_abs_diff"], abs=1e-6)
+
+
+def test_a_kept_worker_trains_as_a_fresh_one_and_starts_in_a_fraction_of_its_time(train, tmp_path):
+    """``meshrl.workers.pool.keep_workers``: a run of the shape of one that ended takes its released policy worker
+    (no new process); its step is the fresh worker's to the last bit (the release left nothing behind: weights,
+    optimizer, engine, RNG, process groups), its start a fraction of the fresh one's. A failed run's workers are
+    not kept."""
+    from meshrl.workers.pool import keep_workers
+
+    common = [*ONE_MINI_BATCH, *CASES["grpo"], "trainer.total_training_steps=1", "trainer.val_before_train=False",
+              "trainer.test_freq=-1"]
+    with keep_workers(max_idle=1) as pool:  # empty: the first run starts its own processes
+        _, fresh = train(*common, run_dir=tmp_path / "fresh")
+        assert pool.idle_processes() == 1 and pool.taken == 0
+        _, kept = train(*common, run_dir=tmp_path / "kept")
+        assert pool.taken == 1 and pool.idle_processes() == 1
+        # a run that fails once its workers are up (every reward call raises) kills the workers it took
+        failing = tmp_path / "failing_reward.py"
+        failing.write_text("def compute_score(*args, **kwargs):\n    raise ValueError('no score')\n")
+        with pytest.raises(Exception, match="no score"):
+            train(*common, f"custom_reward_function.path={failing}", "reward_model.max_failed_batches=1",
+                  run_dir=tmp_path / "failed")
+        assert pool.taken == 2 and pool.idle_processes() == 0
+    compared = sorted(k for k in fresh[1] if not k.startswith(("timing/", "perf/", "startup/", "time/"))
+                      and not k.endswith(("seconds", "_s")))
+    assert {"actor/pg_loss", "actor/grad_norm", "score/mean", "rollout/log_prob_max_abs_diff"} <= set(compared)
+    assert [k for k in compared if kept[1][k] != fresh[1][k]] == []
+    assert kept[1]["startup/workers_s"] < fresh[1]["startup/workers_s"] / 2

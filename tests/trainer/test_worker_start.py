@@ -32,6 +32,7 @@ def fake_group(events: Events, name: str, fail: bool = False, seconds: float = 0
                 events.log.append(f"{name} failed")
                 raise RuntimeError(f"{name} rank 0 failed in setup")
             self.startup = {"models": 0.01}
+            self.kept = name == "critic"  # as if an earlier run's (meshrl.workers.pool)
             events.log.append(f"{name} up")
 
         def start_engine(self) -> None:
@@ -77,6 +78,7 @@ def test_the_groups_start_together_and_the_engines_after_every_model(monkeypatch
     assert {"critic up", "reward_model up"} <= set(events.log[:-1])  # the engine waited for their models
     assert list(clock.groups) == ["actor_rollout_ref", "critic", "reward_model"] and "workers" in clock.phases
     assert clock.inside["actor_rollout_ref"]["engine"] == 0.02 and critic is not None and reward_model is not None
+    assert "critic (kept workers) " in clock.line() and "reward_model (kept" not in clock.line()
 
 
 def test_a_failed_group_fails_the_start_at_once_and_every_other_group_is_shut_down(monkeypatch, cfg, plan):
