@@ -14,6 +14,7 @@ it first. It only sets variables the user has not set, so a user's choice always
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
@@ -137,13 +138,31 @@ def stop_leftovers(folder: Path) -> list[int]:
     """Kill the processes whose ``TMPDIR`` is the run temporary folder ``folder`` of a dead driver: that run's
     leftovers (every process a run starts inherits its folder). After a ``kill -9`` of the driver, Ray's dashboard and
     runtime-env agents first report their raylet's death to the GCS, dead too, and wait up to 60 s for it
-    (``ray._private.utils.publish_error_to_driver``) before they exit. Returns the pids killed."""
-    killed = []
+    (``ray._private.utils.publish_error_to_driver``) before they exit; a worker still saving a checkpoint forks
+    megatron's writers, which, orphaned, wait forever on their dead parent's queue. So every such process is first
+    stopped (SIGSTOP: it can fork no more) and the processes are looked for again until no new one appears; then all
+    are killed. Returns the pids killed."""
+    stopped: dict[int, psutil.Process] = {}
+    while True:
+        found = [proc for proc in _processes_with_tmpdir(folder) if proc.pid not in stopped]
+        if not found:
+            break
+        for proc in found:
+            with contextlib.suppress(psutil.Error):
+                proc.suspend()
+                stopped[proc.pid] = proc
+    for proc in stopped.values():
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return sorted(stopped)
+
+
+def _processes_with_tmpdir(folder: Path) -> list[psutil.Process]:
+    found = []
     for proc in psutil.process_iter():
         try:
             if proc.environ().get("TMPDIR") == str(folder):
-                proc.kill()
-                killed.append(proc.pid)
+                found.append(proc)
         except (psutil.Error, OSError):  # gone, or another user's
             continue
-    return killed
+    return found

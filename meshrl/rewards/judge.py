@@ -172,11 +172,14 @@ def serve_judge(server: JudgeServer, log_file: Path, start_timeout_s: float = ST
                 say: Callable[[str], None] = print, port: int = 0) -> Iterator[str]:
     """Start the judge's server (its output in ``log_file``; on ``port``, 0: a free one), yield its ``host:port`` once ``/health`` answers,
     and stop it on leaving, whatever ends the block: SIGTERM, then SIGKILL of its whole process group (vLLM's
-    engine processes) after 30 s, so nothing is left behind. A server that exits or stays silent past
+    engine processes) after 30 s, then the message queues' shared memory vLLM's force-killed processes left, so
+    nothing is left behind. A server that exits or stays silent past
     ``start_timeout_s`` raises ``RuntimeError`` naming its log."""
+    from meshrl.rollout.vllm_shm import remove_orphaned_message_queues, shm_names
     from meshrl.runtime import configure_environment
 
     configure_environment()
+    before = shm_names()
     port = port or _free_port()
     address = f"127.0.0.1:{port}"
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -198,6 +201,8 @@ def serve_judge(server: JudgeServer, log_file: Path, start_timeout_s: float = ST
         yield address
     finally:
         stop_process_group(proc)
+        # vLLM's server force-kills its engine core and worker on the way out (CPU): their message queues stay
+        remove_orphaned_message_queues(shm_names() - before)
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:

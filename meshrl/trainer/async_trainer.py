@@ -59,6 +59,7 @@ from meshrl.config.loader import ConfigError
 from meshrl.protocol import Batch
 from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch
 from meshrl.trainer.sample_queue import SampleQueue, staleness_budget
+from meshrl.trainer.stream_groups import StreamGroups
 from meshrl.trainer.tracking import Timer
 from meshrl.workers.actor_rollout_ref import actor_offload
 from meshrl.workers.sequences import POLICY_VERSION
@@ -105,8 +106,7 @@ class AsyncRLTrainer(RLTrainer):
         # verl's partial rollout: a sync stops the rollouter's generation instead of waiting for it (module docstring)
         self.partial = (cfg.trainer.async_mode == "fully_async" and bool(cfg.async_training.partial_rollout)
                         and self.overlap and cfg.actor_rollout_ref.rollout.name == "vllm")
-        self.groups: dict[int, tuple[int, int]] = {}  # partial rollout: stream key -> (dataset row, replica)
-        self.next_key = 0
+        self.streams = StreamGroups(self.policy.num_replicas)  # partial rollout: the groups on the workers' streams
         # what gives the (dataset row, rows) of the generation in flight: collect(stop), stop=True at a sync
         self._in_flight: Callable[[bool], list[tuple[int, Batch]]] | None = None
         self._fresh = True  # every trajectory of the step's batch came from the weights the trainer evaluates
@@ -172,7 +172,7 @@ class AsyncRLTrainer(RLTrainer):
         if self.partial:
             if indices:
                 self.submit(indices)
-            if not self.groups:
+            if not self.streams:
                 return None
             self.policy.stream_start(self.queue.rollout_version)
             return lambda stop: self.take(self.policy.stream_finish(stop))
@@ -202,21 +202,12 @@ class AsyncRLTrainer(RLTrainer):
     def submit(self, rows: list[int]) -> None:
         """Partial rollout: one group per dataset row on the workers' streams, in consecutive equal shares per
         inference replica (as ``generate`` splits a batch)."""
-        replicas = self.policy.num_replicas
-        keys: list[list[int]] = [[] for _ in range(replicas)]
-        chosen: list[list[int]] = [[] for _ in range(replicas)]
-        for position, row in enumerate(rows):
-            replica = position * replicas // len(rows)
-            self.groups[self.next_key] = (row, replica)
-            keys[replica].append(self.next_key)
-            chosen[replica].append(row)
-            self.next_key += 1
-        self.policy.stream_submit([self.worker_prompts(prompts_batch(self.train_data, r, raw_chat=self.raw_chat))
-                                   for r in chosen], keys)
+        keys, chosen = self.streams.add(rows, self.step)
+        self.policy.stream_submit([self.prompts_of(r) for r in chosen], keys)
 
     def take(self, finished: list[list[int]]) -> list[tuple[int, Batch]]:
         """Partial rollout: the finished groups (keys per replica), taken off the streams, as (dataset row, rows)."""
-        rows = [[self.groups.pop(key)[0] for key in keys] for keys in finished]
+        rows = self.streams.pop(finished)
         prompts = [prompts_batch(self.train_data, r, raw_chat=self.raw_chat) for r in rows]
         parts = self.policy.stream_take([self.worker_prompts(p) for p in prompts], finished)
         taken = []

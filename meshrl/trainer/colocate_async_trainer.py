@@ -38,6 +38,7 @@ from meshrl.config.loader import ConfigError
 from meshrl.protocol import Batch
 from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch
 from meshrl.trainer.sample_queue import trajectory_span, trajectory_version_metrics
+from meshrl.trainer.stream_groups import StreamGroups
 from meshrl.trainer.tracking import Timer
 from meshrl.workers.sequences import POLICY_VERSION
 
@@ -58,8 +59,7 @@ class ColocateAsyncTrainer(RLTrainer):
             raise ConfigError(f"data.train_batch_size={self.batch_size} prompt groups must split evenly over the "
                               f"{self.replicas} inference replicas, which each generate their share, with "
                               "trainer.v1.trainer_mode=colocate_async", ["data.train_batch_size"])
-        self.groups: dict[int, tuple[int, int, int]] = {}  # key -> (dataset row, tag step, replica); submit order
-        self.next_key = 0
+        self.streams = StreamGroups(self.replicas)  # the groups on the workers' streams, tagged with their step
         self.version = 0  # syncs of the engines' weights since the run's first weights
         self.pending: deque[int] = deque()  # dataset rows given by the sampler, not submitted yet
         self.started = False
@@ -82,7 +82,7 @@ class ColocateAsyncTrainer(RLTrainer):
             spans = [trajectory_span(row) for row in batch[POLICY_VERSION]]
             metrics.update(trajectory_version_metrics(self.version, spans))
             metrics["training/off_policy/evicted_samples"] = float(evicted)
-            metrics["colocate_async/groups_in_flight"] = float(len(self.groups))
+            metrics["colocate_async/groups_in_flight"] = float(len(self.streams))
             self.fresh = all(first == self.version for first, _ in spans)
             batch = self.learn(batch, prompts, timer, metrics)
             if self.step > self.cfg.trainer.critic_warmup:  # the policy was updated
@@ -94,15 +94,7 @@ class ColocateAsyncTrainer(RLTrainer):
     def submit(self, rows: list[int], replicas: list[int] | None = None) -> None:
         """One group per dataset row on the streams, tagged with this step: ``replicas[i]`` holds row i's group
         (default: consecutive equal shares, as the batch's rows are split)."""
-        if replicas is None:
-            replicas = [i * self.replicas // len(rows) for i in range(len(rows))]
-        keys: list[list[int]] = [[] for _ in range(self.replicas)]
-        chosen: list[list[int]] = [[] for _ in range(self.replicas)]
-        for row, replica in zip(rows, replicas):
-            self.groups[self.next_key] = (row, self.step, replica)
-            keys[replica].append(self.next_key)
-            chosen[replica].append(row)
-            self.next_key += 1
+        keys, chosen = self.streams.add(rows, self.step, replicas)
         self.policy.stream_submit([self.prompts_of(r) for r in chosen], keys)
 
     def finished_groups(self) -> tuple[list[list[int]], int]:
@@ -110,17 +102,16 @@ class ColocateAsyncTrainer(RLTrainer):
         dropped (and replaced) meanwhile."""
         share, evicted = self.batch_size // self.replicas, 0
         while True:
-            wait_for = [[key for key, (_, tag, replica) in self.groups.items()
-                         if replica == r and self.age(tag) >= self.threshold] if self.strategy == "wait" else []
-                        for r in range(self.replicas)]
+            wait_for = [[key for key, group in self.streams.groups.items()
+                         if group.replica == r and self.age(group.tag) >= self.threshold]
+                        if self.strategy == "wait" else [] for r in range(self.replicas)]
             finished = self.policy.stream_run([share] * self.replicas, self.version, wait_for)
-            stale = [[key for key in keys if self.age(self.groups[key][1]) > self.threshold] for keys in finished]
+            stale = [[key for key in keys if self.age(self.streams[key].tag) > self.threshold] for keys in finished]
             if self.strategy != "drop" or not any(stale):
                 break
             self.policy.stream_drop(stale)
+            self.streams.pop(stale)
             refill = [key for keys in stale for key in keys]
-            for key in refill:
-                del self.groups[key]
             evicted += len(refill)
             while len(self.pending) < len(refill):
                 self.pending.extend(self.sampler.next_batch())
@@ -130,11 +121,11 @@ class ColocateAsyncTrainer(RLTrainer):
             if len(keys) < share:
                 raise RuntimeError(f"replica {replica}'s stream stopped with {len(keys)} finished groups of the "
                                    f"{share} it owes the step")
-        return [sorted(keys, key=lambda k: (self.groups[k][1], k))[:share] for keys in finished], evicted
+        return [sorted(keys, key=lambda k: (self.streams[k].tag, k))[:share] for keys in finished], evicted
 
     def take(self, keys: list[list[int]]) -> tuple[Batch, Batch]:
         """The groups ``keys`` (per replica) as one batch, replica after replica, and their prompts."""
-        rows = [[self.groups.pop(key)[0] for key in replica_keys] for replica_keys in keys]
+        rows = self.streams.pop(keys)
         parts = self.policy.stream_take([self.prompts_of(r) for r in rows], keys)
         prompts = prompts_batch(self.train_data, [row for replica_rows in rows for row in replica_rows],
                                 raw_chat=self.raw_chat)
@@ -144,10 +135,6 @@ class ColocateAsyncTrainer(RLTrainer):
         if "raw_prompt" in prompts:
             batch.set("raw_prompt", prompts["raw_prompt"][batch["uid"].numpy()])
         return batch, prompts
-
-    def prompts_of(self, rows: list[int]) -> Batch:
-        """The dataset rows' prompts as the workers take them."""
-        return self.worker_prompts(prompts_batch(self.train_data, rows, raw_chat=self.raw_chat))
 
     def age(self, tag: int) -> int:
         """verl's span of a group tagged at step ``tag``, at this step."""
@@ -162,7 +149,7 @@ class ColocateAsyncTrainer(RLTrainer):
     # ------------------------------------------------------------------------------- checkpoints
     def driver_state(self) -> dict[str, Any]:
         state = super().driver_state()
-        state[STATE_KEY] = {"prompts": [row for row, _, _ in self.groups.values()] + list(self.pending),
+        state[STATE_KEY] = {"prompts": [group.row for group in self.streams.groups.values()] + list(self.pending),
                             "version": self.version}
         return state
 

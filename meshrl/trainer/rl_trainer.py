@@ -255,6 +255,10 @@ class RLTrainer:
         interactions read them."""
         return prompts if self.workers_read_chat else prompts.select([k for k in prompts.keys() if k != "raw_prompt"])
 
+    def prompts_of(self, rows: list[int]) -> Batch:
+        """The dataset rows' prompts as the policy workers take them (``worker_prompts``)."""
+        return self.worker_prompts(prompts_batch(self.train_data, rows, raw_chat=self.raw_chat))
+
     def score(self, batch: Batch, prefix: str) -> dict[str, float]:
         """Score the responses and set ``token_level_scores`` (and a function's extra outputs); returns reward
         metrics. The score: the learned reward model's (``reward_model.enable``), or the reward function's that

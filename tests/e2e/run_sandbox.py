@@ -64,6 +64,20 @@ def _held_elsewhere(name: str, sandbox_pids: set[int], mapped: set[int]) -> bool
         return True  # removed meanwhile: not left behind
 
 
+def _describe(process: psutil.Process) -> str:
+    """A leftover process as the failure shows it: its command, and where it came from and waits."""
+    try:
+        with process.oneshot():
+            parent = process.ppid()
+            wchan = Path(f"/proc/{process.pid}/wchan").read_text() if Path(f"/proc/{process.pid}/wchan").exists() else ""
+            return (f"{' '.join(process.cmdline()).strip()[:80]} (pid {process.pid}, parent {parent}"
+                    f"{'' if psutil.pid_exists(parent) else ' gone'}, started {time.time() - process.create_time():.0f} s "
+                    f"ago, TMPDIR {process.environ().get('TMPDIR')}, {process.status()}, waiting in {wchan or '?'}, "
+                    f"{process.num_threads()} threads)")
+    except psutil.Error as error:
+        return f"pid {process.pid}: {error}"
+
+
 @dataclass
 class RunSandbox:
     """One run's ``TMPDIR``, and what was in ``/dev/shm`` before it started."""
@@ -111,8 +125,7 @@ class RunSandbox:
             if not shm or time.monotonic() > settle:
                 break
             time.sleep(0.5)
-        return {"processes": [" ".join(p.cmdline())[:120] for p in alive if p.is_running()],
-                "files": files, "shm": shm}
+        return {"processes": [_describe(p) for p in alive if p.is_running()], "files": files, "shm": shm}
 
     def assert_clean(self, wait_s: float = 30.0) -> None:
         """Nothing left, processes given ``wait_s`` to exit."""

@@ -3,13 +3,16 @@ SmolLM2-135M-Instruct served by vLLM's OpenAI server, started and stopped by the
 function ``recipes/rewards/llm_judge.py``, async, with verl's ``reward_router_address`` / ``reward_model_tokenizer``.
 
 Independent check: each judge reply the function received equals transformers' own greedy generation for the same
-chat messages (fp32: vLLM's greedy tokens are HF's). Afterwards the server is gone (its port refuses)."""
+chat messages (fp32: vLLM's greedy tokens are HF's). Afterwards the server is gone (its port refuses), and so is its
+shared memory."""
 
 import json
+import os
 import socket
 from pathlib import Path
 
 import pytest
+from run_sandbox import SHM, _mapped_inodes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -49,6 +52,7 @@ def _shipped():
 def test_one_grpo_step_scored_by_a_served_judge(train, tmp_path):
     from meshrl.models.resolve import resolve_model_path
 
+    shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
     function, log = tmp_path / "judge_reward.py", tmp_path / "judge_calls.jsonl"
     function.write_text(WRAPPER)
     _, steps = train(
@@ -88,3 +92,9 @@ def test_one_grpo_step_scored_by_a_served_judge(train, tmp_path):
     with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=2):
         pass
     assert (tmp_path / "run" / "logs" / "reward-judge.log").is_file()
+    # nor any of its shared memory (vLLM's server force-kills its engine core and worker, whose message queues stayed)
+    if SHM.is_dir():
+        mapped = _mapped_inodes(set())
+        left = [n for n in set(os.listdir(SHM)) - shm_before
+                if n.startswith("psm_") and (SHM / n).exists() and (SHM / n).stat().st_ino not in mapped]
+        assert left == [], left

@@ -114,8 +114,9 @@ def test_the_driver_killed_while_saving_resumes_like_an_uninterrupted_run_at_tp2
     manager = CheckpointManager(killed)
     assert manager.resolve("auto").name == "global_step_1"
     # Ray's agents outlive the driver: one that sees its raylet killed first reports it to the GCS, which died too,
-    # with a 60 s timeout (ray._private.utils.publish_error_to_driver), and only then exits; the resume's start stops
-    # what holds the dead run's TMPDIR (meshrl.runtime.stop_leftovers). Checked at the end, with the resume's processes.
+    # with a 60 s timeout (ray._private.utils.publish_error_to_driver), and only then exits; a worker still saving
+    # forks megatron's writers, which wait forever once orphaned. The resume's start stops what holds the dead run's
+    # TMPDIR (meshrl.runtime.stop_leftovers), children forked meanwhile too. Checked at the end, with the resume's.
 
     assert run_main(sandbox, *TINY, *layout, f"trainer.default_local_dir={killed}", log=tmp_path / "c.txt") == 0
     output = (tmp_path / "c.txt").read_text()
@@ -128,6 +129,5 @@ def test_the_driver_killed_while_saving_resumes_like_an_uninterrupted_run_at_tp2
         if key in expected[2]:
             assert resumed[2][key] == expected[2][key], key
     assert json.loads((killed / "global_step_2" / "COMPLETE").read_text())["step"] == 2
-    # the killed run's daemons too, and its temporary folder; a checkpoint-writing worker of the resume was seen
-    # alive 30 s after it (not yet explained), hence the allowance
-    sandbox.assert_clean(wait_s=90.0)
+    # the killed run's daemons and checkpoint writers too, and its temporary folder
+    sandbox.assert_clean()

@@ -43,24 +43,50 @@ def test_a_process_makes_one_run_temp_dir_however_often_it_asks(monkeypatch, tmp
     assert runtime.use_run_temp_dir() == first and tempfile.gettempdir() == str(first)
 
 
+# Forks a child every millisecond (each sleeps on): a worker forking checkpoint writers while the next run stops it.
+FORKER = """
+import os, time
+open(os.path.join(os.environ["TMPDIR"], "forking"), "w").close()
+while True:
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    time.sleep(0.001)
+"""
+
+
 def test_a_dead_drivers_leftover_processes_are_stopped_with_its_folder(tmp_path):
-    """After ``kill -9`` of a driver, Ray's agents linger up to 60 s on its dead GCS: the next run's start kills the
-    processes that inherited the dead run's folder as TMPDIR, then removes the folder; a live run's stay."""
+    """After ``kill -9`` of a driver, Ray's agents linger up to 60 s on its dead GCS and a worker saving a checkpoint
+    forks megatron's writers: the next run's start kills every process that inherited the dead run's folder as
+    TMPDIR, a child forked while it was being stopped included, then removes the folder; a live run's stay."""
     import os
+    import time
+
+    import psutil
 
     from meshrl.runtime import RUN_TEMP_PREFIX, prune_run_temp_dirs
 
     dead, live = tmp_path / f"{RUN_TEMP_PREFIX}{_dead_pid()}-x", tmp_path / f"{RUN_TEMP_PREFIX}{os.getpid()}-y"
-    sleepers = {}
+    processes = {}
     for folder in (dead, live):
         folder.mkdir()
-        sleepers[folder] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                            env={**os.environ, "TMPDIR": str(folder)})
+        processes[folder] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                             env={**os.environ, "TMPDIR": str(folder)})
+    forker = subprocess.Popen([sys.executable, "-c", FORKER], env={**os.environ, "TMPDIR": str(dead)})
     try:
+        deadline = time.monotonic() + 30
+        while not (dead / "forking").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # a few hundred children by now
+        assert len(psutil.Process(forker.pid).children()) > 10
         assert prune_run_temp_dirs(tmp_path) == [dead]
-        assert sleepers[dead].wait(timeout=10) != 0  # killed
-        assert sleepers[live].poll() is None and live.is_dir() and not dead.exists()
+        assert processes[dead].wait(timeout=10) != 0 and forker.wait(timeout=10) != 0  # killed
+        time.sleep(0.5)  # the killed children's last moments
+        orphans = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("TMPDIR") == str(dead)
+                   and p.status() != psutil.STATUS_ZOMBIE]
+        assert orphans == []
+        assert processes[live].poll() is None and live.is_dir() and not dead.exists()
     finally:
-        for process in sleepers.values():
+        for process in (*processes.values(), forker):
             process.kill()
             process.wait()
