@@ -16,9 +16,10 @@ Per mode: trained samples per second (responses trained / the steps' wall time, 
 validation curve, the staleness the steps trained on, and the time per phase (``timing/*``, averaged over the steps
 after the first), which explains the ratios: the asynchronous trainers' rollouter is the training ranks' engines
 (``meshrl.trainer.async_trainer``), so generation and training take turns, and what differs is only how many samples
-each generation call makes and how stale they are. Writes bench/results/async.json and .png.
+each generation call makes and how stale they are. Writes bench/results/async.json and .png (``--out``: another name;
+``--seeds``: each mode once per seed, its figures the means and its validation band the seeds' range).
 
-    python -m bench.async [--steps 16] [--modes sync,one_step_off,fully_async,colocate_async]
+    python -m bench.async [--steps 16] [--modes sync,one_step_off,fully_async,colocate_async] [--seeds 1,2 --out NAME]
 """
 
 from __future__ import annotations
@@ -46,10 +47,16 @@ MODES = {
 }
 
 
-def run_mode(mode: str, steps: int, folder: Path) -> dict:
-    run_dir = folder / mode
+def seed_overrides(seed: int | None) -> list[str]:
+    """The run's seeds: the sampler's order of the prompts and the engine's sampling (None: the recipe's own)."""
+    return [] if seed is None else [f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}"]
+
+
+def run_mode(mode: str, steps: int, folder: Path, seed: int | None = None) -> dict:
+    run_dir = folder / (mode if seed is None else f"{mode}-seed{seed}")
     command = [sys.executable, "-m", "meshrl.trainer.main", "--config-name", "cpu_smollm2_grpo",
-               f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}", *MODES[mode]]
+               f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}", *MODES[mode],
+               *seed_overrides(seed)]
     load = os.getloadavg()[0]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -78,6 +85,22 @@ def run_mode(mode: str, steps: int, folder: Path) -> dict:
     }
 
 
+def over_seeds(runs: dict[int, dict]) -> dict:
+    """One mode's runs of several seeds as one entry: the means of the rates and of the validation score per step,
+    the score's lowest and highest per step (``validation_range``), and every run (``per_seed``)."""
+    steps = sorted(set.intersection(*(set(r["validation"]) for r in runs.values())))
+    phases = sorted(set.intersection(*(set(r["phases_s"]) for r in runs.values())))
+    return {
+        "samples_per_s_steps": round(statistics.mean(r["samples_per_s_steps"] for r in runs.values()), 3),
+        "samples_per_s_wall": round(statistics.mean(r["samples_per_s_wall"] for r in runs.values()), 3),
+        "validation": {s: round(statistics.mean(r["validation"][s] for r in runs.values()), 4) for s in steps},
+        "validation_range": {s: (min(r["validation"][s] for r in runs.values()),
+                                 max(r["validation"][s] for r in runs.values())) for s in steps},
+        "phases_s": {p: round(statistics.mean(r["phases_s"][p] for r in runs.values()), 3) for p in phases},
+        "per_seed": runs,
+    }
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -88,7 +111,11 @@ def plot(results: dict, path: Path) -> None:
     for mode, r in results["modes"].items():
         steps = sorted(r["validation"])
         curve.plot(steps, [r["validation"][s] for s in steps], marker="o", label=mode)
-    curve.set(title="main job: greedy validation score", xlabel="step", ylabel="val/score")
+        if "validation_range" in r:  # several seeds: the mean, and the band from the lowest to the highest
+            curve.fill_between(steps, *zip(*(r["validation_range"][s] for s in steps)), alpha=0.2)
+    seeds = results.get("seeds")
+    curve.set(title="main job: greedy validation score" + (f" (mean of seeds {seeds})" if seeds else ""),
+              xlabel="step", ylabel="val/score")
     curve.legend()
     modes = list(results["modes"])
     rate.bar(modes, [results["modes"][m]["samples_per_s_steps"] for m in modes])
@@ -109,21 +136,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--seeds", default="", help="comma-separated seeds (data.seed and rollout.seed); each mode "
+                        "runs once per seed and its figures are the seeds' means (default: the recipe's seeds, once)")
+    parser.add_argument("--out", default="async", help="results name: bench/results/<out>.json and .png")
     args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",") if s] or [None]
     results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
                f"{os.cpu_count()} CPUs", "steps": args.steps, "modes": {}}
+    if seeds != [None]:
+        results["seeds"] = seeds
     with tempfile.TemporaryDirectory(prefix="meshrl-bench-async-") as tmp:
         for mode in args.modes.split(","):
-            results["modes"][mode] = run_mode(mode, args.steps, Path(tmp))
-            print(mode, json.dumps({k: v for k, v in results["modes"][mode].items() if k != "command"}), flush=True)
+            runs = {}
+            for seed in seeds:
+                runs[seed] = run_mode(mode, args.steps, Path(tmp), seed)
+                print(mode, seed, json.dumps({k: v for k, v in runs[seed].items() if k != "command"}), flush=True)
+            results["modes"][mode] = runs[None] if seeds == [None] else over_seeds(runs)
     base = results["modes"].get("sync")
     if base:
         results["ratios_vs_sync"] = {m: round(r["samples_per_s_steps"] / base["samples_per_s_steps"], 3)
                                      for m, r in results["modes"].items()}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "async.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, RESULTS / "async.png")
-    print(f"wrote {RESULTS / 'async.json'} and async.png; ratios vs sync: {results.get('ratios_vs_sync')}")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, RESULTS / f"{args.out}.png")
+    print(f"wrote {RESULTS / args.out}.json and .png; ratios vs sync: {results.get('ratios_vs_sync')}")
     return 0
 
 
