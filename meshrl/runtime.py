@@ -9,6 +9,9 @@ Hugging Face) lives under one folder, ``cache_dir()``, never scattered in the ho
 
 ``configure_environment()`` must run before vLLM, Ray or transformers are imported; entry points call
 it first. It only sets variables the user has not set, so a user's choice always wins.
+
+What a killed run leaves is cleared here too: a dead driver's processes and temporary folder (``prune_run_temp_dirs``,
+``stop_leftovers``) and the shared memory of a killed vLLM process tree (``remove_orphaned_message_queues``).
 """
 
 from __future__ import annotations
@@ -166,3 +169,40 @@ def _processes_with_tmpdir(folder: Path) -> list[psutil.Process]:
         except (psutil.Error, OSError):  # gone, or another user's
             continue
     return found
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_names() -> set[str]:
+    """The names under ``/dev/shm`` now (empty where it is not a folder, e.g. macOS)."""
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def remove_orphaned_message_queues(names: set[str]) -> list[str]:
+    """Unlink those of ``names`` that are ``multiprocessing.shared_memory`` segments (``psm_*``: vLLM's message-queue
+    rings) which no live process of this user has mapped or open: what a vLLM process tree left when it was killed
+    (a served model's engine core and worker, which vLLM's own server shutdown force-kills on CPU); returns them.
+    A segment a live process holds is kept, so a name of another engine starting beside this one is safe."""
+    candidates = {name for name in names if name.startswith("psm_")}
+    if not candidates:
+        return []
+    held: set[str] = set()
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):  # gone, or another user's (which cannot open this user's 0600 files)
+            with open(f"/proc/{pid}/maps") as maps:
+                held.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(f"{SHM_DIR}/"):
+                        held.add(target[len(str(SHM_DIR)) + 1:].split()[0])
+    removed = []
+    for name in sorted(candidates - held):
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            (SHM_DIR / name).unlink()
+            removed.append(name)
+    return removed

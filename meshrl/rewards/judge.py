@@ -175,8 +175,7 @@ def serve_judge(server: JudgeServer, log_file: Path, start_timeout_s: float = ST
     engine processes) after 30 s, then the message queues' shared memory vLLM's force-killed processes left, so
     nothing is left behind. A server that exits or stays silent past
     ``start_timeout_s`` raises ``RuntimeError`` naming its log."""
-    from meshrl.rollout.vllm_shm import remove_orphaned_message_queues, shm_names
-    from meshrl.runtime import configure_environment
+    from meshrl.runtime import configure_environment, remove_orphaned_message_queues, shm_names
 
     configure_environment()
     before = shm_names()

@@ -157,37 +157,6 @@ def _tagged_shared_memory(tag: str, created: list) -> type[shared_memory.SharedM
     return RunSharedMemory
 
 
-def shm_names() -> set[str]:
-    """The names under ``/dev/shm`` now (empty where it is not a folder)."""
-    return set(_listdir())
-
-
-def remove_orphaned_message_queues(names: set[str]) -> list[str]:
-    """Unlink those of ``names`` that are ``multiprocessing.shared_memory`` segments (``psm_*``: vLLM's message-queue
-    rings) which no live process of this user has mapped or open: what a vLLM process tree left when it was killed
-    (a served model's engine core and worker, which vLLM's own server shutdown force-kills on CPU); returns them.
-    A segment a live process holds is kept, so a name of another engine starting beside this one is safe."""
-    candidates = {name for name in names if name.startswith("psm_")}
-    if not candidates:
-        return []
-    held: set[str] = set()
-    for pid in psutil.pids():
-        with contextlib.suppress(OSError):  # gone, or another user's (which cannot open this user's 0600 files)
-            with open(f"/proc/{pid}/maps") as maps:
-                held.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target.startswith(f"{SHM_DIR}/"):
-                        held.add(target[len(str(SHM_DIR)) + 1:].split()[0])
-    removed = []
-    for name in sorted(candidates - held):
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            (SHM_DIR / name).unlink()
-            removed.append(name)
-    return removed
-
-
 def _listdir() -> list[str]:
     try:
         return os.listdir(SHM_DIR)

@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshrl.rollout.vllm_shm import (SHM_DIR, EngineSegments, remove_orphaned_message_queues, remove_stale_segments,
-                                     segments)
+from meshrl.rollout.vllm_shm import SHM_DIR, EngineSegments, remove_stale_segments, segments
+from meshrl.runtime import remove_orphaned_message_queues
 
 RANK = Path(__file__).with_name("vllm_shm_rank.py")
 LEAK_WARNINGS = ("Exception ignored", "leaked shared_memory")
