@@ -11,7 +11,7 @@ Hugging Face) lives under one folder, ``cache_dir()``, never scattered in the ho
 it first. It only sets variables the user has not set, so a user's choice always wins.
 
 What a killed run leaves is cleared here too: a dead driver's processes and temporary folder (``prune_run_temp_dirs``,
-``stop_leftovers``) and the shared memory of a killed vLLM process tree (``remove_orphaned_message_queues``).
+``stop_leftovers``) and the shared memory of a killed vLLM process tree (``remove_orphaned_shared_memory``).
 """
 
 from __future__ import annotations
@@ -182,12 +182,13 @@ def shm_names() -> set[str]:
         return set()
 
 
-def remove_orphaned_message_queues(names: set[str]) -> list[str]:
-    """Unlink those of ``names`` that are ``multiprocessing.shared_memory`` segments (``psm_*``: vLLM's message-queue
-    rings) which no live process of this user has mapped or open: what a vLLM process tree left when it was killed
-    (a served model's engine core and worker, which vLLM's own server shutdown force-kills on CPU); returns them.
-    A segment a live process holds is kept, so a name of another engine starting beside this one is safe."""
-    candidates = {name for name in names if name.startswith("psm_")}
+def remove_orphaned_shared_memory(names: set[str]) -> list[str]:
+    """Unlink those of ``names`` that are Python ``multiprocessing`` shared memory (``psm_*`` segments: vLLM's
+    message-queue rings; ``sem.mp-*`` named semaphores) which no live process of this user has mapped or open: what a
+    process tree killed with its resource tracker left (a served model's engine core and worker, which vLLM's own
+    server shutdown force-kills on CPU, then the group's SIGKILL); returns them. An entry a live process holds is
+    kept, so a name of another engine starting beside this one is safe."""
+    candidates = {name for name in names if name.startswith(("psm_", "sem.mp-"))}
     if not candidates:
         return []
     held: set[str] = set()

@@ -172,10 +172,10 @@ def serve_judge(server: JudgeServer, log_file: Path, start_timeout_s: float = ST
                 say: Callable[[str], None] = print, port: int = 0) -> Iterator[str]:
     """Start the judge's server (its output in ``log_file``; on ``port``, 0: a free one), yield its ``host:port`` once ``/health`` answers,
     and stop it on leaving, whatever ends the block: SIGTERM, then SIGKILL of its whole process group (vLLM's
-    engine processes) after 30 s, then the message queues' shared memory vLLM's force-killed processes left, so
-    nothing is left behind. A server that exits or stays silent past
+    engine processes) after 30 s, then the shared memory vLLM's force-killed processes left (message queues,
+    semaphores), so nothing is left behind. A server that exits or stays silent past
     ``start_timeout_s`` raises ``RuntimeError`` naming its log."""
-    from meshrl.runtime import configure_environment, remove_orphaned_message_queues, shm_names
+    from meshrl.runtime import configure_environment, remove_orphaned_shared_memory, shm_names
 
     configure_environment()
     before = shm_names()
@@ -200,8 +200,8 @@ def serve_judge(server: JudgeServer, log_file: Path, start_timeout_s: float = ST
         yield address
     finally:
         stop_process_group(proc)
-        # vLLM's server force-kills its engine core and worker on the way out (CPU): their message queues stay
-        remove_orphaned_message_queues(shm_names() - before)
+        # vLLM's server force-kills its engine core and worker on the way out (CPU): their shared memory stays
+        remove_orphaned_shared_memory(shm_names() - before)
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:

@@ -96,5 +96,5 @@ def test_one_grpo_step_scored_by_a_served_judge(train, tmp_path):
     if SHM.is_dir():
         mapped = _mapped_inodes(set())
         left = [n for n in set(os.listdir(SHM)) - shm_before
-                if n.startswith("psm_") and (SHM / n).exists() and (SHM / n).stat().st_ino not in mapped]
+                if n.startswith(("psm_", "sem.mp-")) and (SHM / n).exists() and (SHM / n).stat().st_ino not in mapped]
         assert left == [], left

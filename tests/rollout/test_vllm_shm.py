@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshrl.rollout.vllm_shm import SHM_DIR, EngineSegments, remove_stale_segments, segments
-from meshrl.runtime import remove_orphaned_message_queues
+from meshrl.runtime import remove_orphaned_shared_memory
 
 RANK = Path(__file__).with_name("vllm_shm_rank.py")
 LEAK_WARNINGS = ("Exception ignored", "leaked shared_memory")
@@ -62,21 +62,21 @@ def test_stale_check_removes_only_names_of_dead_pids(cleanup_names):
 
 
 def test_orphaned_message_queues_go_and_held_or_other_names_stay(cleanup_names):
-    """What a killed vLLM process tree leaves (``psm_*`` no process holds) is removed; a segment a live process has
+    """What a killed vLLM process tree leaves (``psm_*`` segments, ``sem.mp-*`` semaphores no process holds) is removed; a segment a live process has
     mapped, one it only holds open, and a name of another kind are not."""
     import mmap
 
     nonce = secrets.token_hex(4)
     orphan, mapped, opened = (shm_file(f"psm_{nonce}{i}") for i in range(3))
-    other = shm_file(f"sem.x{nonce}")
-    cleanup_names.extend([orphan, mapped, opened, other])
+    semaphore, other = shm_file(f"sem.mp-{nonce}"), shm_file(f"sem.x{nonce}")
+    cleanup_names.extend([orphan, mapped, opened, semaphore, other])
     with open(mapped, "r+b") as held_file, open(opened, "rb"):
         view = mmap.mmap(held_file.fileno(), 64)
         try:
-            removed = remove_orphaned_message_queues({p.name for p in (orphan, mapped, opened, other)})
+            removed = remove_orphaned_shared_memory({p.name for p in (orphan, mapped, opened, semaphore, other)})
         finally:
             view.close()
-    assert removed == [orphan.name] and not orphan.exists()
+    assert removed == sorted([orphan.name, semaphore.name]) and not orphan.exists() and not semaphore.exists()
     assert mapped.exists() and opened.exists() and other.exists()
 
 
