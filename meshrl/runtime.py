@@ -175,7 +175,8 @@ SHM_DIR = Path("/dev/shm")
 
 
 def shm_names() -> set[str]:
-    """The names under ``/dev/shm`` now (empty where it is not a folder, e.g. macOS)."""
+    """The names under ``/dev/shm`` now. Empty where POSIX shared memory is not a folder (macOS): its names cannot be
+    listed there, so nothing is removed early or late (the names are still per run)."""
     try:
         return set(os.listdir(SHM_DIR))
     except FileNotFoundError:

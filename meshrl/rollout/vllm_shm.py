@@ -42,14 +42,14 @@ import os
 import re
 import secrets
 from multiprocessing import resource_tracker, shared_memory
-from pathlib import Path
 from typing import Iterator
 from unittest import mock
 
 import psutil
 import torch.distributed as dist
 
-SHM_DIR = Path("/dev/shm")
+from meshrl.runtime import SHM_DIR, shm_names
+
 _TAGGED = re.compile(r"meshrl-(\d+)-[0-9a-f]{8}-")
 
 
@@ -60,7 +60,7 @@ def new_tag() -> str:
 
 def segments(tag: str) -> list[str]:
     """The names under ``/dev/shm`` that carry ``tag``."""
-    return sorted(name for name in _listdir() if name.startswith(f"{tag}-"))
+    return sorted(name for name in shm_names() if name.startswith(f"{tag}-"))
 
 
 def remove_stale_segments() -> list[str]:
@@ -69,7 +69,7 @@ def remove_stale_segments() -> list[str]:
     Another user's segments are skipped (``/dev/shm`` is sticky): their names are per run too, so they
     cannot collide with this user's."""
     removed = []
-    for name in _listdir():
+    for name in sorted(shm_names()):
         match = _TAGGED.match(name)
         if match and not psutil.pid_exists(int(match[1])):
             with contextlib.suppress(PermissionError):
@@ -155,15 +155,6 @@ def _tagged_shared_memory(tag: str, created: list) -> type[shared_memory.SharedM
                 resource_tracker.unregister(self._name, "shared_memory")
 
     return RunSharedMemory
-
-
-def _listdir() -> list[str]:
-    try:
-        return os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        # POSIX shared memory is not a folder on this system (macOS): its names cannot be listed, so those
-        # of vLLM's CPU communicator are not removed early there (they are still per run).
-        return []
 
 
 def _unlink(name: str) -> bool:

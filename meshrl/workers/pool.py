@@ -56,7 +56,7 @@ class WorkerPool:
         self.max_idle = max_idle
         self._idle: OrderedDict[int, tuple[PoolKey, WorkerGroup]] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
-        self.taken = 0  # groups served from the pool (for the tests and the startup line)
+        self.taken = 0  # groups served from the pool (what a caller can check, as the tests do)
 
     def take(self, key: PoolKey) -> WorkerGroup | None:
         """A kept group of ``key``'s shape (the most recently kept), or None; kept groups of the same class in
