@@ -46,6 +46,9 @@ FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",
 CANONICAL = {"linear_q": ("q_proj",), "linear_k": ("k_proj",), "linear_v": ("v_proj",), "linear_proj": ("o_proj",),
              "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",)}
 MEGATRON_TYPES = {"lora": FUSED, "canonical_lora": CANONICAL}
+# A PEFT folder's ``target_parameters`` meshrl loads: the routed experts' (transformers 5's 3-D parameters)
+EXPERT_PARAMETER_SETS = (["mlp.experts.down_proj"], ["mlp.experts.gate_up_proj"],
+                         ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
 # The largest of vLLM's MaxLoRARanks (vllm/config/lora.py, 0.32), as verl's validate_config checks it.
 VLLM_MAX_LORA_RANK = 512
 
@@ -63,6 +66,8 @@ class LoraPlan:
     adapter_path: str | None  # a PEFT adapter folder the run starts from
     keys: str  # "FSDP" | "Megatron": which of verl's spellings set it
     merge: bool = False  # the engine gets merged weights (True) or the adapters (False: vLLM's adapter path)
+    experts: bool = False  # the MLP targets also adapt an MoE layer's routed experts (``parallel.lora``)
+    merge_reason: str | None = None  # "experts": merged because the routed experts' adapters have no engine path
 
 
 def _names(value: Any) -> list[str]:
@@ -124,9 +129,13 @@ def _adapter_plan(model: DictConfig, problems: list[str]) -> LoraPlan | None:
     if model.lora_rank > 0 and model.lora_rank != config.get("r"):
         problems.append(f"actor_rollout_ref.model.lora_rank={model.lora_rank}, but the adapter at {key} has rank "
                         f"{config.get('r')} (verl takes the adapter's): leave lora_rank at 0 or set it to that")
+    parameters = sorted(config.get("target_parameters") or [])
+    if parameters and parameters not in EXPERT_PARAMETER_SETS:
+        problems.append(f"{config_file}: target_parameters {parameters}: meshrl adapts the routed experts' "
+                        f"parameters as {EXPERT_PARAMETER_SETS[-1]} (or one of them), no other parameter")
     return LoraPlan(rank=int(config.get("r", 8)), alpha=float(config.get("lora_alpha", 8)), targets=_ordered(targets),
                     dropout=float(config.get("lora_dropout", 0.0)), shared_a=False, init_a="kaiming",
-                    adapter_path=model.lora_adapter_path, keys="FSDP")
+                    adapter_path=model.lora_adapter_path, keys="FSDP", experts=bool(parameters))
 
 
 def _fsdp_plan(model: DictConfig, problems: list[str]) -> LoraPlan | None:
@@ -170,7 +179,7 @@ def _megatron_plan(lora: DictConfig, problems: list[str]) -> LoraPlan | None:
         problems.append(f"{prefix}.dropout={lora.dropout}: must be in [0, 1)")
     return LoraPlan(rank=int(lora.rank), alpha=float(lora.alpha), targets=_ordered(targets),
                     dropout=float(lora.dropout), shared_a=lora.type == "lora",
-                    init_a=lora.lora_A_init_method, adapter_path=None, keys="Megatron")
+                    init_a=lora.lora_A_init_method, adapter_path=None, keys="Megatron", experts=True)
 
 
 def lora_enabled(cfg: DictConfig) -> bool:

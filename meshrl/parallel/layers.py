@@ -268,6 +268,9 @@ def mla_self_attention_class():
 # Attribute marking a parameter whose gradient each TP rank computes from its own share of the tokens:
 # ``model_builder``'s gradient finalisation sums it over the TP group.
 TP_PARTIAL_GRAD = "meshrl_tp_partial_grad"
+# Likewise over the expert-tensor-parallel group: the replicated factor of a routed expert's LoRA adapter, whose
+# expert-TP ranks each add their own term (``parallel.lora``).
+ETP_PARTIAL_GRAD = "meshrl_etp_partial_grad"
 
 
 def _token_shares(count: int, parts: int) -> list[int]:

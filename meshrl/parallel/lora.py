@@ -28,6 +28,17 @@ a row-parallel one's partial ``A_t x_t`` reduce-scattered to the shard; the repl
 sees one shard per rank, and is marked ``sequence_parallel`` so that megatron sums its gradient over TP, as for
 the norms. Pipeline parallelism: each stage adapts the layers it holds, named by their global index.
 
+Mixture-of-experts layers: the MLP targets (``gate_proj``, ``up_proj``, ``down_proj``) adapt the shared expert
+(a dense TP-split MLP, HF's ``mlp.shared_expert``) and, with ``experts=True``, every routed expert: one adapter per
+expert on its ``linear_fc1`` (one A for ``[gate; up]``, as PEFT's ``target_parameters=["mlp.experts.gate_up_proj"]``
+and Megatron-Bridge's per-expert ``linear_fc1`` adapter) and one on its ``linear_fc2``; ``W_e + scaling * B_e A_e``.
+The expert linears run megatron's explicit expert communication (the dispatcher gathers the expert-TP ranks' tokens
+and sums their partial outputs), so an expert adapter communicates nothing: each expert-TP rank adds its own term
+(``B_t (A x)`` on ``linear_fc1``, ``B (A_t x_t)`` on ``linear_fc2``) and the dispatcher sums them as it does the
+base's; the replicated factor's gradient is then a per-rank partial sum, marked ``layers.ETP_PARTIAL_GRAD`` and
+summed over the expert-TP group after the backward. An expert adapter's parameters take the expert weight's
+``allreduce`` flag (reduced over the expert-data-parallel group, as the experts are).
+
 The base model is frozen (``requires_grad=False``: no gradient, no DDP buffer, no optimizer state; megatron
 runs its frozen-weight linear); only the adapters train. ``adapters_disabled(chunks)`` runs the base model
 (the KL reference without a reference copy). The adapter parameters live in a sibling module of the linear
@@ -50,7 +61,6 @@ HF_TARGETS: dict[str, str] = {
     "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
     "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2",
 }
-ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
 INIT_METHODS = ("kaiming", "xavier")
 SHARED = "shared"
 
@@ -65,6 +75,7 @@ class LoraSettings:
     dropout: float = 0.0
     shared_a: bool = False
     init_a: str = "kaiming"
+    experts: bool = False  # MLP targets also adapt each routed expert of an MoE layer (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -82,6 +93,20 @@ class LoraSettings:
         return self.alpha / self.rank
 
 
+def expert_lora_problem(settings: LoraSettings) -> str | None:
+    """Why ``settings`` cannot adapt routed experts, or None: PEFT's expert format (``target_parameters``) holds one
+    adapter for ``gate_up_proj`` (one A for gate and up, whatever ``shared_a`` says of the dense layers) and takes no
+    dropout."""
+    mlp = [name for name in ("gate_proj", "up_proj") if name in settings.targets]
+    if len(mlp) == 1:
+        return (f"LoRA on routed experts adapts gate and up together (PEFT's experts.gate_up_proj), but only {mlp[0]} "
+                "is targeted: target both (linear_fc1) or neither")
+    if settings.dropout:
+        return (f"LoRA dropout {settings.dropout} on routed experts: PEFT's expert adapters take none (the delta is "
+                "added to the weights); set lora.dropout=0")
+    return None
+
+
 class LoraAdapter(torch.nn.Module):
     """The adapter of one megatron linear (``parts``: the HF modules it holds that are targeted), and the
     hook that adds its delta to the linear's output.
@@ -92,19 +117,25 @@ class LoraAdapter(torch.nn.Module):
 
     def __init__(self, parts: tuple[str, ...], all_parts: tuple[str, ...], in_size: int,
                  out_sizes: dict[str, int], row_parallel: bool, layout: str, spec, settings: LoraSettings,
-                 dtype: torch.dtype, device: torch.device, sequence_parallel: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device, sequence_parallel: bool = False, tp_group=None,
+                 expert: int | None = None, allreduce: bool = True) -> None:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+        from meshrl.parallel.layers import ETP_PARTIAL_GRAD
+
         super().__init__()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
+        tp = self.tp_group.size()
         self.parts, self.all_parts, self.layout, self.row_parallel = parts, all_parts, layout, row_parallel
         self.scaling, self.spec, self.tp = settings.scaling, spec, tp
-        self.sequence_parallel = sequence_parallel and tp > 1
+        self.expert = expert  # the routed expert's global index; None for a dense linear
+        self.sequence_parallel = sequence_parallel and tp > 1 and expert is None
         self.enabled = True
         self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout > 0 else torch.nn.Identity()
         local_in = in_size // tp if row_parallel else in_size
-        a_names = (SHARED,) if settings.shared_a and len(parts) > 1 else parts
+        # a routed expert's linear_fc1 always has one A: PEFT's experts.gate_up_proj (module docstring)
+        a_names = (SHARED,) if (settings.shared_a or expert is not None) and len(parts) > 1 else parts
         self.lora_A = torch.nn.ParameterDict({
             name: torch.nn.Parameter(torch.empty(settings.rank, local_in, dtype=dtype, device=device))
             for name in a_names})
@@ -120,6 +151,10 @@ class LoraAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(param, not row_parallel, 0, 1)
         for param in (self.lora_B if row_parallel else self.lora_A).values():  # the replicated side
             param.sequence_parallel = self.sequence_parallel
+            if expert is not None and tp > 1:
+                setattr(param, ETP_PARTIAL_GRAD, True)
+        for param in self.parameters():
+            param.allreduce = allreduce
 
     def a_of(self, part: str) -> torch.nn.Parameter:
         return self.lora_A[SHARED] if SHARED in self.lora_A else self.lora_A[part]
@@ -135,7 +170,9 @@ class LoraAdapter(torch.nn.Module):
         names = list(self.lora_A)
         h = torch.nn.functional.linear(x, torch.cat([self.lora_A[n] for n in names]) if len(names) > 1
                                        else self.lora_A[names[0]])
-        if self.sequence_parallel:
+        if self.expert is not None:
+            pass  # explicit expert communication: the dispatcher sums the expert-TP ranks' terms (module docstring)
+        elif self.sequence_parallel:
             h = reduce_scatter_to_sequence_parallel_region(h) if self.row_parallel \
                 else gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
         else:
@@ -181,7 +218,11 @@ class LoraAdapter(torch.nn.Module):
         state = self.state_dict(prefix="", keep_vars=True)
         axes = {name: (1 if name.startswith("lora_A.") else 0) for name, param in state.items()
                 if getattr(param, "tensor_model_parallel", False)}
-        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets)
+        if self.expert is None or not metadata or "dp_cp_group" not in metadata:
+            return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets)
+        # inside an expert: its TP group is the expert-TP one (megatron's SequentialMLP adds the expert axis)
+        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
 
 
 def _init_a(param: torch.Tensor, method: str, fan_in: int) -> None:
@@ -222,41 +263,61 @@ def _hook(adapter: LoraAdapter, linear: torch.nn.Module) -> None:
     linear.register_forward_hook(add, with_kwargs=True)
 
 
-def _fused_parts(submodule: str) -> tuple[tuple[str, ...], str]:
-    parts = tuple(name for name, where in HF_TARGETS.items() if where == submodule)
-    layout = {"self_attention.linear_qkv": "qkv", "mlp.linear_fc1": "concat"}.get(submodule, "single")
-    return parts, layout
+# PEFT's module of a layer's routed experts in transformers 5 (3-D ``gate_up_proj`` / ``down_proj`` parameters)
+EXPERTS_MODULE = "mlp.experts"
+# The adapted linears of a decoder layer: (HF parts it holds, layout of its output, row-parallel), by the linear's
+# name inside its parent (the attention, a dense MLP, an MoE layer's shared expert or one routed expert).
+LINEARS = {"linear_qkv": (("q_proj", "k_proj", "v_proj"), "qkv", False), "linear_proj": (("o_proj",), "single", True),
+           "linear_fc1": (("gate_proj", "up_proj"), "concat", False), "linear_fc2": (("down_proj",), "single", True)}
 
 
-def _out_sizes(spec, parts: tuple[str, ...]) -> dict[str, int]:
-    sizes = {"q_proj": spec.num_attention_heads * spec.head_dim, "k_proj": spec.num_kv_heads * spec.head_dim,
-             "v_proj": spec.num_kv_heads * spec.head_dim, "o_proj": spec.hidden_size,
-             "gate_proj": spec.ffn_hidden_size, "up_proj": spec.ffn_hidden_size, "down_proj": spec.hidden_size}
-    return {name: sizes[name] for name in parts}
+@dataclass(frozen=True)
+class Site:
+    """One linear a layer's adapters may sit on: its parent module, its name there, the HF module holding its parts
+    inside ``model.layers.N`` (``self_attn``, ``mlp``, the shared expert's, ``mlp.experts``), and the routed
+    expert's global index (None: a dense linear)."""
+
+    parent: torch.nn.Module
+    name: str
+    hf_module: str
+    expert: int | None = None
 
 
-def _in_size(spec, submodule: str) -> int:
-    return {"self_attention.linear_qkv": spec.hidden_size, "self_attention.linear_proj":
-            spec.num_attention_heads * spec.head_dim, "mlp.linear_fc1": spec.hidden_size,
-            "mlp.linear_fc2": spec.ffn_hidden_size}[submodule]
+def layer_sites(layer: torch.nn.Module, spec) -> list[Site]:
+    """The attention's two linears, then the MLP's: a dense MLP's, or an MoE layer's shared expert and its local
+    routed experts (global index ``EP rank * local experts + k``, megatron's ``SequentialMLP`` order)."""
+    from meshrl.models.families import SHARED_EXPERT_NAMES
+
+    sites = [Site(layer.self_attention, "linear_qkv", "self_attn"), Site(layer.self_attention, "linear_proj", "self_attn")]
+    mlp = layer.mlp
+    if not hasattr(mlp, "experts"):
+        return sites + [Site(mlp, "linear_fc1", "mlp"), Site(mlp, "linear_fc2", "mlp")]
+    if getattr(mlp, "shared_experts", None) is not None:
+        shared = SHARED_EXPERT_NAMES[spec.expert_names]
+        sites += [Site(mlp.shared_experts, "linear_fc1", shared), Site(mlp.shared_experts, "linear_fc2", shared)]
+    experts = mlp.experts
+    if not hasattr(experts, "local_experts"):
+        raise NotImplementedError(f"LoRA on {type(experts).__name__} experts is not built: meshrl adapts megatron's "
+                                  "SequentialMLP experts (moe_grouped_gemm off)")
+    first = experts.ep_group.rank() * experts.num_local_experts
+    for k, expert in enumerate(experts.local_experts):
+        sites += [Site(expert, "linear_fc1", EXPERTS_MODULE, first + k),
+                  Site(expert, "linear_fc2", EXPERTS_MODULE, first + k)]
+    return sites
 
 
-def full_shape(spec, part: str, which: str, rank: int) -> tuple[int, int]:
-    """Shape of the whole (unsplit) A (``which="A"``) or B of HF module ``part``: PEFT's ``[r, in]`` / ``[out, r]``."""
-    if which == "A":
-        return rank, _in_size(spec, HF_TARGETS[part])
-    return _out_sizes(spec, (part,))[part], rank
-
-
-def _get(module: torch.nn.Module, path: str) -> torch.nn.Module:
-    for name in path.split("."):
-        module = getattr(module, name)
-    return module
+def _sizes(spec, linear: torch.nn.Module, name: str) -> tuple[int, dict[str, int]]:
+    """The linear's full input size and each of its HF parts' full output size."""
+    parts, layout, _ = LINEARS[name]
+    if layout == "qkv":
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        return linear.input_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    return linear.input_size, {part: linear.output_size // len(parts) for part in parts}
 
 
 def adapt(gpt: torch.nn.Module, settings: LoraSettings) -> None:
     """Freeze every parameter of one bare ``GPTModel`` chunk and add the adapters of ``settings.targets`` to
-    its decoder layers (``submodule_lora`` beside each adapted linear)."""
+    its decoder layers (``<linear>_lora`` beside each adapted linear)."""
     from meshrl.parallel.model_builder import unwrap
 
     gpt = unwrap(gpt)
@@ -271,17 +332,22 @@ def adapt(gpt: torch.nn.Module, settings: LoraSettings) -> None:
     gpt.meshrl_lora = settings
     sample = next(gpt.parameters())
     for layer in gpt.decoder.layers:
-        for submodule in dict.fromkeys(HF_TARGETS[name] for name in settings.targets):
-            all_parts, layout = _fused_parts(submodule)
+        for site in layer_sites(layer, spec):
+            all_parts, layout, row_parallel = LINEARS[site.name]
             parts = tuple(name for name in all_parts if name in settings.targets)
-            adapter = LoraAdapter(parts, all_parts, _in_size(spec, submodule), _out_sizes(spec, all_parts),
-                                  submodule in ROW_PARALLEL, layout, spec, settings, sample.dtype, sample.device,
-                                  sequence_parallel=gpt.config.sequence_parallel)
-            adapter.global_layer = layer.layer_number - 1
-            parent_path, name = submodule.rsplit(".", 1)
-            parent = _get(layer, parent_path)
-            parent.add_module(f"{name}_lora", adapter)
-            _hook(adapter, getattr(parent, name))
+            if not parts or (site.expert is not None and not settings.experts):
+                continue
+            if site.expert is not None and (problem := expert_lora_problem(settings)):
+                raise ValueError(problem)
+            linear = getattr(site.parent, site.name)
+            in_size, out_sizes = _sizes(spec, linear, site.name)
+            adapter = LoraAdapter(parts, all_parts, in_size, out_sizes, row_parallel, layout, spec, settings,
+                                  sample.dtype, sample.device, sequence_parallel=gpt.config.sequence_parallel,
+                                  tp_group=linear.tp_group, expert=site.expert,
+                                  allreduce=getattr(linear.weight, "allreduce", True))
+            adapter.global_layer, adapter.hf_module = layer.layer_number - 1, site.hf_module
+            site.parent.add_module(f"{site.name}_lora", adapter)
+            _hook(adapter, linear)
 
 
 def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings) -> list[torch.nn.Module]:

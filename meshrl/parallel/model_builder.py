@@ -379,16 +379,21 @@ def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_
     TP ranks of the replicated parameters marked ``sequence_parallel``: norms and MoE routers, which see one
     sequence shard per rank) without per-token rescaling, then the sum over TP ranks of the gradients each TP
     rank computed from its share of the tokens only (``layers.TP_PARTIAL_GRAD``: the MoE routers at TP > 1
-    without sequence parallelism)."""
+    without sequence parallelism), and over expert-TP ranks of those marked ``layers.ETP_PARTIAL_GRAD`` (routed
+    experts' LoRA factors)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        grads = [param.main_grad for chunk in model for param in chunk.parameters()
-                 if getattr(param, layers.TP_PARTIAL_GRAD, False)]
-        for grad in grads:
-            torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+    for marker, size, group in (
+            (layers.TP_PARTIAL_GRAD, parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_group),
+            (layers.ETP_PARTIAL_GRAD, parallel_state.get_expert_tensor_parallel_world_size(),
+             parallel_state.get_expert_tensor_parallel_group)):
+        if size > 1:
+            for grad in [param.main_grad for chunk in model for param in chunk.parameters()
+                         if param.requires_grad and getattr(param, marker, False)]:  # a frozen router has none
+                torch.distributed.all_reduce(grad, group=group())
 
 
 def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: dict[str, Any]):

@@ -1,22 +1,31 @@
 """LoRA adapters (``meshrl.parallel.lora``) <-> PEFT's format, and the merged weights the engine serves.
 
 PEFT's folder: ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``target_modules``, ...)
-and ``adapter_model.safetensors`` with, per adapted HF module ``model.layers.N.<parent>.<name>``,
+and ``adapter_model.safetensors`` with, per adapted HF module ``model.layers.N.<module>.<name>``,
 
     base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight   [r, in]
     base_model.model.model.layers.N.self_attn.q_proj.lora_B.weight   [out, r]
 
 A fused adapter with one A for q/k/v (``shared_a``) is written with a copy of that A for each part, which
-PEFT computes identically; loading it back needs those copies equal.
+PEFT computes identically; loading it back needs those copies equal. A shared expert's adapters are those of its
+HF module (``mlp.shared_expert.gate_proj``).
 
-- ``iter_adapter_weights(chunks)``: ``(peft_key, full tensor)`` of every adapter tensor, TP-gathered and
-  broadcast from the pipeline stage holding its layer, on every rank of the model-parallel group (which
-  must all iterate it, in lockstep, like ``hf_conversion.iter_hf_weights``).
+Routed experts (transformers 5 holds them as 3-D parameters ``mlp.experts.gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]``) are written as PEFT's ``target_parameters`` adapters: for each, ``lora_A [r*E, in]`` with
+expert e's A in rows ``e*r .. e*r+r`` and ``lora_B [out, r*E]`` with expert e's B in columns ``e, e+E, ...``
+(PEFT's ``ParamWrapper`` reshapes them to ``[E, r, in]`` and ``[out, r, E]``), ``gate_up_proj``'s B rows being
+``[B_gate; B_up]``. PEFT nests the wrappers in the module's parameter order, so with both targeted ``gate_up_proj``'s
+keys read ``mlp.experts.base_layer.lora_A.weight`` and ``down_proj``'s ``mlp.experts.lora_A.weight``.
+
+- ``iter_adapter_weights(chunks)``: ``(peft_key, full tensor)`` of every adapter tensor, TP-gathered, broadcast
+  from the expert-parallel rank holding a routed expert's and from the pipeline stage holding its layer, on every
+  rank of the model-parallel group and (with expert parallelism) of the expert-parallel group, which must all
+  iterate it, in lockstep, like ``hf_conversion.iter_hf_weights``.
 - ``save_adapter`` / ``load_adapter``: the PEFT folder, written by the group's first rank; each rank
   reads only its shard.
 - ``iter_merged_weights(chunks, hf_config)``: ``iter_hf_weights`` with ``W + scaling * B @ A`` for
-  every adapted weight (computed in fp32 one weight at a time, cast to the weight's dtype): what the rollout
-  engine serves.
+  every adapted weight (a routed expert's per expert, under the checkpoint's own names), computed in fp32 one
+  weight at a time, cast to the weight's dtype: what the rollout engine serves.
 """
 
 from __future__ import annotations
@@ -25,18 +34,36 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from meshrl.atomic_io import publish_dir
-from meshrl.config.lora_keys import HF_PARENT
-from meshrl.parallel.lora import HF_TARGETS, SHARED, LoraAdapter, LoraSettings, adapters, full_shape
+from meshrl.parallel.lora import EXPERTS_MODULE, HF_TARGETS, SHARED, LoraAdapter, LoraSettings, adapters
 from meshrl.parallel.model_builder import unwrap
 
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT's expert parameters, in the HF module's parameter order, and the HF parts each holds
+EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+MODULE_ORDER = ("self_attn", "mlp")  # within a layer; a shared expert's module sorts after mlp, the experts last
+
+
+class Key(NamedTuple):
+    """One adapter tensor of one HF module: its layer, HF module (``self_attn``, ``mlp``, ``mlp.shared_expert``,
+    ``mlp.experts``), routed expert (-1: none), HF part and ``A`` | ``B``. Tuples sort in PEFT's order."""
+
+    layer: int
+    module: str
+    expert: int
+    part: str
+    which: str
+
+    @property
+    def sort_key(self) -> tuple:
+        module = MODULE_ORDER.index(self.module) if self.module in MODULE_ORDER else 2 + (self.module == EXPERTS_MODULE)
+        return self.layer, module, self.expert, list(HF_TARGETS).index(self.part), self.which
 
 
 def settings_of(chunks: list[torch.nn.Module]) -> LoraSettings:
@@ -46,28 +73,31 @@ def settings_of(chunks: list[torch.nn.Module]) -> LoraSettings:
     return settings
 
 
-def module_path(layer: int, part: str) -> str:
-    """HF module path of adapter ``part`` (an HF module name) of global layer ``layer``."""
-    return f"model.layers.{layer}.{HF_PARENT[part]}.{part}"
+def _peft_key(key: Key) -> str:
+    return f"{PREFIX}model.layers.{key.layer}.{key.module}.{key.part}.lora_{key.which}.weight"
 
 
-def _keys(num_layers: int, settings: LoraSettings) -> list[tuple[int, str, str]]:
-    """(layer, part, "A" | "B") of every adapter tensor of the model, in PEFT's order."""
-    return [(layer, part, which) for layer in range(num_layers) for part in HF_TARGETS if part in settings.targets
-            for which in ("A", "B")]
+def _expert_peft_key(layer: int, param: str, which: str, params: tuple[str, ...]) -> str:
+    """PEFT's key of routed-expert parameter ``param`` among the targeted ``params`` (nesting: module docstring)."""
+    nesting = "base_layer." * (len(params) - 1 - params.index(param))
+    return f"{PREFIX}model.layers.{layer}.{EXPERTS_MODULE}.{nesting}lora_{which}.weight"
 
 
-def _peft_key(layer: int, part: str, which: str) -> str:
-    return f"{PREFIX}{module_path(layer, part)}.lora_{which}.weight"
+def expert_params(settings: LoraSettings) -> tuple[str, ...]:
+    """The routed experts' parameters ``settings`` adapts (PEFT's ``target_parameters`` names, module order)."""
+    if not settings.experts:
+        return ()
+    return tuple(name for name, parts in EXPERT_PARAMS.items() if parts[0] in settings.targets)
 
 
-def _local(chunks: list[torch.nn.Module]) -> dict[tuple[int, str, str], tuple[LoraAdapter, torch.nn.Parameter]]:
-    """This rank's adapter tensors by (global layer, part, A | B)."""
+def _local(chunks: list[torch.nn.Module]) -> dict[Key, tuple[LoraAdapter, torch.nn.Parameter]]:
+    """This rank's adapter tensors by key (a shared A under each of its parts)."""
     found = {}
     for _, adapter in adapters(chunks):
+        expert = -1 if adapter.expert is None else adapter.expert
         for part in adapter.parts:
-            found[(adapter.global_layer, part, "A")] = (adapter, adapter.a_of(part))
-            found[(adapter.global_layer, part, "B")] = (adapter, adapter.lora_B[part])
+            found[Key(adapter.global_layer, adapter.hf_module, expert, part, "A")] = (adapter, adapter.a_of(part))
+            found[Key(adapter.global_layer, adapter.hf_module, expert, part, "B")] = (adapter, adapter.lora_B[part])
     return found
 
 
@@ -80,61 +110,118 @@ def _split_dim(adapter: LoraAdapter, which: str) -> int | None:
     return None if adapter.row_parallel else 0
 
 
+def _full_shape(adapter: LoraAdapter, param: torch.Tensor, which: str) -> tuple[int, ...]:
+    dim = _split_dim(adapter, which)
+    shape = list(param.shape)
+    if dim is not None:
+        shape[dim] *= adapter.tp
+    return tuple(shape)
+
+
 @torch.no_grad()
-def iter_adapter_weights(chunks: list[torch.nn.Module], grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(peft_key, full tensor)`` for every adapter tensor (see the module docstring for the contract);
-    with ``grads=True`` their accumulated gradients (DDP ``main_grad``) instead, for checks."""
+def _iter_tensors(chunks: list[torch.nn.Module], grads: bool = False) -> Iterator[tuple[Key, torch.Tensor]]:
+    """``(key, full tensor)`` of every adapter tensor of the model, in ``Key.sort_key`` order (collective: see
+    ``iter_adapter_weights``)."""
     from megatron.core import parallel_state
 
-    settings = settings_of(chunks)
-    gpt = unwrap(chunks[0])
     local = _local(chunks)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    pp_ranks = dist.get_process_group_ranks(pp_group)
-    owners = [None] * len(pp_ranks)
-    dist.all_gather_object(owners, sorted({layer for layer, _, _ in local}), group=pp_group)
-    owner_of = {layer: pp_ranks[stage] for stage, layers in enumerate(owners) for layer in layers}
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    pp_ranks, ep_ranks = dist.get_process_group_ranks(pp_group), dist.get_process_group_ranks(ep_group)
+    # every key's full shape and owner (PP stage, EP rank): gathered over the stages, then over the EP ranks
+    mine = {key: _full_shape(adapter, param, key.which) for key, (adapter, param) in local.items()}
+    by_stage: list = [None] * len(pp_ranks)
+    dist.all_gather_object(by_stage, mine, group=pp_group)
+    stages = {key: (stage, shape) for stage, keys in enumerate(by_stage) for key, shape in keys.items()}
+    by_ep: list = [None] * len(ep_ranks)
+    if len(ep_ranks) > 1:
+        dist.all_gather_object(by_ep, stages, group=ep_group)
+    else:
+        by_ep = [stages]
+    owners = {key: (stage, ep, shape) for ep, keys in enumerate(by_ep) for key, (stage, shape) in keys.items()
+              if key.expert >= 0 or ep == 0}
+    my_pp, my_ep = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
     sample = next(iter(local.values()))[1]
     sample = sample.main_grad if grads else sample
-    spec = gpt.meshrl_spec
-    for layer, part, which in _keys(spec.num_layers, settings):
-        if (layer, part, which) in local:
-            adapter, param = local[(layer, part, which)]
+    for key in sorted(owners, key=lambda k: k.sort_key):
+        stage, ep, shape = owners[key]
+        if key in local:
+            adapter, param = local[key]
             param = param.main_grad if grads else param
-            dim = _split_dim(adapter, which)
+            dim = _split_dim(adapter, key.which)
             if dim is None:
                 tensor = param.detach().clone()
             else:
                 shards = [torch.empty_like(param) for _ in range(adapter.tp)]
-                dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+                dist.all_gather(shards, param.detach().contiguous(), group=adapter.tp_group)
                 tensor = torch.cat(shards, dim=dim)
         else:
-            tensor = torch.empty(full_shape(spec, part, which, settings.rank), dtype=sample.dtype,
-                                 device=sample.device)
+            tensor = torch.empty(shape, dtype=sample.dtype, device=sample.device)
+        if key.expert >= 0 and len(ep_ranks) > 1 and stage == my_pp:
+            dist.broadcast(tensor, src=ep_ranks[ep], group=ep_group)
         if len(pp_ranks) > 1:
-            dist.broadcast(tensor, src=owner_of[layer], group=pp_group)
-        yield _peft_key(layer, part, which), tensor
+            dist.broadcast(tensor, src=pp_ranks[stage], group=pp_group)
+        yield key, tensor
         del tensor
 
 
-def adapter_config(settings: LoraSettings, base_model: str | None) -> dict:
-    """PEFT's ``LoraConfig`` fields for ``settings`` (``lora_alpha / r`` is the scaling)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
-            "lora_dropout": settings.dropout, "target_modules": list(settings.targets), "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
-            "init_lora_weights": True, "base_model_name_or_path": base_model}
+def _expert_tensors(layer: int, found: dict[Key, torch.Tensor], params: tuple[str, ...]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """PEFT's ``(key, tensor)`` of one layer's routed-expert adapters from each expert's A and B."""
+    experts = sorted({key.expert for key in found})
+    for param in params:
+        parts = EXPERT_PARAMS[param]
+        a = torch.cat([found[Key(layer, EXPERTS_MODULE, e, parts[0], "A")] for e in experts])
+        b = torch.stack([torch.cat([found[Key(layer, EXPERTS_MODULE, e, part, "B")] for part in parts])
+                         for e in experts], dim=-1)  # [out, r, E]
+        yield _expert_peft_key(layer, param, "A", params), a
+        yield _expert_peft_key(layer, param, "B", params), b.reshape(b.shape[0], -1)
+
+
+def iter_adapter_weights(chunks: list[torch.nn.Module], grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(peft_key, full tensor)`` for every adapter tensor (see the module docstring for the contract);
+    with ``grads=True`` their accumulated gradients (DDP ``main_grad``) instead, for checks. A layer's routed
+    experts are yielded as PEFT's two parameters once all of them have been gathered."""
+    params = expert_params(settings_of(chunks))
+    experts: dict[Key, torch.Tensor] = {}
+    for key, tensor in _iter_tensors(chunks, grads):
+        if experts and key.layer != next(iter(experts)).layer:
+            yield from _expert_tensors(next(iter(experts)).layer, experts, params)
+            experts = {}
+        if key.module == EXPERTS_MODULE:
+            experts[key] = tensor
+        else:
+            yield _peft_key(key), tensor
+    if experts:
+        yield from _expert_tensors(next(iter(experts)).layer, experts, params)
+
+
+def adapter_config(settings: LoraSettings, base_model: str | None, experts: bool = False) -> dict:
+    """PEFT's ``LoraConfig`` fields for ``settings`` (``lora_alpha / r`` is the scaling); ``experts``: the model
+    has routed experts, whose adapters are ``target_parameters``."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
+              "lora_dropout": settings.dropout, "target_modules": list(settings.targets), "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+              "init_lora_weights": True, "base_model_name_or_path": base_model}
+    if experts and expert_params(settings):
+        config["target_parameters"] = sorted(f"{EXPERTS_MODULE}.{name}" for name in expert_params(settings))
+    return config
+
+
+def has_experts(chunks: list[torch.nn.Module]) -> bool:
+    return getattr(unwrap(chunks[0]).meshrl_spec, "moe", False)
 
 
 def save_adapter(chunks: list[torch.nn.Module], out_dir: str | os.PathLike,
                  base_model: str | None = None) -> Path | None:
     """Write the adapters as a PEFT folder (atomically; an existing one is replaced); collective over the
-    model-parallel group, whose first rank writes. Returns the folder there, None elsewhere."""
+    model-parallel group (and the expert-parallel one), whose first rank writes. Returns the folder there, None elsewhere."""
     from megatron.core import parallel_state
     from safetensors.torch import save_file
 
     settings = settings_of(chunks)
-    writer = dist.get_rank(parallel_state.get_model_parallel_group()) == 0
+    writer = (dist.get_rank(parallel_state.get_model_parallel_group()) == 0
+              and parallel_state.get_expert_model_parallel_rank() == 0)
     tensors = {key: tensor.cpu() for key, tensor in iter_adapter_weights(chunks)}
     if not writer:
         return None
@@ -143,20 +230,26 @@ def save_adapter(chunks: list[torch.nn.Module], out_dir: str | os.PathLike,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(settings, base_model), indent=2))
+    (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(settings, base_model, has_experts(chunks)), indent=2))
     publish_dir(tmp, out, aside=out.with_name(f"{out.name}.tmp-{os.getpid()}-replaced"))
     return out
 
 
-def check_adapter_config(folder: Path, settings: LoraSettings) -> None:
-    """Raise ``ValueError`` naming each field of the folder's config that differs from ``settings``."""
+def check_adapter_config(folder: Path, settings: LoraSettings, experts: bool = False) -> None:
+    """Raise ``ValueError`` naming each field of the folder's config that differs from ``settings``. PEFT writes
+    the modules and parameters it matched: an MLP name matching no linear module (an MoE model without a shared
+    expert) is implied by the experts' parameters, which it names in short and in full."""
     config = json.loads((folder / CONFIG_FILE).read_text())
     targets = config.get("target_modules")
-    targets = sorted(targets) if isinstance(targets, list) else targets
+    parameters = sorted({name.rsplit(".", 1)[-1] for name in config.get("target_parameters") or []})
+    if isinstance(targets, list):  # a module path (shared_expert.gate_proj) by its name
+        targets = sorted({name.rsplit(".", 1)[-1] for name in targets}
+                         | {part for name in parameters for part in EXPERT_PARAMS.get(name, ())})
     want = {"peft_type": "LORA", "r": settings.rank, "lora_alpha": settings.alpha,
-            "target_modules": sorted(settings.targets)}
+            "target_modules": sorted(settings.targets),
+            "target_parameters": sorted(expert_params(settings)) if experts else []}
     have = {"peft_type": config.get("peft_type"), "r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
-            "target_modules": targets}
+            "target_modules": targets, "target_parameters": parameters}
     wrong = [f"{key}: adapter {have[key]!r}, run {value!r}" for key, value in want.items() if have[key] != value]
     if config.get("use_dora") or config.get("use_rslora"):
         wrong.append("the adapter uses DoRA / rsLoRA, which meshrl does not build")
@@ -165,44 +258,71 @@ def check_adapter_config(folder: Path, settings: LoraSettings) -> None:
                          + "; ".join(wrong) + "): set the run's lora rank / alpha / target_modules to the adapter's")
 
 
+def _expert_slice(tensor: torch.Tensor, key: Key, which_param: str, experts: int, rank: int) -> torch.Tensor:
+    """Expert ``key.expert``'s A or ``key.part``'s rows of its B, out of PEFT's tensor of ``which_param``."""
+    e = key.expert
+    if key.which == "A":
+        return tensor[e * rank:(e + 1) * rank]
+    b = tensor.reshape(tensor.shape[0], rank, experts)[:, :, e]
+    parts = EXPERT_PARAMS[which_param]
+    return b.chunk(len(parts))[parts.index(key.part)]
+
+
 @torch.no_grad()
 def load_adapter(chunks: list[torch.nn.Module], folder: str | os.PathLike) -> None:
     """Copy this rank's shard of the PEFT adapter in ``folder`` into the chunks' adapters."""
-    from megatron.core import parallel_state
     from safetensors import safe_open
 
     folder = Path(folder)
-    check_adapter_config(folder, settings_of(chunks))
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    settings = settings_of(chunks)
+    check_adapter_config(folder, settings, has_experts(chunks))
+    params = expert_params(settings)
+    num_experts = getattr(unwrap(chunks[0]).meshrl_spec, "num_experts", 0)
     with safe_open(folder / WEIGHTS_FILE, framework="pt") as handle:
         names = set(handle.keys())
-        for (layer, part, which), (adapter, param) in _local(chunks).items():
-            key = _peft_key(layer, part, which)
-            if key not in names:
-                raise ValueError(f"the LoRA adapter in {folder} has no {key}")
-            tensor = handle.get_tensor(key)
-            dim = _split_dim(adapter, which)
+        for key, (adapter, param) in _local(chunks).items():
+            if key.module == EXPERTS_MODULE:
+                param_name = next(name for name in params if key.part in EXPERT_PARAMS[name])
+                peft_key = _expert_peft_key(key.layer, param_name, key.which, params)
+            else:
+                peft_key = _peft_key(key)
+            if peft_key not in names:
+                raise ValueError(f"the LoRA adapter in {folder} has no {peft_key}")
+            tensor = handle.get_tensor(peft_key)
+            if key.module == EXPERTS_MODULE:
+                tensor = _expert_slice(tensor, key, param_name, num_experts, settings.rank)
+            dim = _split_dim(adapter, key.which)
             if dim is not None:
-                tensor = tensor.chunk(adapter.tp, dim=dim)[tp_rank]
+                tensor = tensor.chunk(adapter.tp, dim=dim)[adapter.tp_group.rank()]
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"{key} has shape {tuple(tensor.shape)}, the model's adapter needs "
+                raise ValueError(f"{peft_key} has shape {tuple(tensor.shape)}, the model's adapter needs "
                                  f"{tuple(param.shape)} (TP shard)")
             # A shared A was already copied from the layer's first part: the others must be copies of it.
-            shared_copy = which == "A" and SHARED in adapter.lora_A and part != adapter.parts[0]
+            shared_copy = key.which == "A" and SHARED in adapter.lora_A and key.part != adapter.parts[0]
             if shared_copy and not torch.equal(tensor.to(param.dtype), param):
-                raise ValueError(f"{key} differs from the {adapter.parts[0]} A of the same layer, but this run's "
+                raise ValueError(f"{peft_key} differs from the {adapter.parts[0]} A of the same layer, but this run's "
                                  "fused LoRA shares one A across them: load it with per-module adapters "
                                  "(lora.type=canonical_lora, or the FSDP keys)")
             param.copy_(tensor)
 
 
-def adapter_pairs(chunks: list[torch.nn.Module]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """HF weight name -> the full (A, B) of its adapter; collective like ``iter_adapter_weights``. Holds the
+def adapter_pairs(chunks: list[torch.nn.Module], hf_config) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF weight name -> the full (A, B) of its adapter (a routed expert's under the checkpoint's own name,
+    ``model.layers.N.mlp.experts.E.gate_proj.weight``); collective like ``iter_adapter_weights``. Holds the
     adapters only (``r * (in + out)`` per adapted weight), never a weight-sized delta."""
+    from meshrl.models.families import EXPERT_NAMES
+    from meshrl.parallel.model_builder import model_spec
+
+    spec = model_spec(hf_config)
+    names = dict(zip(("gate_proj", "up_proj", "down_proj"), EXPERT_NAMES[spec.expert_names][1:])) if spec.moe else {}
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in iter_adapter_weights(chunks):
-        module, which = key[len(PREFIX):].rsplit(".lora_", 1)
-        pairs.setdefault(f"{module}.weight", {})[which.split(".")[0]] = tensor
+    for key, tensor in _iter_tensors(chunks):
+        if key.module == EXPERTS_MODULE:
+            block = EXPERT_NAMES[spec.expert_names][0]
+            name = f"model.layers.{key.layer}.{block}.experts.{key.expert}.{names[key.part]}.weight"
+        else:
+            name = f"model.layers.{key.layer}.{key.module}.{key.part}.weight"
+        pairs.setdefault(name, {})[key.which] = tensor
     return {name: (pair["A"], pair["B"]) for name, pair in pairs.items()}
 
 
@@ -212,7 +332,7 @@ def iter_merged_weights(chunks: list[torch.nn.Module], hf_config) -> Iterator[tu
     from meshrl.parallel.hf_conversion import iter_hf_weights
 
     scaling = settings_of(chunks).scaling
-    pairs = adapter_pairs(chunks)
+    pairs = adapter_pairs(chunks, hf_config)
     for name, tensor in iter_hf_weights(chunks, hf_config):
         pair = pairs.pop(name, None)
         if pair is not None:

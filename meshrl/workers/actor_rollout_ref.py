@@ -89,7 +89,8 @@ def with_lora(chunks, plan):
     from meshrl.parallel.peft_io import load_adapter
 
     chunks = apply_lora(chunks, LoraSettings(rank=plan.rank, alpha=plan.alpha, targets=plan.targets,
-                                             dropout=plan.dropout, shared_a=plan.shared_a, init_a=plan.init_a))
+                                             dropout=plan.dropout, shared_a=plan.shared_a, init_a=plan.init_a,
+                                             experts=plan.experts))
     if plan.adapter_path:
         load_adapter(chunks, plan.adapter_path)
     return chunks

