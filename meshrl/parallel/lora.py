@@ -159,30 +159,45 @@ class LoraAdapter(torch.nn.Module):
     def a_of(self, part: str) -> torch.nn.Parameter:
         return self.lora_A[SHARED] if SHARED in self.lora_A else self.lora_A[part]
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """``scaling * B (A dropout(x))`` in the linear's local output layout (this TP rank's rows)."""
+    def _low_rank(self, x: torch.Tensor) -> torch.Tensor:
+        """``A dropout(x)`` (every A's rows side by side), through the layer's communication."""
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             gather_from_sequence_parallel_region,
                                                             reduce_from_tensor_model_parallel_region,
                                                             reduce_scatter_to_sequence_parallel_region)
 
-        x = self._dropped(x)
         names = list(self.lora_A)
-        h = torch.nn.functional.linear(x, torch.cat([self.lora_A[n] for n in names]) if len(names) > 1
-                                       else self.lora_A[names[0]])
+        h = torch.nn.functional.linear(self._dropped(x), torch.cat([self.lora_A[n] for n in names])
+                                       if len(names) > 1 else self.lora_A[names[0]])
         if self.expert is not None:
-            pass  # explicit expert communication: the dispatcher sums the expert-TP ranks' terms (module docstring)
-        elif self.sequence_parallel:
-            h = reduce_scatter_to_sequence_parallel_region(h) if self.row_parallel \
+            return h  # explicit expert communication: the dispatcher sums the expert-TP ranks' terms (module docstring)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(h) if self.row_parallel \
                 else gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
-        else:
-            h = reduce_from_tensor_model_parallel_region(h) if self.row_parallel \
-                else copy_to_tensor_model_parallel_region(h)
+        return reduce_from_tensor_model_parallel_region(h) if self.row_parallel \
+            else copy_to_tensor_model_parallel_region(h)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """``scaling * B (A dropout(x))`` in the linear's local output layout (this TP rank's rows)."""
+        h = self._low_rank(x)
+        names = list(self.lora_A)
         rank = self.lora_B[self.parts[0]].shape[1]
         by_a = dict(zip(names, h.split(rank, dim=-1)))
         deltas = {part: torch.nn.functional.linear(by_a[SHARED if SHARED in by_a else part], self.lora_B[part])
                   * self.scaling for part in self.parts}
         return self._assemble(deltas, h.shape[:-1])
+
+    def added_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out + delta(x)``; with one A feeding every part of the linear (one part, a shared A), the parts' B in
+        the output layout and one ``addmm``: the adapter is two matrix products (a third kernel concatenates a fused
+        layer's B), which matters where it runs once per routed expert."""
+        if len(self.lora_A) > 1 or len(self.parts) < len(self.all_parts):
+            return out + self.delta(x)
+        h = self._low_rank(x)
+        rank = h.shape[-1]
+        b_t = self._assemble({part: self.lora_B[part].t() for part in self.parts}, (rank,))  # [r, output layout]
+        return torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, rank), b_t,
+                           alpha=self.scaling).view(out.shape)
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.dropout, torch.nn.Identity) or not self.training:
@@ -247,7 +262,7 @@ def _hook(adapter: LoraAdapter, linear: torch.nn.Module) -> None:
 
         def add_before_norm(module, args):
             x = held.pop()
-            return (args[0] + adapter.delta(x),) + tuple(args[1:]) if adapter.enabled else None
+            return (adapter.added_to(args[0], x),) + tuple(args[1:]) if adapter.enabled else None
 
         linear.register_forward_pre_hook(keep_input)
         linear.post_norm.register_forward_pre_hook(add_before_norm)
@@ -258,7 +273,7 @@ def _hook(adapter: LoraAdapter, linear: torch.nn.Module) -> None:
             return None
         x = args[0] if args else kwargs["input_"]
         out, bias = output
-        return out + adapter.delta(x), bias
+        return adapter.added_to(out, x), bias
 
     linear.register_forward_hook(add, with_kwargs=True)
 

@@ -299,7 +299,7 @@ def load_adapter(chunks: list[torch.nn.Module], folder: str | os.PathLike) -> No
                                  f"{tuple(param.shape)} (TP shard)")
             # A shared A was already copied from the layer's first part: the others must be copies of it.
             shared_copy = key.which == "A" and SHARED in adapter.lora_A and key.part != adapter.parts[0]
-            if shared_copy and not torch.equal(tensor.to(param.dtype), param):
+            if shared_copy and not torch.equal(tensor.to(device=param.device, dtype=param.dtype), param):
                 raise ValueError(f"{peft_key} differs from the {adapter.parts[0]} A of the same layer, but this run's "
                                  "fused LoRA shares one A across them: load it with per-module adapters "
                                  "(lora.type=canonical_lora, or the FSDP keys)")

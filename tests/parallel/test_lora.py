@@ -152,3 +152,23 @@ def test_distributed_optimizer_and_bf16_train_the_adapters_only(tp1, tiny_llama_
     changed = sorted(name for name, p in gpt.named_parameters() if not torch.equal(p, before[name]))
     # 2 layers x (q_proj's A and B in linear_qkv_lora, down_proj's in linear_fc2_lora)
     assert len(changed) == 8 and all("_lora.lora_" in name for name in changed), changed
+
+
+@pytest.mark.parametrize("shared_a", [True, False], ids=["one-A-per-layer", "A-per-module"])
+def test_the_one_product_path_adds_what_the_per_part_deltas_add(tp1, tiny_llama_dir, shared_a) -> None:
+    """``added_to`` (the hooks' path: one ``addmm`` with the parts' B laid out as the linear's output, where one A
+    feeds every part) equals ``out + delta(x)`` (per part, then assembled) on every adapted linear: the grouped
+    q/k/v rows, the [gate; up] concatenation, a single part; with an A per module it is the per-part path."""
+    chunks = lora_model(tiny_llama_dir, lora.LoraSettings(rank=4, alpha=16, targets=ALL, shared_a=shared_a))
+    g = torch.Generator().manual_seed(0)
+    checked = set()
+    for _, adapter in lora.adapters(chunks):
+        with torch.no_grad():
+            for b in adapter.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g))
+            a = next(iter(adapter.lora_A.values()))
+            x = torch.randn(5, 2, a.shape[1], generator=g)
+            out = torch.randn(5, 2, sum(adapter.out_sizes.values()), generator=g)
+            assert (adapter.added_to(out, x) - (out + adapter.delta(x))).abs().max() <= 1e-5
+        checked.add(adapter.layout)
+    assert checked == {"qkv", "concat", "single"}
