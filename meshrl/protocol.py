@@ -164,6 +164,19 @@ class Batch:
         self.non_tensors = state["non_tensors"]
         self.meta = state["meta"]
 
+    def plain(self) -> dict:
+        """The batch in types ``torch.load(weights_only=True)`` reads (tensors, lists, dicts, strings, numbers):
+        a checkpoint's form of it (``from_plain``). A numeric column travels as a tensor (its dtype kept), an
+        object column as a list."""
+        columns = {k: torch.from_numpy(v) if v.dtype != object else list(v) for k, v in self.non_tensors.items()}
+        return {"tensors": {k: v.clone() if v.untyped_storage().nbytes() > v.nbytes else v
+                            for k, v in self.tensors.items()}, "non_tensors": columns, "meta": dict(self.meta)}
+
+    @staticmethod
+    def from_plain(state: dict) -> "Batch":
+        columns = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in state["non_tensors"].items()}
+        return Batch(dict(state["tensors"]), columns, dict(state["meta"]))
+
 
 def _to_array(value: np.ndarray | Sequence) -> np.ndarray:
     if isinstance(value, np.ndarray):

@@ -41,9 +41,11 @@ GPU: the KV cache beside the training state). The standalone rollout pool is not
 **The engine-versus-trainer alarm** (``trainer.on_mismatch``) judges only steps whose samples all come from the
 weights the trainer evaluates: a stale sample's gap is the policy's progress, not a broken sync.
 
-**Checkpoints** hold the prompts started but not trained (queued samples and those not yet generated) and the
-queue's counters; a resumed run generates those prompts again, with the checkpoint's weights (which the engine takes
-at load: the resumed run's first version starts there).
+**Checkpoints** hold the queue as it was: its finished samples (each group's rows as generated: tokens, log-probs,
+each token's version) with their trajectories' versions, the prompts drawn but not started, and the queue's
+counters (a save first lets the generation in flight finish, so no sample is half-made). A resumed run trains the
+saved samples as the run that saved them would have, and starts the rest with the checkpoint's weights (which the
+engine takes at load: the resumed run's first version starts there, a new version's first local step).
 """
 
 from __future__ import annotations
@@ -251,8 +253,9 @@ class AsyncRLTrainer(RLTrainer):
     # ------------------------------------------------------------------------------- checkpoints
     def driver_state(self) -> dict[str, Any]:
         state = super().driver_state()
-        queued = [index for index, _ in self.queue.queued_payloads()]
-        state["async"] = {"prompts": queued + list(self.pending), "version": self.queue.rollout_version,
+        samples = [{"row": index, "rows": group.plain(), "versions": [list(span) for span in versions]}
+                   for (index, group), versions in zip(self.queue.queued_payloads(), self.queue.queued_versions())]
+        state["async"] = {"samples": samples, "prompts": list(self.pending), "version": self.queue.rollout_version,
                           "queue": self.queue.counters()}
         return state
 
@@ -263,5 +266,9 @@ class AsyncRLTrainer(RLTrainer):
                               f"trainer.async_mode={self.cfg.trainer.async_mode} from; resume it with the config "
                               "that saved it, or start this run afresh in another trainer.default_local_dir",
                               ["trainer.async_mode"])
+        # the finished samples as they were generated (tokens, log-probs, versions); a checkpoint of an earlier meshrl
+        # holds their rows only, among the prompts to start again
+        samples = [((sample["row"], Batch.from_plain(sample["rows"])), sample["versions"])
+                   for sample in saved.get("samples", [])]
         self.pending = deque(saved["prompts"])
-        self.queue.restore_counters(saved["queue"], version=saved["version"])
+        self.queue.restore_counters(saved["queue"], version=saved["version"], samples=samples)

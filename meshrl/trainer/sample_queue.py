@@ -400,6 +400,10 @@ class SampleQueue:
         """The finished samples not yet taken, oldest first."""
         return [sample.payload for sample in self._queue]
 
+    def queued_versions(self) -> list[tuple[tuple[int, int], ...]]:
+        """Each queued sample's trajectories' (first, last) versions, oldest first (``queued_payloads``' order)."""
+        return [sample.versions for sample in self._queue]
+
     def counters(self) -> dict[str, int]:
         """The running totals a resumed run continues (its metrics count on from them)."""
         return {"admitted": self.admitted, "total_generated_samples": self.total_generated_samples,
@@ -407,15 +411,21 @@ class SampleQueue:
                 "stale_samples_processed": self.stale_samples_processed,
                 "stale_trajectory_processed": self.stale_trajectory_processed}
 
-    def restore_counters(self, counters: dict[str, int], version: int) -> None:
-        """A resumed run's queue: empty, at parameter ``version`` (the checkpoint's weights, synced at load), a new
-        version's first local step, with ``counters``; the samples that were queued or not started at the save are
-        started again (so they leave ``admitted``)."""
+    def restore_counters(self, counters: dict[str, int], version: int,
+                         samples: Sequence[tuple[Any, Sequence[Sequence[int]]]] = ()) -> None:
+        """A resumed run's queue at parameter ``version`` (the checkpoint's weights, synced at load), a new version's
+        first local step, with ``counters`` and the finished ``samples`` saved with it queued again as they were
+        ((payload, each trajectory's (first, last) version), oldest first; as after a sync, they are the staleness
+        count). A sample not finished at the save is started again (it leaves ``admitted``)."""
         if self._queue or self.in_flight or self.admitted:
             raise RuntimeError("restore_counters() on a queue already in use")
         for key, value in counters.items():
             setattr(self, key, int(value))
-        self.admitted = self.consumed + self.abandoned_samples
+        now = self.clock()
+        self._queue.extend(QueuedSample(payload, tuple((int(first), int(last)) for first, last in versions), now)
+                           for payload, versions in samples)
+        self.admitted = self.consumed + self.abandoned_samples + len(self._queue)
+        self.staleness_samples = len(self._queue)
         self.param_version = self.rollout_version = int(version)
 
     # ---- metrics ----

@@ -89,3 +89,19 @@ def test_pickle_compacts_slice_views():
     blob = pickle.dumps(piece)
     assert len(blob) < 10 * 256 * 4 * 2  # not the whole 1 MB storage
     assert torch.equal(pickle.loads(blob)["x"], piece["x"])
+
+
+def test_a_batch_in_plain_form_loads_back_with_weights_only(tmp_path):
+    """``Batch.plain`` is what an asynchronous checkpoint holds of a queued sample: ``torch.load(weights_only=True)``
+    reads it back, and ``from_plain`` gives the batch again (tensors, numeric columns with their dtype, object columns,
+    meta); a row view is saved as its own rows, not the storage it views."""
+    full = Batch({"responses": torch.arange(12).reshape(6, 2), "mask": torch.ones(6, 2)},
+                 {"prompt_ids": [[1, 2], [3], [4, 5, 6], [7], [8], [9]], "score": np.arange(6, dtype=np.float32),
+                  "raw_prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(6)]}, {"temperature": 1.0})
+    batch = full.take([2, 3])
+    torch.save(batch.plain(), tmp_path / "state.pt")
+    back = Batch.from_plain(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert back.keys() == batch.keys() and back.meta == batch.meta
+    assert torch.equal(back["responses"], batch["responses"]) and back["score"].dtype == np.float32
+    assert list(back["prompt_ids"]) == [[4, 5, 6], [7]] and back["raw_prompt"][1][0]["content"] == "q3"
+    assert batch.plain()["tensors"]["responses"].untyped_storage().nbytes() == 2 * 2 * 8

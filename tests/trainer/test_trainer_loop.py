@@ -5,6 +5,7 @@ what a resume says and keeps, and a stop request (a SIGTERM under trainer.save_o
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -290,24 +291,34 @@ def test_resume_says_where_it_starts_and_a_fresh_start_forgets_the_old_run(run, 
 
 def test_an_asynchronous_checkpoint_resumes_its_queue_and_no_trainer_resumes_the_others(run, tmp_path):
     """Fully async at staleness 1 (4 prompts a step, up to 8 ahead), the rollouter overlapping the trainer: after step
-    2 the queue holds the 4 prompts that step's rollouter generated; a resume generates those first (with the
-    checkpoint's weights), counts on, and takes them at step 3. A synchronous checkpoint does not resume
-    asynchronously, nor the other way round. (The rollouter that waits at a sync, one engine call per version: with
-    partial rollout a save also waits for every group, so the queue saved is the same.)"""
+    2 the queue holds the 4 samples that step's rollouter generated; the checkpoint keeps them as generated (rows,
+    versions), and a resume trains them at step 3, exactly as the run that saved them would have, while its rollouter
+    starts 4 new prompts (the staleness bound counts the 4 queued); it counts on. A synchronous checkpoint does not
+    resume asynchronously, nor the other way round. (The rollouter that waits at a sync, one engine call per version:
+    with partial rollout a save also waits for every group, so the queue saved is the same.)"""
     fully_async = ("trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=True",
                    "async_training.partial_rollout=False",
                    "async_training.staleness_threshold=1", "async_training.require_batches=2",
                    "async_training.trigger_parameter_sync_step=1", "trainer.save_freq=1")
-    trainer, policy = run(*fully_async)  # the recipe's 2 steps
+    trainer, policy = run(*fully_async, "trainer.total_training_steps=3")  # the uninterrupted run
+    steps = metrics_by_step(tmp_path / "run")
+    third = policy.updates[-2:]  # step 3's two mini-batches (require_batches=2)
+    shutil.rmtree(tmp_path / "run" / "global_step_3")
     assert trainer.overlap
     trained = [p for (mode, _), p in zip(policy.generated, policy.prompts) if mode == "train"]
-    assert [len(p) for p in trained] == [8, 4]  # one step ahead of the trainer, then what step 2 freed
+    assert [len(p) for p in trained] == [8, 4, 4]  # one step ahead of the trainer, then what each step freed
     saved = CheckpointManager(tmp_path / "run").load_driver_state(tmp_path / "run" / "global_step_2")["async"]
-    assert len(saved["prompts"]) == 4
-    assert saved["version"] == 2
+    assert [len(sample["rows"]["tensors"]["responses"]) for sample in saved["samples"]] == [2] * 4  # rollout.n rows
+    assert saved["version"] == 2 and all(sample["versions"] == [[1, 1]] * 2 for sample in saved["samples"])
     resumed, policy = run(*fully_async, "trainer.total_training_steps=3")
-    generated = next(p for (mode, _), p in zip(policy.generated, policy.prompts) if mode == "train")
-    assert len(generated) == 8 and generated[:4] == trained[1]
+    generated = [p for (mode, _), p in zip(policy.generated, policy.prompts) if mode == "train"]
+    assert generated[0] == trained[2]  # the saved samples are not generated again: the next 4 prompts are
+    for mine, theirs in zip(policy.updates, third):  # step 3 trains the saved samples as the uninterrupted run did
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) if k in mine.tensors else list(mine[k]) == list(theirs[k])
+                   for k in mine.keys())
+    assert metrics_by_step(tmp_path / "run")[3]["fully_async/count/total_generated_samples"] == \
+        steps[3]["fully_async/count/total_generated_samples"]
     assert resumed.queue.rollout_version == 3 and resumed.queue.counters()["consumed"] == 12
     with pytest.raises(ConfigError, match="saved by an asynchronous trainer"):
         run("trainer.total_training_steps=4")
