@@ -47,8 +47,7 @@ CANONICAL = {"linear_q": ("q_proj",), "linear_k": ("k_proj",), "linear_v": ("v_p
              "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",)}
 MEGATRON_TYPES = {"lora": FUSED, "canonical_lora": CANONICAL}
 # A PEFT folder's ``target_parameters`` meshrl loads: the routed experts' (transformers 5's 3-D parameters)
-EXPERT_PARAMETER_SETS = (["mlp.experts.down_proj"], ["mlp.experts.gate_up_proj"],
-                         ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
+EXPERT_PARAMETERS, ROUTER_PARAMETER = ("mlp.experts.down_proj", "mlp.experts.gate_up_proj"), "mlp.gate.weight"
 # The largest of vLLM's MaxLoRARanks (vllm/config/lora.py, 0.32), as verl's validate_config checks it.
 VLLM_MAX_LORA_RANK = 512
 
@@ -67,6 +66,7 @@ class LoraPlan:
     keys: str  # "FSDP" | "Megatron": which of verl's spellings set it
     merge: bool = False  # the engine gets merged weights (True) or the adapters (False: vLLM's adapter path)
     experts: bool = False  # the MLP targets also adapt an MoE layer's routed experts (``parallel.lora``)
+    router: bool = False  # and its router (verl's "router" target, excluded by default as in verl)
     merge_reason: str | None = None  # "experts": merged because the routed experts' adapters have no engine path
 
 
@@ -129,13 +129,15 @@ def _adapter_plan(model: DictConfig, problems: list[str]) -> LoraPlan | None:
     if model.lora_rank > 0 and model.lora_rank != config.get("r"):
         problems.append(f"actor_rollout_ref.model.lora_rank={model.lora_rank}, but the adapter at {key} has rank "
                         f"{config.get('r')} (verl takes the adapter's): leave lora_rank at 0 or set it to that")
-    parameters = sorted(config.get("target_parameters") or [])
-    if parameters and parameters not in EXPERT_PARAMETER_SETS:
-        problems.append(f"{config_file}: target_parameters {parameters}: meshrl adapts the routed experts' "
-                        f"parameters as {EXPERT_PARAMETER_SETS[-1]} (or one of them), no other parameter")
+    parameters = set(config.get("target_parameters") or [])
+    other = sorted(parameters - {*EXPERT_PARAMETERS, ROUTER_PARAMETER})
+    if other:
+        problems.append(f"{config_file}: target_parameters {other}: meshrl adapts the routed experts' parameters "
+                        f"{list(EXPERT_PARAMETERS)} and the router's {ROUTER_PARAMETER}, no other parameter")
     return LoraPlan(rank=int(config.get("r", 8)), alpha=float(config.get("lora_alpha", 8)), targets=_ordered(targets),
                     dropout=float(config.get("lora_dropout", 0.0)), shared_a=False, init_a="kaiming",
-                    adapter_path=model.lora_adapter_path, keys="FSDP", experts=bool(parameters))
+                    adapter_path=model.lora_adapter_path, keys="FSDP", experts=bool(parameters & {*EXPERT_PARAMETERS}),
+                    router=ROUTER_PARAMETER in parameters)
 
 
 def _fsdp_plan(model: DictConfig, problems: list[str]) -> LoraPlan | None:
@@ -173,13 +175,18 @@ def _megatron_plan(lora: DictConfig, problems: list[str]) -> LoraPlan | None:
     if excluded and wanted:
         problems.append(f"{prefix}.exclude_modules: set target_modules=[] with it (it adapts every linear layer "
                         "but those), as verl requires")
-    targets = _resolve(wanted, table, f"{prefix}.target_modules", problems) if wanted else set(HF_LINEAR)
+    router = "router" in wanted  # verl's MoE router, adapted only when named (Megatron-Bridge's LoRATopKRouter)
+    wanted = [name for name in wanted if name != "router"]
+    if wanted:
+        targets = _resolve(wanted, table, f"{prefix}.target_modules", problems)
+    else:  # none named: every linear layer (exclude_modules' form), or the router alone
+        targets = set() if router else set(HF_LINEAR)
     targets -= _resolve(excluded, table, f"{prefix}.exclude_modules", problems)
     if not 0.0 <= lora.dropout < 1.0:
         problems.append(f"{prefix}.dropout={lora.dropout}: must be in [0, 1)")
     return LoraPlan(rank=int(lora.rank), alpha=float(lora.alpha), targets=_ordered(targets),
                     dropout=float(lora.dropout), shared_a=lora.type == "lora",
-                    init_a=lora.lora_A_init_method, adapter_path=None, keys="Megatron", experts=True)
+                    init_a=lora.lora_A_init_method, adapter_path=None, keys="Megatron", experts=True, router=router)
 
 
 def lora_enabled(cfg: DictConfig) -> bool:
@@ -201,7 +208,7 @@ def lora_plan(cfg: DictConfig) -> tuple[LoraPlan | None, list[str], list[str]]:
     if min(model.lora_rank, model.lora.rank) < 0:
         problems.append("LoRA rank must be >= 0 (0: no LoRA)")
     plan = _fsdp_plan(model, problems) if fsdp else _megatron_plan(model.lora, problems)
-    if plan is not None and not plan.targets:
+    if plan is not None and not plan.targets and not plan.router:
         problems.append("the LoRA target_modules / exclude_modules leave no linear layer to adapt")
     problems += _other_spelling(model, "FSDP" if fsdp else "Megatron")
     notes = []

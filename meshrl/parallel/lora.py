@@ -37,7 +37,10 @@ and sums their partial outputs), so an expert adapter communicates nothing: each
 (``B_t (A x)`` on ``linear_fc1``, ``B (A_t x_t)`` on ``linear_fc2``) and the dispatcher sums them as it does the
 base's; the replicated factor's gradient is then a per-rank partial sum, marked ``layers.ETP_PARTIAL_GRAD`` and
 summed over the expert-TP group after the backward. An expert adapter's parameters take the expert weight's
-``allreduce`` flag (reduced over the expert-data-parallel group, as the experts are).
+``allreduce`` flag (reduced over the expert-data-parallel group, as the experts are). With ``router=True`` (verl's
+``router`` target) the router's logits get ``scaling * B (A x)`` too, in the router's dtype: the router's weight is
+whole on every TP rank, so is its adapter, which takes the weight's gradient flags (``sequence_parallel`` under
+sequence parallelism, ``layers.TP_PARTIAL_GRAD`` where each TP rank routes its own share of the tokens).
 
 The base model is frozen (``requires_grad=False``: no gradient, no DDP buffer, no optimizer state; megatron
 runs its frozen-weight linear); only the adapters train. ``adapters_disabled(chunks)`` runs the base model
@@ -76,13 +79,14 @@ class LoraSettings:
     shared_a: bool = False
     init_a: str = "kaiming"
     experts: bool = False  # MLP targets also adapt each routed expert of an MoE layer (see the module docstring)
+    router: bool = False  # an MoE layer's router too (verl's "router" target; PEFT's mlp.gate.weight)
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
         unknown = [name for name in self.targets if name not in HF_TARGETS]
-        if unknown or not self.targets:
-            raise ValueError(f"LoRA targets {unknown or '(none)'}: choose among {sorted(HF_TARGETS)}")
+        if unknown or not (self.targets or self.router):
+            raise ValueError(f"LoRA targets {unknown or '(none)'}: choose among {sorted(HF_TARGETS)} (or the router)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
         if self.init_a not in INIT_METHODS:
@@ -102,8 +106,8 @@ def expert_lora_problem(settings: LoraSettings) -> str | None:
         return (f"LoRA on routed experts adapts gate and up together (PEFT's experts.gate_up_proj), but only {mlp[0]} "
                 "is targeted: target both (linear_fc1) or neither")
     if settings.dropout:
-        return (f"LoRA dropout {settings.dropout} on routed experts: PEFT's expert adapters take none (the delta is "
-                "added to the weights); set lora.dropout=0")
+        return (f"LoRA dropout {settings.dropout} on routed experts or routers: PEFT's parameter adapters take none "
+                "(the delta is added to the weights); set lora.dropout=0")
     return None
 
 
@@ -118,15 +122,18 @@ class LoraAdapter(torch.nn.Module):
     def __init__(self, parts: tuple[str, ...], all_parts: tuple[str, ...], in_size: int,
                  out_sizes: dict[str, int], row_parallel: bool, layout: str, spec, settings: LoraSettings,
                  dtype: torch.dtype, device: torch.device, sequence_parallel: bool = False, tp_group=None,
-                 expert: int | None = None, allreduce: bool = True) -> None:
+                 expert: int | None = None, allreduce: bool = True, replicated=None) -> None:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        from meshrl.parallel.layers import ETP_PARTIAL_GRAD
+        from meshrl.parallel.layers import ETP_PARTIAL_GRAD, TP_PARTIAL_GRAD
 
         super().__init__()
         self.tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
-        tp = self.tp_group.size()
+        # ``replicated``: the weight of a linear every TP rank holds whole (a router's), whose gradient flags the
+        # adapter takes; it is neither split nor communicated
+        self.replicated = replicated is not None
+        tp = 1 if self.replicated else self.tp_group.size()
         self.parts, self.all_parts, self.layout, self.row_parallel = parts, all_parts, layout, row_parallel
         self.scaling, self.spec, self.tp = settings.scaling, spec, tp
         self.expert = expert  # the routed expert's global index; None for a dense linear
@@ -148,13 +155,16 @@ class LoraAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(param, row_parallel, 1, 1)
             _init_a(param, settings.init_a, in_size)
         for param in self.lora_B.values():
-            set_tensor_model_parallel_attributes(param, not row_parallel, 0, 1)
+            set_tensor_model_parallel_attributes(param, not row_parallel and not self.replicated, 0, 1)
         for param in (self.lora_B if row_parallel else self.lora_A).values():  # the replicated side
             param.sequence_parallel = self.sequence_parallel
             if expert is not None and tp > 1:
                 setattr(param, ETP_PARTIAL_GRAD, True)
         for param in self.parameters():
             param.allreduce = allreduce
+            if self.replicated:
+                param.sequence_parallel = getattr(replicated, "sequence_parallel", False)
+                setattr(param, TP_PARTIAL_GRAD, getattr(replicated, TP_PARTIAL_GRAD, False))
 
     def a_of(self, part: str) -> torch.nn.Parameter:
         return self.lora_A[SHARED] if SHARED in self.lora_A else self.lora_A[part]
@@ -169,8 +179,10 @@ class LoraAdapter(torch.nn.Module):
         names = list(self.lora_A)
         h = torch.nn.functional.linear(self._dropped(x), torch.cat([self.lora_A[n] for n in names])
                                        if len(names) > 1 else self.lora_A[names[0]])
-        if self.expert is not None:
-            return h  # explicit expert communication: the dispatcher sums the expert-TP ranks' terms (module docstring)
+        if self.expert is not None or self.replicated:
+            # explicit expert communication: the dispatcher sums the expert-TP ranks' terms; a router's input and weight
+            # are whole on each rank (module docstring)
+            return h
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(h) if self.row_parallel \
                 else gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
@@ -251,6 +263,18 @@ def _init_a(param: torch.Tensor, method: str, fan_in: int) -> None:
             param.normal_(0.0, math.sqrt(2.0 / (fan_in + param.shape[0])))
 
 
+def _hook_router(adapter: LoraAdapter, router: torch.nn.Module) -> None:
+    """Add the adapter's delta to the router's logits (megatron's ``gating``, in the router's dtype, e.g. verl's
+    ``moe_router_dtype=fp32``): ``x (W + scaling B A)^T``, PEFT's ``mlp.gate.weight`` adapter."""
+    gating = router.gating
+
+    def adapted(input):
+        logits = gating(input)
+        return logits + adapter.delta(input).to(logits.dtype) if adapter.enabled else logits
+
+    router.gating = adapted
+
+
 def _hook(adapter: LoraAdapter, linear: torch.nn.Module) -> None:
     """Add the adapter's delta to the linear's output; a post-normed projection (Gemma 2/3) gets it before
     its norm: the input is kept by a pre-hook on the linear and the delta added to the norm's input."""
@@ -278,8 +302,9 @@ def _hook(adapter: LoraAdapter, linear: torch.nn.Module) -> None:
     linear.register_forward_hook(add, with_kwargs=True)
 
 
-# PEFT's module of a layer's routed experts in transformers 5 (3-D ``gate_up_proj`` / ``down_proj`` parameters)
-EXPERTS_MODULE = "mlp.experts"
+# PEFT's module of a layer's routed experts in transformers 5 (3-D ``gate_up_proj`` / ``down_proj`` parameters), and
+# the module whose ``gate`` is the router (its ``weight``: PEFT's ``target_parameters=["mlp.gate.weight"]``)
+EXPERTS_MODULE, ROUTER_MODULE = "mlp.experts", "mlp"
 # The adapted linears of a decoder layer: (HF parts it holds, layout of its output, row-parallel), by the linear's
 # name inside its parent (the attention, a dense MLP, an MoE layer's shared expert or one routed expert).
 LINEARS = {"linear_qkv": (("q_proj", "k_proj", "v_proj"), "qkv", False), "linear_proj": (("o_proj",), "single", True),
@@ -363,6 +388,15 @@ def adapt(gpt: torch.nn.Module, settings: LoraSettings) -> None:
             adapter.global_layer, adapter.hf_module = layer.layer_number - 1, site.hf_module
             site.parent.add_module(f"{site.name}_lora", adapter)
             _hook(adapter, linear)
+        if settings.router and hasattr(layer.mlp, "router"):
+            if problem := expert_lora_problem(settings):
+                raise ValueError(problem)
+            router = layer.mlp.router
+            adapter = LoraAdapter(("gate",), ("gate",), spec.hidden_size, {"gate": router.weight.shape[0]}, False,
+                                  "single", spec, settings, sample.dtype, sample.device, replicated=router.weight)
+            adapter.global_layer, adapter.hf_module = layer.layer_number - 1, ROUTER_MODULE
+            layer.mlp.add_module("router_lora", adapter)
+            _hook_router(adapter, router)
 
 
 def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings) -> list[torch.nn.Module]:

@@ -40,14 +40,15 @@ import torch
 import torch.distributed as dist
 
 from meshrl.atomic_io import publish_dir
-from meshrl.parallel.lora import EXPERTS_MODULE, HF_TARGETS, SHARED, LoraAdapter, LoraSettings, adapters
+from meshrl.parallel.lora import EXPERTS_MODULE, HF_TARGETS, ROUTER_MODULE, SHARED, LoraAdapter, LoraSettings, adapters
 from meshrl.parallel.model_builder import unwrap
 
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # PEFT's expert parameters, in the HF module's parameter order, and the HF parts each holds
 EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-MODULE_ORDER = ("self_attn", "mlp")  # within a layer; a shared expert's module sorts after mlp, the experts last
+MODULE_ORDER = ("self_attn", "mlp")
+ROUTER_PARAMETER = f"{ROUTER_MODULE}.gate.weight"  # within a layer; a shared expert's module sorts after mlp, the experts last
 
 
 class Key(NamedTuple):
@@ -63,7 +64,8 @@ class Key(NamedTuple):
     @property
     def sort_key(self) -> tuple:
         module = MODULE_ORDER.index(self.module) if self.module in MODULE_ORDER else 2 + (self.module == EXPERTS_MODULE)
-        return self.layer, module, self.expert, list(HF_TARGETS).index(self.part), self.which
+        part = list(HF_TARGETS).index(self.part) if self.part in HF_TARGETS else len(HF_TARGETS)  # the router's last
+        return self.layer, module, self.expert, part, self.which
 
 
 def settings_of(chunks: list[torch.nn.Module]) -> LoraSettings:
@@ -88,6 +90,20 @@ def expert_params(settings: LoraSettings) -> tuple[str, ...]:
     if not settings.experts:
         return ()
     return tuple(name for name, parts in EXPERT_PARAMS.items() if parts[0] in settings.targets)
+
+
+def target_parameters(settings: LoraSettings) -> list[str]:
+    """PEFT's ``target_parameters`` of an MoE model's adapters: the routed experts' and the router's weight."""
+    return sorted([f"{EXPERTS_MODULE}.{name}" for name in expert_params(settings)]
+                  + ([ROUTER_PARAMETER] if settings.router else []))
+
+
+def _parameter_name(name: str) -> str:
+    """PEFT writes a matched parameter in full (``mlp.experts.down_proj``) and short (``down_proj``): the full one."""
+    for full in (*(f"{EXPERTS_MODULE}.{p}" for p in EXPERT_PARAMS), ROUTER_PARAMETER):
+        if full == name or full.endswith(f".{name}") and name != "weight":
+            return full
+    return name
 
 
 def _local(chunks: list[torch.nn.Module]) -> dict[Key, tuple[LoraAdapter, torch.nn.Parameter]]:
@@ -203,8 +219,8 @@ def adapter_config(settings: LoraSettings, base_model: str | None, experts: bool
               "lora_dropout": settings.dropout, "target_modules": list(settings.targets), "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
               "init_lora_weights": True, "base_model_name_or_path": base_model}
-    if experts and expert_params(settings):
-        config["target_parameters"] = sorted(f"{EXPERTS_MODULE}.{name}" for name in expert_params(settings))
+    if experts and target_parameters(settings):
+        config["target_parameters"] = target_parameters(settings)
     return config
 
 
@@ -241,13 +257,13 @@ def check_adapter_config(folder: Path, settings: LoraSettings, experts: bool = F
     expert) is implied by the experts' parameters, which it names in short and in full."""
     config = json.loads((folder / CONFIG_FILE).read_text())
     targets = config.get("target_modules")
-    parameters = sorted({name.rsplit(".", 1)[-1] for name in config.get("target_parameters") or []})
+    parameters = sorted({_parameter_name(name) for name in config.get("target_parameters") or []} - {"weight"})
     if isinstance(targets, list):  # a module path (shared_expert.gate_proj) by its name
         targets = sorted({name.rsplit(".", 1)[-1] for name in targets}
-                         | {part for name in parameters for part in EXPERT_PARAMS.get(name, ())})
+                         | {part for name in parameters for part in EXPERT_PARAMS.get(name.rsplit(".", 1)[-1], ())})
     want = {"peft_type": "LORA", "r": settings.rank, "lora_alpha": settings.alpha,
             "target_modules": sorted(settings.targets),
-            "target_parameters": sorted(expert_params(settings)) if experts else []}
+            "target_parameters": target_parameters(settings) if experts else []}
     have = {"peft_type": config.get("peft_type"), "r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
             "target_modules": targets, "target_parameters": parameters}
     wrong = [f"{key}: adapter {have[key]!r}, run {value!r}" for key, value in want.items() if have[key] != value]
@@ -320,6 +336,8 @@ def adapter_pairs(chunks: list[torch.nn.Module], hf_config) -> dict[str, tuple[t
         if key.module == EXPERTS_MODULE:
             block = EXPERT_NAMES[spec.expert_names][0]
             name = f"model.layers.{key.layer}.{block}.experts.{key.expert}.{names[key.part]}.weight"
+        elif key.part == "gate":  # the router: the checkpoint's MoE block (Mixtral's block_sparse_moe)
+            name = f"model.layers.{key.layer}.{EXPERT_NAMES[spec.expert_names][0]}.gate.weight"
         else:
             name = f"model.layers.{key.layer}.{key.module}.{key.part}.weight"
         pairs.setdefault(name, {})[key.which] = tensor

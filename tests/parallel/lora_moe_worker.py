@@ -4,8 +4,8 @@
 
 PEFT (transformers 5 holds the routed experts as 3-D parameters) writes a random adapter (``init_lora_weights=False``:
 B != 0, so every adapter tensor has a gradient) on the attention (and Qwen2-MoE's shared expert) by
-``target_modules`` and on every routed expert by ``target_parameters=["mlp.experts.gate_up_proj",
-"mlp.experts.down_proj"]``. Each phase loads it into meshrl's adapters at EP2 (TP1, two data-parallel ranks: each
+``target_modules`` and on every routed expert and the router by ``target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj", "mlp.gate.weight"]``. Each phase loads it into meshrl's adapters at EP2 (TP1, two data-parallel ranks: each
 runs half the micro-batches, the experts split over the ranks) or TP2 (tokens routed per TP rank's share, experts
 split over expert-TP = TP, so the experts' adapters carry expert-TP partial gradients), and records the largest
 differences from PEFT's log-probs and adapter gradients (HF runs every micro-batch in one process), the adapter
@@ -40,7 +40,8 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 # (phase, family, layout); meshrl's targets are the attention and MLP names with experts=True
 PHASES = [("ep2", "qwen2_moe", dict(expert_parallel=2)), ("tp2", "qwen2_moe", dict(tensor_parallel=2)),
           ("ep2", "qwen3_moe", dict(expert_parallel=2)), ("tp2", "qwen3_moe", dict(tensor_parallel=2))]
-EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# the routed experts' weights and the router's (verl's "router" target)
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 # PEFT's: the attention, the shared expert by its path (PEFT 0.21 reads a bare gate_proj / up_proj / down_proj on a
 # transformers 5 MoE model as the routed experts' parameters too, gate and up with separate A's), the experts by
 # target_parameters
@@ -92,7 +93,7 @@ def run_phase(name: str, family: str, layout: dict, workdir: Path) -> dict:
     state.initialize(state.ParallelConfig(**layout))
     try:
         chunks = lora.apply_lora(build(path), lora.LoraSettings(rank=RANK, alpha=ALPHA, targets=ATTENTION + MLP,
-                                                                experts=True))
+                                                                experts=True, router=True))
         peft_io.load_adapter(chunks, folder)
         mine, mine_ref = my_batches(make_micro_batches()), my_batches(reference["log_probs"])
         out = schedule.forward_only(chunks, mine, REQUEST)
@@ -114,6 +115,7 @@ def run_phase(name: str, family: str, layout: dict, workdir: Path) -> dict:
         "merged_names_mismatch": len(set(merged) ^ set(reference["merged"])),
         "merged": max(float((t - reference["merged"][k]).abs().max()) for k, t in merged.items()),
         "expert_adapters": sum(1 for _, adapter in lora.adapters(chunks) if adapter.expert is not None),
+        "router_adapters": sum(1 for _, adapter in lora.adapters(chunks) if adapter.replicated),
     }
     if stepped is not None:
         result["checkpoint"] = stepped
