@@ -1,5 +1,5 @@
 # The two commands a fresh machine needs (see README): `make run` and `make test`.
-.PHONY: setup run test test-unit test-heavy test-extended
+.PHONY: setup run lint test test-unit test-heavy test-extended
 
 PY := .venv/bin/python
 # torch.compile off: the policy's and reference's compiled regions (use_torch_compile, on by verl's default) are an
@@ -23,7 +23,11 @@ setup:
 run: setup
 	$(PY) -m meshrl.trainer.main --config-name cpu_smollm2_grpo
 
-test: setup
+# ruff's pyflakes and pycodestyle rules (pyproject.toml), a second or two: part of `make test`.
+lint: setup
+	.venv/bin/ruff check meshrl tests bench scripts launch
+
+test: setup lint
 	$(PY) -m pytest -q --timeout=600 $(XDIST)
 	$(PY) -m pytest -q --timeout=900 $(XDIST) -m "$(HEAVY)"
 

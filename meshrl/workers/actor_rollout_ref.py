@@ -133,7 +133,7 @@ class ActorRolloutRefWorker(RankWorker):
         actor = arr.actor
         threads = int(os.environ.get("MESHRL_THREADS", "1"))
         imported = time.monotonic()
-        layout = self._init_distributed(address, actor.megatron, threads)
+        self._init_distributed(address, actor.megatron, threads)
         trust = {"trust_remote_code": arr.model.trust_remote_code}
         self.hf_config = load_model_config(self.model_dir, arr.model.override_config, **trust)
         self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir, **trust)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import build_run_plan

@@ -1,7 +1,6 @@
 """What the trainer does with a multi-turn batch: tool tokens are read (attention) but never trained on
 (zero loss and zero gradient), scores land on the last sampled token, and the estimators skip the gaps."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -4,7 +4,6 @@ the Python tool on the local sandbox."""
 import json
 import textwrap
 import threading
-import time
 
 import pytest
 
