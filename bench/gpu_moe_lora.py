@@ -138,7 +138,8 @@ def section_parity(args, path: Path) -> dict:
     empty_cache(args)
     expert_keys = [k for k in grads if ".mlp.experts." in k]
     return {
-        "log_prob_max_abs_diff": max(float((o["log_probs"].cpu() - r)[:, 1:].abs().max()) for o, r in zip(out, reference)),
+        "log_prob_max_abs_diff": max(float((o["log_probs"].cpu() - r)[:, 1:].abs().max())
+                                     for o, r in zip(out, reference)),
         "log_prob_max_abs": max(float(r.abs().max()) for r in reference),
         "grad_names_mismatch": len(set(mine) ^ set(grads)),
         "grad_max_abs_diff": max(float((mine[k] - grads[k]).abs().max()) for k in grads),
@@ -287,7 +288,8 @@ def main() -> None:
         start = time.perf_counter()
         child = subprocess.run([sys.executable, "-m", "bench.gpu_moe_lora", *sys.argv[1:], "--section", name,
                                 "--section-out", str(out)], cwd=Path(__file__).resolve().parents[1])
-        result[name] = json.loads(out.read_text()) if out.is_file() else {"ok": False, "error": f"exit {child.returncode}"}
+        result[name] = (json.loads(out.read_text()) if out.is_file()
+                        else {"ok": False, "error": f"exit {child.returncode}"})
         result[name]["wall_s"] = time.perf_counter() - start
         print(f"[gpu_moe_lora] {name}: {json.dumps({k: v for k, v in result[name].items() if k != 'traceback'})}",
               flush=True)

@@ -328,7 +328,8 @@ def layer_sites(layer: torch.nn.Module, spec) -> list[Site]:
     routed experts (global index ``EP rank * local experts + k``, megatron's ``SequentialMLP`` order)."""
     from meshrl.models.families import SHARED_EXPERT_NAMES
 
-    sites = [Site(layer.self_attention, "linear_qkv", "self_attn"), Site(layer.self_attention, "linear_proj", "self_attn")]
+    sites = [Site(layer.self_attention, "linear_qkv", "self_attn"),
+             Site(layer.self_attention, "linear_proj", "self_attn")]
     mlp = layer.mlp
     if not hasattr(mlp, "experts"):
         return sites + [Site(mlp, "linear_fc1", "mlp"), Site(mlp, "linear_fc2", "mlp")]

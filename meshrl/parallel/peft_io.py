@@ -47,8 +47,8 @@ PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # PEFT's expert parameters, in the HF module's parameter order, and the HF parts each holds
 EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-MODULE_ORDER = ("self_attn", "mlp")
-ROUTER_PARAMETER = f"{ROUTER_MODULE}.gate.weight"  # within a layer; a shared expert's module sorts after mlp, the experts last
+MODULE_ORDER = ("self_attn", "mlp")  # within a layer; a shared expert's module sorts after mlp, the experts last
+ROUTER_PARAMETER = f"{ROUTER_MODULE}.gate.weight"  # PEFT's target_parameters name of a router's weight
 
 
 class Key(NamedTuple):
@@ -231,7 +231,8 @@ def has_experts(chunks: list[torch.nn.Module]) -> bool:
 def save_adapter(chunks: list[torch.nn.Module], out_dir: str | os.PathLike,
                  base_model: str | None = None) -> Path | None:
     """Write the adapters as a PEFT folder (atomically; an existing one is replaced); collective over the
-    model-parallel group (and the expert-parallel one), whose first rank writes. Returns the folder there, None elsewhere."""
+    model-parallel group (and the expert-parallel one), whose first rank writes. Returns the folder there, None
+    elsewhere."""
     from megatron.core import parallel_state
     from safetensors.torch import save_file
 

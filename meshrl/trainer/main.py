@@ -318,7 +318,8 @@ def preflight(cfg):
         plan = dataclasses.replace(plan, lora=moe_lora(plan.lora, hf_config.model_type))
     elif plan.lora is not None and plan.lora.router:
         raise ConfigError(f"actor_rollout_ref.model.lora.target_modules: 'router' adapts a mixture-of-experts router, "
-                          f"and {hf_config.model_type} has none: drop it", ["actor_rollout_ref.model.lora.target_modules"])
+                          f"and {hf_config.model_type} has none: drop it",
+                          ["actor_rollout_ref.model.lora.target_modules"])
     if plan.use_reward_model or plan.reward_judge:
         from meshrl.rewards.judge import judge_problems
         from meshrl.workers.reward_model import reward_model_problems

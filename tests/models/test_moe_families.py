@@ -134,8 +134,8 @@ def test_lora_on_moe_is_planned_at_preflight_and_moe_tensor_parallelism_in_vllm_
     plan = preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8"], recipe="cpu_tiny_grpo"))
     assert plan.lora.experts and plan.lora.merge
     assert any("no fused-MoE LoRA kernel" in note for note in plan.warnings)
-    plan = preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=True"],
-                                 recipe="cpu_tiny_grpo"))
+    plan = preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8",
+                                  "actor_rollout_ref.model.lora.merge=True"], recipe="cpu_tiny_grpo"))
     assert plan.lora.merge and not any("fused-MoE" in note for note in plan.warnings)  # asked for: no note
     assert not plan.lora.router  # verl leaves the router out unless target_modules names it
     router = "actor_rollout_ref.model.lora.target_modules=[linear_qkv,router]"
@@ -152,7 +152,8 @@ def test_lora_on_moe_is_planned_at_preflight_and_moe_tensor_parallelism_in_vllm_
         with pytest.raises(ConfigError, match=match):
             preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8", *overrides], recipe="cpu_tiny_grpo"))
     plan = preflight(load_config([*base, "actor_rollout_ref.model.lora.rank=8", canonical[0],
-                                  "actor_rollout_ref.model.lora.target_modules=[linear_q,linear_v]"], recipe="cpu_tiny_grpo"))
+                                  "actor_rollout_ref.model.lora.target_modules=[linear_q,linear_v]"],
+                                 recipe="cpu_tiny_grpo"))
     assert plan.lora.targets == ("q_proj", "v_proj")  # canonical LoRA off the MLP: nothing on the experts to refuse
     with pytest.raises(ConfigError, match="moe_tensor_parallel_size.*TensorRT-LLM only"):
         preflight(load_config([*base, "actor_rollout_ref.rollout.moe_tensor_parallel_size=2"], recipe="cpu_tiny_grpo"))

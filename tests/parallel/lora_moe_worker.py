@@ -5,9 +5,10 @@
 PEFT (transformers 5 holds the routed experts as 3-D parameters) writes a random adapter (``init_lora_weights=False``:
 B != 0, so every adapter tensor has a gradient) on the attention (and Qwen2-MoE's shared expert) by
 ``target_modules`` and on every routed expert and the router by ``target_parameters=["mlp.experts.gate_up_proj",
-"mlp.experts.down_proj", "mlp.gate.weight"]``. Each phase loads it into meshrl's adapters at EP2 (TP1, two data-parallel ranks: each
-runs half the micro-batches, the experts split over the ranks) or TP2 (tokens routed per TP rank's share, experts
-split over expert-TP = TP, so the experts' adapters carry expert-TP partial gradients), and records the largest
+"mlp.experts.down_proj", "mlp.gate.weight"]``. Each phase loads it into meshrl's adapters at EP2 (TP1, two
+data-parallel ranks: each runs half the micro-batches, the experts split over the ranks) or TP2 (tokens routed per
+TP rank's share, experts split over expert-TP = TP, so the experts' adapters carry expert-TP partial gradients), and
+records the largest
 differences from PEFT's log-probs and adapter gradients (HF runs every micro-batch in one process), the adapter
 saved back from the layout against PEFT's file, and the merged weights against PEFT's ``merge_and_unload`` (per
 expert, the checkpoint's names). The EP2 Qwen2-MoE phase then takes an Adam step and saves a distributed

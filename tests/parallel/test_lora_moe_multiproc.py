@@ -1,9 +1,9 @@
 """LoRA on mixture-of-experts models at EP2 and TP2 against PEFT (CPU/gloo, one 2-rank torchrun launch of
 ``lora_moe_worker.py``, ~22 s on 2 cores): tiny Qwen2-MoE (with its shared expert) and Qwen3-MoE, adapters on the
 attention, the shared expert, every routed expert and the router (PEFT's ``target_parameters`` on transformers 5's
-3-D expert weights and the router's weight), loaded from PEFT's random adapter: PEFT's log-probs and adapter gradients, its tensors saved back,
-its ``merge_and_unload`` weights per expert, and a distributed checkpoint saved at EP2 after an Adam step loaded at
-TP2 (experts split over expert-TP ranks).
+3-D expert weights and the router's weight), loaded from PEFT's random adapter: PEFT's log-probs and adapter
+gradients, its tensors saved back, its ``merge_and_unload`` weights per expert, and a distributed checkpoint saved
+at EP2 after an Adam step loaded at TP2 (experts split over expert-TP ranks).
 
 Measured: log-probs <= 1.9e-6, adapter gradients <= 2.5e-6 (the smallest tensor's largest entry 6e-3); saved,
 merged and checkpointed tensors exact. Without the expert-TP sum of the experts' replicated factors
