@@ -46,7 +46,8 @@ FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",
 CANONICAL = {"linear_q": ("q_proj",), "linear_k": ("k_proj",), "linear_v": ("v_proj",), "linear_proj": ("o_proj",),
              "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",)}
 MEGATRON_TYPES = {"lora": FUSED, "canonical_lora": CANONICAL}
-# A PEFT folder's ``target_parameters`` meshrl loads: the routed experts' (transformers 5's 3-D parameters)
+# A PEFT folder's ``target_parameters`` meshrl loads: the routed experts' (transformers 5's 3-D parameters) and the
+# router's weight
 EXPERT_PARAMETERS, ROUTER_PARAMETER = ("mlp.experts.down_proj", "mlp.experts.gate_up_proj"), "mlp.gate.weight"
 # The largest of vLLM's MaxLoRARanks (vllm/config/lora.py, 0.32), as verl's validate_config checks it.
 VLLM_MAX_LORA_RANK = 512
@@ -67,7 +68,6 @@ class LoraPlan:
     merge: bool = False  # the engine gets merged weights (True) or the adapters (False: vLLM's adapter path)
     experts: bool = False  # the MLP targets also adapt an MoE layer's routed experts (``parallel.lora``)
     router: bool = False  # and its router (verl's "router" target, excluded by default as in verl)
-    merge_reason: str | None = None  # "experts": merged because the routed experts' adapters have no engine path
 
 
 def _names(value: Any) -> list[str]:

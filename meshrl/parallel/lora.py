@@ -58,12 +58,15 @@ from typing import Iterator
 
 import torch
 
-# HF module name -> (megatron submodule of a decoder layer, its kind): which fused layer holds it.
-HF_TARGETS: dict[str, str] = {
-    "q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
-    "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
-    "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2",
-}
+# The adapted linears of a decoder layer: (HF parts it holds, layout of its output, row-parallel), by the linear's
+# name inside its parent (the attention, a dense MLP, an MoE layer's shared expert or one routed expert).
+LINEARS = {"linear_qkv": (("q_proj", "k_proj", "v_proj"), "qkv", False), "linear_proj": (("o_proj",), "single", True),
+           "linear_fc1": (("gate_proj", "up_proj"), "concat", False), "linear_fc2": (("down_proj",), "single", True)}
+# The HF module names a run may target, in PEFT's order
+HF_TARGETS = tuple(part for parts, _, _ in LINEARS.values() for part in parts)
+# PEFT's module of a layer's routed experts in transformers 5 (3-D ``gate_up_proj`` / ``down_proj`` parameters), and
+# the module whose ``gate`` is the router (its ``weight``: PEFT's ``target_parameters=["mlp.gate.weight"]``)
+EXPERTS_MODULE, ROUTER_MODULE = "mlp.experts", "mlp"
 INIT_METHODS = ("kaiming", "xavier")
 SHARED = "shared"
 
@@ -302,15 +305,6 @@ def _hook(adapter: LoraAdapter, linear: torch.nn.Module) -> None:
     linear.register_forward_hook(add, with_kwargs=True)
 
 
-# PEFT's module of a layer's routed experts in transformers 5 (3-D ``gate_up_proj`` / ``down_proj`` parameters), and
-# the module whose ``gate`` is the router (its ``weight``: PEFT's ``target_parameters=["mlp.gate.weight"]``)
-EXPERTS_MODULE, ROUTER_MODULE = "mlp.experts", "mlp"
-# The adapted linears of a decoder layer: (HF parts it holds, layout of its output, row-parallel), by the linear's
-# name inside its parent (the attention, a dense MLP, an MoE layer's shared expert or one routed expert).
-LINEARS = {"linear_qkv": (("q_proj", "k_proj", "v_proj"), "qkv", False), "linear_proj": (("o_proj",), "single", True),
-           "linear_fc1": (("gate_proj", "up_proj"), "concat", False), "linear_fc2": (("down_proj",), "single", True)}
-
-
 @dataclass(frozen=True)
 class Site:
     """One linear a layer's adapters may sit on: its parent module, its name there, the HF module holding its parts
@@ -372,14 +366,15 @@ def adapt(gpt: torch.nn.Module, settings: LoraSettings) -> None:
     spec = gpt.meshrl_spec
     gpt.meshrl_lora = settings
     sample = next(gpt.parameters())
+    experts = settings.experts and any(part in settings.targets for part in LINEARS["linear_fc1"][0] + ("down_proj",))
+    if spec.moe and (experts or settings.router) and (problem := expert_lora_problem(settings)):
+        raise ValueError(problem)
     for layer in gpt.decoder.layers:
         for site in layer_sites(layer, spec):
             all_parts, layout, row_parallel = LINEARS[site.name]
             parts = tuple(name for name in all_parts if name in settings.targets)
             if not parts or (site.expert is not None and not settings.experts):
                 continue
-            if site.expert is not None and (problem := expert_lora_problem(settings)):
-                raise ValueError(problem)
             linear = getattr(site.parent, site.name)
             in_size, out_sizes = _sizes(spec, linear, site.name)
             adapter = LoraAdapter(parts, all_parts, in_size, out_sizes, row_parallel, layout, spec, settings,
@@ -390,8 +385,6 @@ def adapt(gpt: torch.nn.Module, settings: LoraSettings) -> None:
             site.parent.add_module(f"{site.name}_lora", adapter)
             _hook(adapter, linear)
         if settings.router and hasattr(layer.mlp, "router"):
-            if problem := expert_lora_problem(settings):
-                raise ValueError(problem)
             router = layer.mlp.router
             adapter = LoraAdapter(("gate",), ("gate",), spec.hidden_size, {"gate": router.weight.shape[0]}, False,
                                   "single", spec, settings, sample.dtype, sample.device, replicated=router.weight)

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from meshrl.atomic_io import publish_dir
-from meshrl.parallel.lora import EXPERTS_MODULE, HF_TARGETS, ROUTER_MODULE, SHARED, LoraAdapter, LoraSettings, adapters
+from meshrl.config.lora_keys import EXPERT_PARAMETERS, ROUTER_PARAMETER
+from meshrl.parallel.lora import EXPERTS_MODULE, HF_TARGETS, SHARED, LoraAdapter, LoraSettings, adapters
 from meshrl.parallel.model_builder import unwrap
 
 PREFIX = "base_model.model."
@@ -48,7 +49,6 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # PEFT's expert parameters, in the HF module's parameter order, and the HF parts each holds
 EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 MODULE_ORDER = ("self_attn", "mlp")  # within a layer; a shared expert's module sorts after mlp, the experts last
-ROUTER_PARAMETER = f"{ROUTER_MODULE}.gate.weight"  # PEFT's target_parameters name of a router's weight
 
 
 class Key(NamedTuple):
@@ -64,7 +64,7 @@ class Key(NamedTuple):
     @property
     def sort_key(self) -> tuple:
         module = MODULE_ORDER.index(self.module) if self.module in MODULE_ORDER else 2 + (self.module == EXPERTS_MODULE)
-        part = list(HF_TARGETS).index(self.part) if self.part in HF_TARGETS else len(HF_TARGETS)  # the router's last
+        part = HF_TARGETS.index(self.part) if self.part in HF_TARGETS else len(HF_TARGETS)  # the router's last
         return self.layer, module, self.expert, part, self.which
 
 
@@ -100,7 +100,7 @@ def target_parameters(settings: LoraSettings) -> list[str]:
 
 def _parameter_name(name: str) -> str:
     """PEFT writes a matched parameter in full (``mlp.experts.down_proj``) and short (``down_proj``): the full one."""
-    for full in (*(f"{EXPERTS_MODULE}.{p}" for p in EXPERT_PARAMS), ROUTER_PARAMETER):
+    for full in (*EXPERT_PARAMETERS, ROUTER_PARAMETER):
         if full == name or full.endswith(f".{name}") and name != "weight":
             return full
     return name

@@ -241,7 +241,7 @@ class AsyncRLTrainer(RLTrainer):
 
     def save(self):
         self.finish_generation()  # the engine's state and the queue's prompts, as of no generation in flight
-        # (partial rollout: the streams' groups all finished and queued; their rows are the queued prompts)
+        # (partial rollout: the streams' groups all finished and queued, and saved as they are: driver_state)
         return super().save()
 
     def sync_after_update(self) -> bool:

