@@ -45,7 +45,9 @@ weights the trainer evaluates: a stale sample's gap is the policy's progress, no
 each token's version) with their trajectories' versions, the prompts drawn but not started, and the queue's
 counters (a save first lets the generation in flight finish, so no sample is half-made). A resumed run trains the
 saved samples as the run that saved them would have, and starts the rest with the checkpoint's weights (which the
-engine takes at load: the resumed run's first version starts there, a new version's first local step).
+engine takes at load: the resumed run's first version starts there, a new version's first local step). They are taken
+at syncs (``save_due``: verl's ``save_freq`` counts versions); a stop request or the last step between two syncs
+ends the version early (``save``).
 """
 
 from __future__ import annotations
@@ -152,13 +154,17 @@ class AsyncRLTrainer(RLTrainer):
             batch.set("uid", torch.arange(len(indices)).repeat_interleave(len(batch) // len(indices)))
             batch = self.learn(batch, prompts, timer, metrics)  # the rollouter's generation runs meanwhile
             if sync_due:
-                with timer("gen"):  # nothing may touch the engine while it generates: stopped (partial rollout)
-                    self.finish_generation(stop=self.partial)  # or waited for
-                if self.step > self.cfg.trainer.critic_warmup:  # the policy was updated
-                    with timer("sync"):
-                        metrics.update(self.policy.sync_weights())
-                metrics.update(self.queue.reset_staleness())
+                self.sync(timer, metrics)
         return self.step_metrics(batch, timer, metrics)
+
+    def sync(self, timer: Timer, metrics: dict[str, float]) -> None:
+        """The version's end: the engine takes the policy's weights, and the rollouter the new version."""
+        with timer("gen"):  # nothing may touch the engine while it generates: stopped (partial rollout)
+            self.finish_generation(stop=self.partial)  # or waited for
+        if self.step > self.cfg.trainer.critic_warmup:  # the policy was updated
+            with timer("sync"):
+                metrics.update(self.policy.sync_weights())
+        metrics.update(self.queue.reset_staleness())
 
     def start_generation(self) -> Callable[[bool], list[tuple[int, Batch]]] | None:
         """Start every sample the queue admits now with the engine's weights: in one engine call, on the workers'
@@ -239,7 +245,21 @@ class AsyncRLTrainer(RLTrainer):
         self.finish_generation()  # one engine, one caller at a time
         return super().validate()
 
+    def save_due(self, stop: bool) -> bool:
+        """verl's cadence: ``trainer.save_freq`` counts parameter versions (a checkpoint at every ``save_freq``-th
+        sync; with one step per version, every ``save_freq`` steps), and a stop request or the last step saves too."""
+        freq = self.cfg.trainer.save_freq
+        at_sync = not self.queue.mid_version and self.queue.param_version % freq == 0 if freq > 0 else False
+        return stop or freq > 0 and (at_sync or self.step == self.total_steps)
+
     def save(self):
+        if self.queue.mid_version:  # a stop request or the last step between two syncs: the version ends here
+            print(f"meshrl: note: checkpoint at step {self.step}, local step {self.queue.local_trigger_step - 1} of "
+                  f"{self.budget.trigger_parameter_sync_step} (async_training.trigger_parameter_sync_step): the "
+                  "weights are synced first, so that a resumed run's rollouter starts from the weights this run's "
+                  "does", file=sys.stderr)
+            self.queue.end_version()
+            self.sync(Timer(), {})
         self.finish_generation()  # the engine's state and the queue's prompts, as of no generation in flight
         # (partial rollout: the streams' groups all finished and queued, and saved as they are: driver_state)
         return super().save()

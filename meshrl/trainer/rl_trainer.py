@@ -132,11 +132,17 @@ class RLTrainer:
                 last.update(self.validate())
             self.tracker.log(last, step=self.step)
             stop = self.stop_requested()
-            if stop or trainer.save_freq > 0 and (self.step % trainer.save_freq == 0 or self.step == self.total_steps):
+            if self.save_due(stop):
                 self.save()
             if stop:
                 break
         return last
+
+    def save_due(self, stop: bool) -> bool:
+        """A checkpoint after this step: on a stop request, at the last step, and every ``trainer.save_freq`` steps
+        (0 or less: only on a stop request)."""
+        freq = self.cfg.trainer.save_freq
+        return stop or freq > 0 and (self.step % freq == 0 or self.step == self.total_steps)
 
     def startup_metrics(self) -> dict[str, float]:
         """At this process's first training step, where the time before its end went (``startup/*``); then {}."""

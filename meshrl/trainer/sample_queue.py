@@ -369,6 +369,21 @@ class SampleQueue:
         self.param_version += 1
         return True
 
+    @property
+    def mid_version(self) -> bool:
+        """Some local steps of this version are trained, and its sync is not due yet
+        (``trigger_parameter_sync_step`` > 1)."""
+        return self.local_trigger_step > 1
+
+    def end_version(self) -> None:
+        """End the version after the local steps trained so far, as if the last had been the
+        ``trigger_parameter_sync_step``-th: the version moves on and a sync is due (then ``reset_staleness``). A
+        checkpoint is taken at a sync only, so that a resumed run's engine holds the weights the saving run's did."""
+        if not self.mid_version or self._batch_taken:
+            raise RuntimeError("end_version() between two local steps of a version only")
+        self.local_trigger_step = 1
+        self.param_version += 1
+
     def reset_staleness(self) -> dict[str, float]:
         """The new weights are in the rollouter's engine: its version is the trainer's, the staleness count starts
         from the samples left over (in flight and queued), and the version just ended gives its idle metrics."""

@@ -50,6 +50,7 @@ class FakeRole:
         self.stream_runs: list[tuple[int, int, list[int]]] = []  # (until, version, wait_for) of each run
         self.finished: list[list[int]] = []  # what each run returned
         self.taken: list[list[int]] = []
+        self.syncs: list[int] = []  # the number of updates done at each weight sync
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         self.generated.append((mode, sorted(prompts.keys())))
@@ -119,6 +120,7 @@ class FakeRole:
         return metrics if self.role == "critic" else (metrics, None)
 
     def sync_weights(self) -> dict[str, float]:
+        self.syncs.append(len(self.updates))
         return {}
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
@@ -325,6 +327,30 @@ def test_an_asynchronous_checkpoint_resumes_its_queue_and_no_trainer_resumes_the
     run("trainer.resume_mode=disable", "trainer.save_freq=1")  # a synchronous run's checkpoints
     with pytest.raises(ConfigError, match="saved by another trainer"):
         run(*fully_async, "trainer.total_training_steps=3")
+
+
+def test_an_asynchronous_run_of_two_steps_per_version_saves_at_syncs_and_resumes_its_trigger_count(run, tmp_path):
+    """trigger_parameter_sync_step=2: save_freq counts versions (verl's), so checkpoints are taken at syncs, and a
+    resume goes on with the uninterrupted run's syncs and updates; a stop request between two syncs syncs first."""
+    fully_async = ("trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=True",
+                   "async_training.partial_rollout=False", "async_training.staleness_threshold=1",
+                   "async_training.require_batches=1", "async_training.trigger_parameter_sync_step=2",
+                   "trainer.save_freq=1")
+    _, policy = run(*fully_async, "trainer.total_training_steps=4")  # the uninterrupted run
+    updates, syncs = policy.updates, policy.syncs
+    assert sorted(p.name for p in (tmp_path / "run").glob("global_step_*")) == ["global_step_2", "global_step_4"]
+    assert syncs == [2, 4]  # one mini-batch per step: a sync after every second update
+    shutil.rmtree(tmp_path / "run" / "global_step_4")
+    resumed, policy = run(*fully_async, "trainer.total_training_steps=4")
+    assert [n + 2 for n in policy.syncs] == syncs[1:] and resumed.queue.rollout_version == 2
+    for mine, theirs in zip(policy.updates, updates[2:], strict=True):  # steps 3 and 4 as the uninterrupted run's
+        assert all(torch.equal(mine[k], theirs[k]) if k in mine.tensors else list(mine[k]) == list(theirs[k])
+                   for k in theirs.keys())
+    shutil.rmtree(tmp_path / "run" / "global_step_4")
+    stopped, policy = run(*fully_async, "trainer.total_training_steps=4", stop_requested=lambda: True)
+    assert stopped.step == 3 and policy.syncs == [1]  # step 3 was the version's first: the save synced first
+    saved = CheckpointManager(tmp_path / "run").load_driver_state(tmp_path / "run" / "global_step_3")["async"]
+    assert saved["version"] == 2 and stopped.queue.rollout_version == 2
 
 
 def test_a_stop_request_saves_the_step_in_progress_and_stops(run, tmp_path):
