@@ -140,8 +140,6 @@ INERT = {
     "actor_rollout_ref.checkpoint_engine": "the older verl's copy of async_training.checkpoint_engine (its trainer-to-"
                                            "rollouter weight transfer): meshrl's rollouter is the training ranks' "
                                            "engines, synced in process",
-    "actor_rollout_ref.actor.use_prefix_grouper": "it computes a prompt once for its n responses (same numbers); "
-                                                  "meshrl computes each response with its own copy of the prompt",
     **dict.fromkeys(("*reward_model.rollout.temperature", "*reward_model.rollout.top_k", "*reward_model.rollout.top_p",
                      "*reward_model.rollout.do_sample", "*reward_model.rollout.n", "*reward_model.rollout.ignore_eos"),
                     JUDGE_SAMPLING),

@@ -34,6 +34,10 @@ registries (a typo fails here with a did-you-mean, before Ray, models or a rollo
   (``meshrl.parallel.compiled``): the policy with ``actor.use_torch_compile``, the reference with
   ``ref.use_torch_compile`` (unset: the actor's, as verl's ``oc.select``); none, with a start-up warning, when
   ``TORCHDYNAMO_DISABLE=1`` switches ``torch.compile`` off in the run's processes.
+- **shared prompts** (``shared_prompts``, verl's ``actor.use_prefix_grouper``): the policy's and reference's passes
+  run each group's prompt once for its responses (``meshrl.parallel.shared_prefix``, the same numbers); unset, on
+  wherever the model runs that layout (verl's default is off: its FSDP-only PrefixGrouper changes the attention
+  kernels and refuses packing).
 - **what every worker process needs of the run** (``workers``: ``WorkerSettings``): the device, the collective
   timeout, the non-finite number policy, where logs go. A worker gets this plan and its own role's config
   section (``actor_rollout_ref`` or ``critic``), never the whole config.
@@ -153,6 +157,9 @@ class RunPlan:
     sum_pi_squared: bool = False
     # algorithm.rollout_correction, parsed (rollout_correction_check)
     rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
+    # actor.use_prefix_grouper: the policy's and reference's passes in the shared-prompt layout; None (unset): wherever
+    # the model runs it, True: asked for (a note says why where it cannot run), False: off
+    shared_prompts: bool | None = None
 
     @property
     def old_log_prob_pass(self) -> bool:
@@ -293,7 +300,7 @@ def check_run_plan(cfg: DictConfig) -> tuple[RunPlan | None, list[str]]:
         fused_chunk_size=fused_chunk_size, torch_compile=torch_compile,
         sum_pi_squared=bool(actor.calculate_sum_pi_squared),
         mismatch_tolerance=mismatch_tolerance, workers=WorkerSettings.from_config(cfg), lora=lora,
-        rollout_correction=correction,
+        rollout_correction=correction, shared_prompts=actor.use_prefix_grouper,
     ), []
 
 

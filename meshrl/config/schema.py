@@ -476,7 +476,9 @@ class ActorConfig:
     entropy_from_logits_chunk_size: int = 2048
     load_weight: bool = True
     sum_pi_squared_checkpointing: bool = False
-    use_prefix_grouper: bool = False
+    # verl's default is False (its FSDP-only PrefixGrouper); meshrl's None: on wherever the model runs the shared-prompt
+    # layout (meshrl.parallel.shared_prefix: the same numbers, a group's prompt computed once); False: off
+    use_prefix_grouper: bool | None = None
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # verl's FSDP actor's home of it
     qat: QATConfig = field(default_factory=QATConfig)
     # verl's copies of other keys (its defaults interpolate them): refused set apart from those

@@ -207,6 +207,8 @@ class MicroBatchPlan:
     lengths: np.ndarray
     max_token_len: int | None
     oversized: list[int]
+    # the tokens each micro-batch computes where fewer than its rows' lengths (prompts shared by rows); None: those
+    computed_tokens: np.ndarray | None = None
     permutation: np.ndarray = field(init=False)
     inverse_permutation: np.ndarray = field(init=False)
 
@@ -223,6 +225,8 @@ class MicroBatchPlan:
 
     @property
     def tokens_per_micro_batch(self) -> np.ndarray:
+        if self.computed_tokens is not None:
+            return np.asarray(self.computed_tokens, dtype=np.int64)
         return _part_tokens(self.micro_batches, self.lengths)
 
     @property

@@ -33,7 +33,7 @@ Either way outputs are scattered back to the micro-batch's ``[batch, seq]`` posi
 
 Selected outputs: a micro-batch may carry ``output_mask`` (``[batch, seq]``, 1 = an output is wanted for
 this token). The last stage then runs its output layer (the vocabulary projection, or the critic's
-value head) on the hidden states that predict those tokens only (:func:`output_positions`), and every
+value head) on the hidden states that predict those tokens only (:func:`select_outputs`), and every
 output is 0 at the other tokens. RL needs outputs for response tokens only; skipping the prompts'
 ``hidden x vocab`` projection and log-softmax saves about a fifth of a small model's FLOPs per prompt
 token.
@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from meshrl.parallel.fused_output import OutputHead, fused_log_probs_entropy
 from meshrl.parallel.packing import pad_multiple_for, pack_padded
+from meshrl.parallel.shared_prefix import pack_shared_prefix
 
 MicroBatch = dict[str, Any]
 LossFn = Callable[[dict[str, torch.Tensor], MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
@@ -138,8 +139,18 @@ class ModelInputs:
     source_index: torch.Tensor  # (N,) flat position in [B, S] of that token
     first: torch.Tensor  # (N,) bool: the first token of its sequence (nothing predicts it)
     shape: tuple[int, int]  # (B, S)
-    # (K,) flat positions in [r, n] the output layer runs on (see output_positions); None: all of them
+    # (K,) flat positions in [r, n] the output layer runs on (see select_outputs); None: all of them
     selected: torch.Tensor | None = None
+    # (K,) the token each selected output predicts, and its flat position in [B, S]
+    selected_tokens: torch.Tensor | None = None
+    selected_source: torch.Tensor | None = None
+    # (N,) flat position in [r, n] whose output predicts each valid token (-1: the first); None: the previous one,
+    # packed_index - 1 (every layout but the shared-prompt one, where a response's first token is predicted by its
+    # group's shared prompt)
+    predictor: torch.Tensor | None = None
+
+    def predictors(self) -> torch.Tensor:
+        return self.packed_index - 1 if self.predictor is None else self.predictor
 
 
 def trim_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, width_multiple: int = 1) -> ModelInputs:
@@ -181,28 +192,50 @@ def pack_thd(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_multiple
                        first=packed.position_ids[0, packed.packed_index] == 0, shape=packed.padded_shape)
 
 
-def output_positions(inputs: ModelInputs, output_mask: torch.Tensor) -> torch.Tensor:
-    """Flat ``[r, n]`` positions whose hidden state predicts a token of ``output_mask`` (``[B, S]``):
-    position p - 1 for each such valid token p that is not the first of its sequence."""
+def pack_shared(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_columns: int,
+                pad_multiple: int) -> ModelInputs:
+    """The shared-prompt layout (``meshrl.parallel.shared_prefix``): rows with the same tokens before column
+    ``prefix_columns`` run their prompt once; slots of a multiple of ``pad_multiple`` tokens."""
+    layout = pack_shared_prefix(input_ids, attention_mask, prefix_columns, pad_multiple)
+    if layout.input_ids.shape[1] == 0:
+        raise ValueError("a micro-batch without any valid token cannot be packed")
+    return ModelInputs(input_ids=layout.input_ids, position_ids=layout.position_ids, packed_seq_params=layout.params(),
+                       packed_index=layout.packed_index, source_index=layout.source_index,
+                       first=layout.predictor < 0, shape=tuple(input_ids.shape), predictor=layout.predictor)
+
+
+def select_outputs(inputs: ModelInputs, output_mask: torch.Tensor) -> None:
+    """Run the output layer for the valid tokens of ``output_mask`` (``[B, S]``) that are not the first of their
+    sequence only: ``inputs.selected`` the flat ``[r, n]`` positions whose hidden states predict them (in the
+    shared-prompt layout a prompt's last position once per response), ``selected_tokens`` those tokens and
+    ``selected_source`` their ``[B, S]`` positions."""
     wanted = output_mask.reshape(-1)[inputs.source_index].bool() & ~inputs.first
-    return inputs.packed_index[wanted] - 1
+    inputs.selected = inputs.predictors()[wanted]
+    inputs.selected_tokens = inputs.input_ids.reshape(-1)[inputs.packed_index[wanted]]
+    inputs.selected_source = inputs.source_index[wanted]
 
 
 def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, remove_padding: bool,
-                 output_mask: torch.Tensor | None = None, sequence_parallel: bool = False) -> ModelInputs:
+                 output_mask: torch.Tensor | None = None, sequence_parallel: bool = False,
+                 shared_prefix_columns: int | None = None) -> ModelInputs:
     """:func:`pack_thd` (slots padded to a multiple of this rank's TP size, so the packed row always splits
     into TP equal sequence shards) or :func:`trim_rows` (its width a multiple of the TP size under
-    ``sequence_parallel``), with the :func:`output_positions` of ``output_mask`` when one is given."""
+    ``sequence_parallel``), with the :func:`select_outputs` of ``output_mask`` when one is given. With
+    ``shared_prefix_columns`` (the prompts' end), :func:`pack_shared` whatever ``remove_padding`` says (the shared
+    layout is packed), its outputs selected (``output_mask``, else every token)."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if not remove_padding:
+    multiple = pad_multiple_for(tp, parallel_state.get_context_parallel_world_size())
+    if shared_prefix_columns is not None:
+        inputs = pack_shared(input_ids, attention_mask, shared_prefix_columns, multiple)
+        output_mask = attention_mask if output_mask is None else output_mask
+    elif not remove_padding:
         inputs = trim_rows(input_ids, attention_mask, tp if sequence_parallel else 1)
     else:
-        inputs = pack_thd(input_ids, attention_mask,
-                          pad_multiple_for(tp, parallel_state.get_context_parallel_world_size()))
+        inputs = pack_thd(input_ids, attention_mask, multiple)
     if output_mask is not None:
-        inputs.selected = output_positions(inputs, output_mask)
+        select_outputs(inputs, output_mask)
     return inputs
 
 
@@ -212,16 +245,17 @@ def select_hidden(hidden_states: torch.Tensor, positions: torch.Tensor) -> torch
 
 
 def unpack(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-    """Per-position ``values[r, n]`` (position p predicts the token at p+1) -> ``[B, S]`` token convention.
-    With ``inputs.selected``, ``values`` holds the K selected positions only; the others count as 0."""
+    """Per-position ``values[r, n]`` (the output at a token's predictor, ``ModelInputs.predictors``) -> ``[B, S]``
+    token convention. With ``inputs.selected``, ``values`` holds the K selected outputs, one per token of
+    ``selected_source``; the others count as 0."""
     flat = values.reshape(-1)
-    if inputs.selected is not None:
-        rows, width = inputs.input_ids.shape
-        flat = flat.new_zeros(rows * width).index_put((inputs.selected,), flat)
-    previous = flat[(inputs.packed_index - 1).clamp(min=0)]
-    real = torch.where(inputs.first, torch.zeros_like(previous), previous)
     batch, seq_len = inputs.shape
-    return flat.new_zeros(batch * seq_len).index_put((inputs.source_index,), real).view(batch, seq_len)
+    out = flat.new_zeros(batch * seq_len)
+    if inputs.selected is not None:
+        return out.index_put((inputs.selected_source,), flat).view(batch, seq_len)
+    previous = flat[inputs.predictors().clamp(min=0)]
+    real = torch.where(inputs.first, torch.zeros_like(previous), previous)
+    return out.index_put((inputs.source_index,), real).view(batch, seq_len)
 
 
 @dataclass(frozen=True)
@@ -242,6 +276,11 @@ class OutputRequest:
     ``fused_chunk_size`` N: a policy's log-probs and entropy (and Σπ²) come from the hidden states through the fused
     output layer (``meshrl.parallel.fused_output``), N tokens at a time, never holding more than
     ``[N, V/TP]`` logits; None: from the output layer's ``[tokens, V/TP]`` logits. Critic values ignore it.
+
+    ``shared_prompts``: micro-batches that say where their prompts end (``shared_prefix.PROMPT_END``) and replay no
+    routes run in the shared-prompt layout (``meshrl.parallel.shared_prefix``: a prompt computed once for the rows
+    that share it), whatever ``remove_padding`` says; the outputs are the same. The model must support it
+    (``shared_prefix.unsupported``).
     """
 
     log_probs: bool = True
@@ -250,6 +289,7 @@ class OutputRequest:
     temperature: float = 1.0
     remove_padding: bool = False
     fused_chunk_size: int | None = None
+    shared_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.fused_chunk_size is not None and not self.fused_chunk_size >= 1:
@@ -265,10 +305,11 @@ class OutputRequest:
 
 def _targets(inputs: ModelInputs) -> torch.Tensor:
     """The token each output position predicts, shaped like the outputs (``[r, n]``, or ``[1, K]``)."""
+    if inputs.selected is not None:
+        return inputs.selected_tokens[None]
     # Position p predicts the token at p+1; targets that cross into another row or slot (or wrap
     # around) belong to positions unpack drops.
-    target = torch.roll(inputs.input_ids.reshape(-1), shifts=-1)
-    return target.view_as(inputs.input_ids) if inputs.selected is None else target[inputs.selected][None]
+    return torch.roll(inputs.input_ids.reshape(-1), shifts=-1).view_as(inputs.input_ids)
 
 
 def compute_outputs(model_output: torch.Tensor, inputs: ModelInputs, request: OutputRequest,

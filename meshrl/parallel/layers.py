@@ -28,6 +28,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from meshrl.parallel.shared_prefix import prefix_mask
+
 
 def _window_mask(length: int, window: int | None, device) -> torch.Tensor | None:
     """``[s, s]`` bool, True where query i may see key j: causal, and ``i - j <= window`` when windowed
@@ -99,19 +101,42 @@ def sdpa_core_attention_class():
             slot: 1.36 GiB more saved over 30 layers, ``bench/sequence_parallel.py``)."""
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
             bounds = cu.tolist()
-            slots = [self._causal(*(t[start:end].transpose(0, 1)[None] for t in (query, key, value)))[0].transpose(0, 1)
-                     for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+            prefixes = getattr(params, "segments", None) or [None] * (len(bounds) - 1)
+            slots = [self._slot(query, key, value, start, end, prefix)
+                     for start, end, prefix in zip(bounds[:-1], bounds[1:], prefixes) if end > start]
             return torch.cat(slots).reshape(query.shape[0], self.hidden_size_per_partition)
+
+        def _slot(self, query, key, value, start, end, prefix):
+            """One slot's ``[s, heads, d]`` output: causal inside it, and with ``prefix`` = (start, length) (a
+            response in the shared-prompt layout, ``meshrl.parallel.shared_prefix``) also over those keys first."""
+            if prefix is None:
+                q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
+                return self._causal(q, k, v)[0].transpose(0, 1)
+            begin, length = prefix
+            q = query[start:end].transpose(0, 1)[None]
+            k, v = (torch.cat([t[begin:begin + length], t[start:end]]).transpose(0, 1)[None] for t in (key, value))
+            mask = prefix_mask(length, end - start, self.window, query.device)
+            return self._masked(q, k, v, mask)[0].transpose(0, 1)
 
         def _causal(self, q, k, v):
             """Causal (windowed, soft-capped) attention on ``[..., heads, s, d]`` (GQA: fewer key/value heads)."""
             mask = _window_mask(q.shape[-2], self.window, q.device)
-            groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            if mask is None and self.logit_softcap is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                      enable_gqa=self._gqa_groups > 1)
+            return self._masked(q, k, v, _window_mask(q.shape[-2], q.shape[-2], q.device) if mask is None else mask)
+
+        @property
+        def _gqa_groups(self) -> int:
+            return self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+
+        def _masked(self, q, k, v, mask):
+            """Attention of ``[..., heads, s, d]`` queries over ``[..., groups, s_k, d]`` keys where ``mask``
+            (``[s, s_k]`` bool) allows, soft-capped when the layer is."""
+            groups = self._gqa_groups
             if self.logit_softcap is None:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                      scale=self.softmax_scale, enable_gqa=groups > 1)
-            if mask is None:
-                mask = _window_mask(q.shape[-2], q.shape[-2], q.device)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
+                                                      enable_gqa=groups > 1)
             k, v = (t.repeat_interleave(groups, dim=-3) for t in (k, v))
             scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
             scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap

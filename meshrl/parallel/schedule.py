@@ -35,6 +35,7 @@ from meshrl.parallel.forward import (LossFn, MicroBatch, OutputRequest, compute_
 from meshrl.parallel.fused_output import projection_skipped
 from meshrl.parallel.layers import MOE_LOSS_SCALE
 from meshrl.parallel.model_builder import model_config, unwrap
+from meshrl.parallel.shared_prefix import PROMPT_END, rope_positions
 
 
 @dataclass
@@ -66,12 +67,18 @@ def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | N
 
     def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         micro_batch = _to_device(next(data_iterator), device)
+        # the shared-prompt layout, where the micro-batch says where its prompts end; not with replayed routes, which
+        # give each row's copy of a prompt routes of its own
+        shared = request.shared_prompts and PROMPT_END in micro_batch and router_replay.ROUTES not in micro_batch
         inputs = model_inputs(micro_batch["input_ids"], micro_batch["attention_mask"], request.remove_padding,
-                              micro_batch.get("output_mask"), sequence_parallel)
+                              micro_batch.get("output_mask"), sequence_parallel,
+                              shared_prefix_columns=int(micro_batch[PROMPT_END]) if shared else None)
         # A fused pass: the last stage returns hidden states, and head projects them in compute_outputs.
         fused = projection_skipped(unwrap(model)) if request.fused_chunk_size and not critic \
             else contextlib.nullcontext()
-        with fused as head, _output_layer_on(model, inputs.selected), router_replay.routing(model, micro_batch, inputs):
+        positions = rope_positions(unwrap(model), inputs.position_ids) if shared else contextlib.nullcontext()
+        with fused as head, _output_layer_on(model, inputs.selected), positions, \
+                router_replay.routing(model, micro_batch, inputs):
             output = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=None,
                            packed_seq_params=inputs.packed_seq_params)
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from meshrl.parallel import router_replay
+from meshrl.parallel import router_replay, shared_prefix
 from meshrl.parallel.router_replay import ROUTES
 from meshrl.process_memory import trims_heap
 from meshrl.protocol import Batch
@@ -178,6 +179,11 @@ class ActorRolloutRefWorker(RankWorker):
         # Policy and reference run packed THD micro-batches (no compute on padding) unless the key says no
         # or the device has no fast variable-length attention (model_builder.packed_sequences).
         self.remove_padding = packed_sequences(arr.model.use_remove_padding)
+        # actor.use_prefix_grouper (unset: on): a group's prompt computed once for its responses, in the update and
+        # the old-log-prob and reference passes, where the models run the layout (shared_prefix.unsupported)
+        self.shared_prompts_off = None if self.plan.shared_prompts is False else shared_prefix.unsupported(
+            self.policy + (self.ref or []))
+        self.shared_prompts = self.plan.shared_prompts is not False and self.shared_prompts_off is None
         self.response_length = self.plan.response_length
         # LoRA: the engine serves the adapters (vLLM's adapter path) or is sent merged weights
         self.adapter_sync = self.plan.lora is not None and not self.plan.lora.merge
@@ -187,7 +193,8 @@ class ActorRolloutRefWorker(RankWorker):
             startup.update(self.start_engine())
         return {**self.layout_dict(), "replica": self.replica,
                 "replica_leader": self.rank % arr.rollout.tensor_model_parallel_size == 0,
-                "num_replicas": self.world_size // arr.rollout.tensor_model_parallel_size, "startup": startup}
+                "num_replicas": self.world_size // arr.rollout.tensor_model_parallel_size, "startup": startup,
+                "shared_prompts_off": self.shared_prompts_off}
 
     def start_engine(self) -> dict[str, float]:
         """The rollout engine, after ``setup(start_engine=False)``: a run starts it once every group has loaded its
@@ -369,7 +376,8 @@ class ActorRolloutRefWorker(RankWorker):
         # The samples came from softmax(logits / T): the reference and the policy are evaluated at T too (verl).
         squares = model == "actor" and self.plan.sum_pi_squared
         request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding,
-                                fused_chunk_size=self.plan.fused_chunk_size, sum_pi_squared=squares)
+                                fused_chunk_size=self.plan.fused_chunk_size, sum_pi_squared=squares,
+                                shared_prompts=self.shared_prompts)
         out = {}
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext(), \
                 adapters_disabled(chunks) if base_of_policy else contextlib.nullcontext(), \
@@ -435,7 +443,8 @@ class ActorRolloutRefWorker(RankWorker):
             + (("ref_log_probs",) if self.plan.kl_loss is not None else ()) \
             + (("rollout_is_weights",) if "rollout_is_weights" in updates[0][0] else ())  # rollout_correction
         request = OutputRequest(log_probs=True, entropy=self.objective.needs_entropy, temperature=self.plan.temperature,
-                                remove_padding=self.remove_padding, fused_chunk_size=self.plan.fused_chunk_size)
+                                remove_padding=self.remove_padding, fused_chunk_size=self.plan.fused_chunk_size,
+                                shared_prompts=self.shared_prompts)
         seen = {}
 
         def loss_fn(outputs, micro, norm):
@@ -550,6 +559,10 @@ class ActorRolloutRefGroup(DispatchGroup):
 
     def __init__(self, cfg, plan, model_dir, start_engine: bool = True) -> None:
         super().__init__(ActorRolloutRefWorker, cfg, plan, model_dir, {"start_engine": start_engine})
+        why = self.layouts[0].get("shared_prompts_off")
+        if plan.shared_prompts and why:  # asked for by the key, and the model cannot: said, not dropped quietly
+            print(f"meshrl: note: actor_rollout_ref.actor.use_prefix_grouper=True: each response is computed with "
+                  f"its own copy of its prompt ({why})", file=sys.stderr)
 
     def start_engine(self) -> None:
         """The engines of a group made with ``start_engine=False``; rank 0's seconds join ``startup``."""

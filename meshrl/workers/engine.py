@@ -95,11 +95,13 @@ class TrainingEngine:
     nonfinite: NonFinitePolicy
     hint: str = ""  # what to check when the loss or the gradient norm is not finite
 
-    def split(self, shard: Batch, batching: MicroBatching, response_fields: tuple[str, ...] = ()) -> MiniBatchSplit:
+    def split(self, shard: Batch, batching: MicroBatching, response_fields: tuple[str, ...] = (),
+              shared_prompts: bool = False) -> MiniBatchSplit:
         from meshrl.parallel import state
 
         plan, rows, micros = split_micro_batches(shard, batching, state.dp_group(), self.pad_id,
-                                                 response_fields=response_fields, min_micro=self.min_micro)
+                                                 response_fields=response_fields, min_micro=self.min_micro,
+                                                 shared_prompts=shared_prompts)
         for index, micro in enumerate(micros):
             micro[MICRO_INDEX] = index
         if ROUTES in shard:  # router replay: the recorded experts go with their tokens
@@ -120,7 +122,7 @@ class TrainingEngine:
         """:meth:`forward` of several outputs of one pass (``log_probs`` and ``sum_pi_squared``), by name."""
         from meshrl.parallel.schedule import forward_only
 
-        split = self.split(shard, batching)
+        split = self.split(shard, batching, shared_prompts=request.shared_prompts)
         results = forward_only(chunks if chunks is not None else self.chunks, split.micros, request)
         if on_split is not None:
             on_split(split)
@@ -144,7 +146,7 @@ class TrainingEngine:
         per_step, splits = [], []
         skipped = nonfinite_losses = 0
         for shard, norm in updates:
-            split = self.split(shard, batching, response_fields)
+            split = self.split(shard, batching, response_fields, shared_prompts=request.shared_prompts)
 
             def checked_loss(outputs, micro, norm=norm):
                 loss, metrics = loss_fn(outputs, micro, norm)

@@ -29,9 +29,11 @@ import torch
 
 from meshrl.config.micro_batching import MicroBatching
 from meshrl.data.dynamic_batching import MicroBatchPlan, plan_fixed_micro_batches, plan_micro_batches
+from meshrl.parallel.shared_prefix import PROMPT_END
 from meshrl.protocol import Batch
 
-RESPONSE_START = "response_start"
+# the micro-batch key of the column where responses start: where the shared-prompt layout takes the prompts to end
+RESPONSE_START = PROMPT_END
 ATTENTION_MASK = "response_attention_mask"
 # The response mask before rejection sampling removed tokens from it (algorithm.rollout_correction.rollout_rs,
 # meshrl.trainer.rollout_correction): every token the policy sampled; absent when nothing was rejected.
@@ -126,17 +128,55 @@ def response_part(output: torch.Tensor, micro: dict[str, Any]) -> torch.Tensor:
     return output[:, micro[RESPONSE_START]:]
 
 
+def prompt_groups(batch: Batch, max_token_len: int) -> tuple[list[list[int]], np.ndarray]:
+    """The rows of each prompt (first appearance first), in runs whose shared-prompt layout (the prompt once, then
+    each response) fits ``max_token_len`` tokens where the rows do one by one; (the runs' rows, their tokens)."""
+    responses = attended(batch).sum(-1).long().numpy()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, prompt in enumerate(batch["prompt_ids"]):
+        groups.setdefault(tuple(prompt), []).append(row)
+    runs, tokens = [], []
+    for prompt, rows in groups.items():
+        run, cost = [], len(prompt)
+        for row in rows:
+            if run and cost + responses[row] > max_token_len:
+                runs.append(run)
+                tokens.append(cost)
+                run, cost = [], len(prompt)
+            run.append(row)
+            cost += int(responses[row])
+        runs.append(run)
+        tokens.append(cost)
+    return runs, np.asarray(tokens, dtype=np.int64)
+
+
+def plan_shared_prompts(batch: Batch, max_token_len: int, **counts: Any) -> MicroBatchPlan:
+    """``plan_micro_batches`` over :func:`prompt_groups`' runs, each kept in one micro-batch so its prompt is shared
+    there (``meshrl.parallel.shared_prefix``); the budget caps the tokens the micro-batches compute."""
+    runs, tokens = prompt_groups(batch, max_token_len)
+    by_run = plan_micro_batches(tokens, max_token_len, **counts)
+    return MicroBatchPlan([[row for run in part for row in runs[run]] for part in by_run.micro_batches],
+                          sequence_lengths(batch), max_token_len,
+                          [row for run in by_run.oversized for row in runs[run]],
+                          computed_tokens=by_run.tokens_per_micro_batch)
+
+
 def split_micro_batches(batch: Batch, batching: MicroBatching, group: Any, pad_id: int,
                         response_fields: tuple[str, ...] = (), min_micro: int = 1,
-                        multiple_of: int = 1) -> tuple[MicroBatchPlan, list[Batch], list[dict[str, Any]]]:
+                        multiple_of: int = 1, shared_prompts: bool = False
+                        ) -> tuple[MicroBatchPlan, list[Batch], list[dict[str, Any]]]:
     """Micro-batches of ``batch`` by ``batching``'s token budget or count: (plan, rows of each, micro-batch dicts).
+    With ``shared_prompts`` (the passes run the shared-prompt layout) a token budget keeps a prompt's rows together
+    (:func:`plan_shared_prompts`); micro-batches by count are consecutive rows, which keeps them together already.
 
     Every data-parallel rank gets the same number of micro-batches; a rank with fewer sequences than
     micro-batches runs its surplus ones on a placeholder row whose response mask is all zero, which
     adds nothing to any loss or gradient.
     """
     counts = dict(group=group, min_num_micro_batches=min_micro, num_micro_batches_multiple_of=multiple_of)
-    if batching.dynamic:
+    if batching.dynamic and shared_prompts:
+        plan_ = plan_shared_prompts(batch, batching.max_token_len, **counts)
+    elif batching.dynamic:
         plan_ = plan_micro_batches(sequence_lengths(batch), batching.max_token_len, **counts)
     else:
         plan_ = plan_fixed_micro_batches(sequence_lengths(batch), batching.micro_batch_size, **counts)

@@ -143,13 +143,14 @@ def test_sequence_parallelism_with_mla_is_refused_when_the_config_is_built() -> 
                                          sequence_parallel=True)
 
 
-def test_released_and_transformers_written_configs_load_as_transformers_computes_them(tmp_path) -> None:
+def test_released_and_transformers_written_configs_load_as_transformers_computes_them(tmp_path, monkeypatch) -> None:
     """DeepSeek-V3 ships one multi-token-prediction layer: the policy is the main layers (noted once at start, an HF
     export says 0); a config transformers wrote has no scoring_func / topk_method: the model is transformers'
     (sigmoid, noaux_tc), and vLLM and the export are told so, since vLLM's defaults are softmax and no bias."""
     from meshrl.config import load_config
     from meshrl.models.families import config_notes, implicit_fields
     from meshrl.parallel.hf_conversion import _config_for_export
+    from meshrl.rollout import serving_limits
     from meshrl.trainer.main import preflight
 
     released = config(num_nextn_predict_layers=1)
@@ -168,6 +169,8 @@ def test_released_and_transformers_written_configs_load_as_transformers_computes
     shutil.copytree(tiny_model_dir(tiny_spec("deepseek_v3")), folder)
     fields = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**fields, "num_nextn_predict_layers": 1}))
+    # on every CPU kind: an fp32 MLA engine on an AMX CPU is refused (the next test), which is not this test's point
+    monkeypatch.setattr(serving_limits, "cpu_has_amx", lambda: False)
     plan = preflight(load_config([f"actor_rollout_ref.model.path={folder}"], recipe="cpu_tiny_grpo"))
     assert any(w.startswith("num_nextn_predict_layers=1") for w in plan.warnings)
 

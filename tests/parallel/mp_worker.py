@@ -340,6 +340,72 @@ def check_sequence_parallel(path: Path, critic_path: Path) -> dict:
     return result
 
 
+def shared_prompt_batches(seed: int = 3) -> list[dict]:
+    """RL micro-batches of groups of responses to one prompt (left-padded prompts up to column ``PROMPT_END``,
+    right-padded responses of different lengths, an empty one), beside rows whose prompt no other row has."""
+    from meshrl.parallel.shared_prefix import PROMPT_END
+
+    g = torch.Generator().manual_seed(seed)
+    # per micro-batch: prompt columns, then per prompt (its length, its responses' lengths)
+    shapes = [(6, [(5, [4, 7, 2]), (3, [5])]), (4, [(4, [3, 3]), (2, [6, 0, 1]), (3, [2])]), (7, [(7, [5, 8, 3, 6])])]
+    batches, total = [], 0.0
+    for width, prompts in shapes:
+        longest = max(max(lengths) for _, lengths in prompts)
+        rows = sum(len(lengths) for _, lengths in prompts)
+        ids = torch.zeros(rows, width + longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        row = 0
+        for length, responses in prompts:
+            prompt = torch.randint(0, 49152, (length,), generator=g)
+            for response in responses:
+                ids[row, width - length:width] = prompt
+                ids[row, width:width + response] = torch.randint(0, 49152, (response,), generator=g)
+                mask[row, width - length:width + response] = 1
+                row += 1
+        out = torch.zeros_like(mask)
+        out[:, width:] = mask[:, width:]
+        batches.append({"input_ids": ids, "attention_mask": mask, "output_mask": out, PROMPT_END: width,
+                        "loss_mask": out.float(), "adv": torch.randn(ids.shape, generator=g),
+                        "returns": torch.randn(ids.shape, generator=g)})
+        total += float(out.sum())
+    for mb in batches:
+        mb["n_global"] = total
+    return batches
+
+
+def check_shared_prompts(path: Path, critic: bool = False, temperature: float = 1.0, **build_kwargs) -> dict:
+    """The shared-prompt layout against each row with its own copy of the prompt, rows and packed: outputs of
+    ``forward_only`` (the old-log-prob and reference passes), loss and every gradient of ``forward_backward`` (the
+    update); ``tokens_saved``: the model ran fewer tokens."""
+    from meshrl.parallel import forward, shared_prefix
+
+    batches = my_batches(shared_prompt_batches())
+    chunks = build(path, critic, **build_kwargs)
+    result = {"unsupported": int(shared_prefix.unsupported(chunks) is not None)}
+    loss_fn = critic_loss if critic else policy_loss
+    runs = {}
+    for name, remove_padding, shared in (("rows", False, False), ("packed", True, False), ("shared", False, True),
+                                          ("shared_packed", True, True)):
+        request = OutputRequest(entropy=not critic, temperature=temperature, remove_padding=remove_padding,
+                                shared_prompts=shared)
+        outputs = schedule.forward_only(chunks, batches, request)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        passed = schedule.forward_backward(chunks, batches, loss_fn, request)
+        runs[name] = (outputs, passed.loss, hf_tensors(chunks, path, grads=True))
+    for shared, plain in (("shared", "rows"), ("shared_packed", "packed")):
+        (out_a, loss_a, grads_a), (out_b, loss_b, grads_b) = runs[shared], runs[plain]
+        for key in out_b[0]:
+            result[f"{shared}.{key}"] = max(float((a[key] - b[key]).abs().max()) for a, b in zip(out_a, out_b))
+        result[f"{shared}.loss"] = abs(loss_a - loss_b)
+        result[f"{shared}.grads"] = max(float((grads_a[k] - grads_b[k]).abs().max()) for k in grads_b)
+    packed = sum(forward.pack_thd(mb["input_ids"], mb["attention_mask"], 1).input_ids.shape[1] for mb in batches)
+    shared = sum(forward.pack_shared(mb["input_ids"], mb["attention_mask"], mb["response_start"], 1).input_ids.shape[1]
+                 for mb in batches)
+    result["tokens_saved"] = packed - shared
+    return result
+
+
 def check_forward_only_model(path: Path) -> dict:
     """``build_forward_only_model`` (RL's reference): the trainable build's outputs bit for bit, also after a
     host offload round trip; no DDP wrapper, grad buffer or gradient; the parameter bytes ``meshrl plan``
@@ -641,6 +707,15 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
                 rec.run(f"roundtrip.{tag}_critic", lambda: check_roundtrip(critic, workdir, f"{name}-{tag}c", True))
         rec.run("invariance", lambda: check_invariance(llama))
         rec.run("forward_only_model", lambda: check_forward_only_model(qwen2 if name == "pp2" else llama))
+        if name in ("tp2", "pp2", "dp2"):  # the shared-prompt layout at TP2 (and with sequence parallelism), PP2, TP1
+            rec.run("shared_prompts.llama", lambda: check_shared_prompts(llama, temperature=0.7))
+            if name != "dp2":  # Gemma 3's local rotary bases and sliding windows; a critic's values
+                gemma3 = tiny_model_dir(FAMILIES["gemma3_text"])
+                rec.run("shared_prompts.gemma3_text", lambda: check_shared_prompts(gemma3))
+                rec.run("shared_prompts.llama_critic", lambda: check_shared_prompts(workdir / "critic-llama", True))
+            if name == "tp2":
+                rec.run("shared_prompts.llama_sequence_parallel",
+                        lambda: check_shared_prompts(llama, temperature=0.7, sequence_parallel=True))
         if name in ("tp2", "tp2pp2"):
             rec.run("sequence_parallel", lambda: check_sequence_parallel(llama, workdir / "critic-llama"))
         if name == "tp2":

@@ -116,13 +116,44 @@ def test_output_mask_selects_the_positions_that_predict_its_tokens(packed: bool)
     # wanted: tokens 7 and 13, 14; token 8 is a first token (nothing predicts it), column 3 of row 0 padding
     output_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 1, 0, 0], [0, 0, 0, 1, 1]])
     inputs = (forward.pack_thd(ids, mask, pad_multiple=2) if packed else forward.trim_rows(ids, mask))
-    selected = forward.output_positions(inputs, output_mask)
+    full = forward.unpack(inputs.input_ids.float() * 10, inputs)
+    forward.select_outputs(inputs, output_mask)
+    selected = inputs.selected
     # the positions hold the tokens before the wanted ones: 6 (predicts 7), 12 and 13
     assert inputs.input_ids.reshape(-1)[selected].tolist() == [6, 12, 13]
-    full = forward.unpack(inputs.input_ids.float() * 10, inputs)
-    inputs.selected = selected
+    assert inputs.selected_tokens.tolist() == [7, 13, 14]
     out = forward.unpack(inputs.input_ids.reshape(-1)[selected].float()[None] * 10, inputs)
     assert out.tolist() == (full * output_mask * mask).tolist() == [[0, 0, 60, 0, 0], [0] * 5, [0, 0, 0, 120, 130]]
+
+
+def test_shared_prompt_layout_runs_a_groups_prompt_once_and_each_response_after_it() -> None:
+    """Rows 0, 2 and 3 share the prompt [5, 6] (left-padded differently), row 1 has its own; prompts end at column 3.
+    Row 3's response is empty: it is predicted nothing and adds no slot."""
+    ids = torch.tensor([[0, 5, 6, 7, 8], [4, 5, 6, 9, 0], [0, 5, 6, 10, 0], [0, 5, 6, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 0], [0, 1, 1, 0, 0]])
+    inputs = forward.pack_shared(ids, mask, prefix_columns=3, pad_multiple=2)
+    assert inputs.input_ids.tolist() == [[5, 6, 7, 8, 10, 0, 4, 5, 6, 9]]  # prompt, two responses, row 1
+    assert inputs.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 0, 1, 2, 3]]
+    params = inputs.packed_seq_params
+    assert params.cu_seqlens_q_padded.tolist() == [0, 2, 4, 6, 10] and params.cu_seqlens_q.tolist() == [0, 2, 4, 5, 9]
+    assert params.segments == (None, (0, 2), (0, 2), None) and params.max_seqlen_q == 4
+    # every source token's packed position holds that token; its predictor the token before it in its row
+    flat = inputs.input_ids.reshape(-1)
+    assert torch.equal(flat[inputs.packed_index], ids.reshape(-1)[inputs.source_index])
+    assert inputs.predictor.tolist() == [-1, 0, 1, 2, -1, 6, 7, 8, -1, 0, 1, -1, 0]
+    forward.select_outputs(inputs, (torch.arange(5) >= 3).long().expand(4, 5) * mask)
+    # the prompt's last position predicts each response's first token (7 and 10); 7 predicts 8
+    assert inputs.selected.tolist() == [1, 2, 8, 1] and inputs.selected_tokens.tolist() == [7, 8, 9, 10]
+    out = forward.unpack(torch.tensor([1.0, 2.0, 3.0, 4.0]), inputs)
+    assert out.tolist() == [[0, 0, 0, 1, 2], [0, 0, 0, 3, 0], [0, 0, 0, 4, 0], [0] * 5]
+
+
+def test_prefix_mask_sees_the_prompt_and_the_response_causally_within_the_window() -> None:
+    from meshrl.parallel.shared_prefix import prefix_mask
+
+    assert prefix_mask(2, 3, None, "cpu").int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    # window 1 (megatron's window_size[0]): a query sees itself and the key before it
+    assert prefix_mask(2, 2, 1, "cpu").int().tolist() == [[0, 1, 1, 0], [0, 0, 1, 1]]
 
 
 def test_select_hidden_reads_megatrons_sequence_first_layout() -> None:

@@ -38,9 +38,11 @@ EXPECT: dict[str, tuple[str, float]] = {
     "parity.*.grad_names_mismatch": ("==", 0),
     "parity.*.packed_vs_rows": ("<=", 1e-5),
     # output_mask: the same outputs where selected (0 elsewhere), loss and grads; only the output layer's
-    # weight-gradient sum runs over fewer rows
-    "parity.*selected_outputs": ("<=", 1e-6),
-    "parity.*selected_loss": ("<=", 1e-7),
+    # weight-gradient sum runs over fewer rows, and its products over fewer rows may take another kernel: on an
+    # AVX-512/AMX Xeon the TP1 Qwen2 policy measured 3.8e-6 (4 fp32 ulp of a ~10-nat entropy) and a loss 1.2e-7 apart
+    # (2026-11-29), where AMD's AVX2 kernels gave at most 1e-6 and 1e-7
+    "parity.*selected_outputs": ("<=", 5e-6),
+    "parity.*selected_loss": ("<=", 2.5e-7),
     "parity.*selected_grads": ("<=", 1e-6),
     # sequence parallelism on vs off (TP2, TP2 x PP2): the same operations on the same numbers, but the norms'
     # weight gradients summed over the TP ranks' sequence shards; a row micro-batch one padding column wider
@@ -52,6 +54,15 @@ EXPECT: dict[str, tuple[str, float]] = {
     "sequence_parallel.*.grad_names_mismatch": ("==", 0),
     "sequence_parallel.*.enabled_as_asked": ("==", 1),
     "sequence_parallel.widened_micro_batches": (">=", 1),
+    # the shared-prompt layout (a group's prompt run once) against every row with its prompt, rows and packed: the
+    # attention sums round otherwise (measured at most 2.9e-6 on ~11-nat log-probs, 3 fp32 ulp; gradients 7.5e-7)
+    "shared_prompts.*.log_probs": ("<=", 5e-6),
+    "shared_prompts.*.entropy": ("<=", 1.5e-5),
+    "shared_prompts.*.values": ("<=", 5e-6),
+    "shared_prompts.*.loss": ("<=", 1e-6),
+    "shared_prompts.*.grads": ("<=", 2e-6),
+    "shared_prompts.*.unsupported": ("==", 0),
+    "shared_prompts.*.tokens_saved": (">=", 1),
     "invariance.loss": ("<=", 1e-6),
     "invariance.grads": ("<=", 1e-6),
     "invariance.packed_loss": ("<=", 1e-6),
@@ -78,11 +89,12 @@ EXPECT: dict[str, tuple[str, float]] = {
 
 GROUPS = {
     "tp2": ["parity", "invariance", "forward_only_model", "roundtrip", "optimizer", "checkpoint_save",
-            "sequence_parallel"],
-    "pp2": ["parity", "invariance", "forward_only_model", "roundtrip", "optimizer", "checkpoint_load"],
+            "sequence_parallel", "shared_prompts"],
+    "pp2": ["parity", "invariance", "forward_only_model", "roundtrip", "optimizer", "checkpoint_load",
+            "shared_prompts"],
     "vpp2": ["parity", "invariance", "forward_only_model", "roundtrip", "checkpoint_roundtrip"],
     "dp2": ["parity", "invariance", "forward_only_model", "roundtrip", "optimizer", "checkpoint_load",
-            "optimizer_distributed", "checkpoint_roundtrip"],
+            "optimizer_distributed", "checkpoint_roundtrip", "shared_prompts"],
     "tp2pp2": ["parity", "invariance", "forward_only_model", "roundtrip", "optimizer", "checkpoint_load",
                "sequence_parallel"],
 }
