@@ -86,24 +86,22 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def vllm_cpu_mla_dtype_problem(hf_config, dtype: str) -> str | None:
-    """Why vLLM on this CPU cannot serve the model's multi-latent attention in ``dtype`` (the rollout's; ``auto`` is
-    float32 on CPU), or None. On a CPU with AMX vLLM-cpu picks its AMX MLA backend, which takes 16-bit (or 8-bit)
-    weights only: an fp32 engine of a DeepSeek-V3-family model stops at start ("expect weight to be bfloat16,
-    float16, int8, fp8_e4m3 or uint8"; seen on an Intel CPU with amx_bf16). On AVX2 / AVX-512 CPUs without AMX vLLM
-    takes another MLA backend, which serves fp32 (the tests' AMD machines)."""
+def vllm_cpu_mla_backend(hf_config, dtype: str) -> str | None:
+    """The attention backend vLLM-cpu must be asked for to serve the model in ``dtype`` (the rollout's; ``auto`` is
+    float32 on CPU), or None (its own choice serves it). On a CPU with AMX vLLM-cpu prefers its AMX MLA backend, which
+    takes 16-bit (or 8-bit) weights only: an fp32 engine of a DeepSeek-V3-family model stopped at start ("expect weight
+    to be bfloat16, float16, int8, fp8_e4m3 or uint8"; an Intel Xeon with amx_bf16). Asked for explicitly, vLLM takes
+    its reference ``CPU_MLA`` backend there, which serves fp32 as it does on CPUs without AMX (the AMD machines):
+    ``tests/models/test_moe_vllm.py`` measures its log-probs against transformers on either kind."""
     if not model_spec(hf_config).mla or dtype not in ("auto", "float32") or not cpu_has_amx():
         return None
-    return (f"vLLM on this CPU (it has AMX: amx_bf16) serves {hf_config.model_type}'s multi-latent attention with its "
-            "AMX kernel, which takes 16-bit weights only, so an fp32 engine (rollout.dtype=auto on CPU) cannot start: "
-            "set actor_rollout_ref.rollout.dtype=bfloat16 (the engine's log-probs then carry bf16 rounding against an "
-            "fp32 trainer), or roll out on a CPU without AMX or a GPU")
+    return "CPU_MLA"
 
 
-def vllm_cpu_problems(hf_config, dtype: str, expert_parallel_size: int) -> list[str]:
-    """``key: why`` (keys of the rollout section) for what vLLM on this CPU cannot serve: the MLA latent width, an
-    fp32 MLA engine on an AMX CPU, expert parallelism. Checked by preflight on ``trainer.device=cpu`` and by the
-    engine's start on a CPU (``device=auto``)."""
+def vllm_cpu_problems(hf_config, expert_parallel_size: int) -> list[str]:
+    """``key: why`` (keys of the rollout section) for what vLLM on this CPU cannot serve: the MLA latent width, expert
+    parallelism. Checked by preflight on ``trainer.device=cpu`` and by the engine's start on a CPU (``device=auto``).
+    (An fp32 MLA engine on an AMX CPU is served by the backend ``vllm_cpu_mla_backend`` asks for.)"""
     return [f"{key}: {problem}" for key, problem in (
-        ("name", vllm_cpu_mla_problem(hf_config)), ("dtype", vllm_cpu_mla_dtype_problem(hf_config, dtype)),
+        ("name", vllm_cpu_mla_problem(hf_config)),
         ("expert_parallel_size", vllm_cpu_expert_parallel_problem(expert_parallel_size))) if problem]

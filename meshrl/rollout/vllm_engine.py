@@ -252,14 +252,17 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"inference TP {tp} > 1 needs torch.distributed initialised by the caller "
                              "(one engine per rank, consecutive ranks form a replica)")
         self._owns_world = not colocated
+        self._cpu_attention_backend = None
         if not self._cuda:  # vLLM-cpu's MLA kernel would fail at the first decode step, its fused MoE with EP
             from transformers import AutoConfig
 
-            from meshrl.rollout.serving_limits import vllm_cpu_problems
+            from meshrl.rollout.serving_limits import vllm_cpu_mla_backend, vllm_cpu_problems
 
-            if problems := vllm_cpu_problems(AutoConfig.from_pretrained(self.model_path), config.dtype,
-                                             config.expert_parallel_size):
+            hf_config = AutoConfig.from_pretrained(self.model_path)
+            if problems := vllm_cpu_problems(hf_config, config.expert_parallel_size):
                 raise ValueError("; ".join(f"rollout.{line}" for line in problems))
+            # an fp32 MLA model on an AMX CPU: vLLM's reference MLA backend, not its 16-bit-only AMX one
+            self._cpu_attention_backend = vllm_cpu_mla_backend(hf_config, config.dtype)
         self._manifest = hf_weight_manifest(str(self.model_path))
         self._adapter = AdapterSlot()
         self._asleep: set[str] = set()  # what a sleep released and no wake_up gave back: "weights", "kv_cache"
@@ -294,6 +297,8 @@ class VLLMEngine(RolloutEngine):
             # See the module docstring: seeded sampling and chunked prefill cannot mix on CPU (hence
             # a step must fit a whole prompt: max_num_batched_tokens >= max_model_len, above).
             kwargs["enable_chunked_prefill"] = False
+            if self._cpu_attention_backend:  # unless the rollout's engine_kwargs choose one
+                kwargs.setdefault("attention_config", {"backend": self._cpu_attention_backend})
         if colocated:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if config.hf_overrides:  # the trainer's model has them too (meshrl.models.hf_config)

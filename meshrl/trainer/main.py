@@ -332,7 +332,7 @@ def preflight(cfg):
     if engine == "vllm" and cfg.trainer.device == "cpu":  # under device auto: at the engine's start
         rollout = cfg.actor_rollout_ref.rollout
         problems += [f"actor_rollout_ref.rollout.{line}"
-                     for line in vllm_cpu_problems(hf_config, rollout.dtype, rollout.expert_parallel_size)]
+                     for line in vllm_cpu_problems(hf_config, rollout.expert_parallel_size)]
     if problems:
         raise ConfigError("invalid rollout configuration ({} problem(s)):\n  - {}".format(
             len(problems), "\n  - ".join(problems)), [line.split(":")[0] for line in problems])

@@ -590,15 +590,21 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
     samples = prompts * rollout.n
     generated = samples + (prompts if run.greedy_baseline else 0)
     tokens = samples * seq_len
+    # shared prompts (actor.use_prefix_grouper, unset: where the passes are packed and the model allows it): the
+    # policy's passes run each prompt once per group of rollout.n responses
+    shared = (run.shared_prompts if run.shared_prompts is not None else bool(arr.model.use_remove_padding)) \
+        and rollout.n > 1 and not spec.mla
+    policy_tokens = prompts * data.max_prompt_length + samples * run.response_length if shared else tokens
     n_policy = matmul_parameters(spec)
     flops = {
         "generation": 2.0 * n_policy * generated * seq_len,
-        "old_log_probs": 2.0 * n_policy * tokens if run.old_log_prob_pass else 0.0,
-        "reference": 2.0 * n_policy * tokens if use_ref else 0.0,
+        "old_log_probs": 2.0 * n_policy * policy_tokens if run.old_log_prob_pass else 0.0,
+        "reference": 2.0 * n_policy * policy_tokens if use_ref else 0.0,
         # a frozen (LoRA) base computes no weight gradients: 2·N per token less
-        "actor_update": ((8.0 if policy.recompute else 6.0) - (2.0 if run.lora else 0.0)) * n_policy * tokens
+        "actor_update": ((8.0 if policy.recompute else 6.0) - (2.0 if run.lora else 0.0)) * n_policy * policy_tokens
         * actor.ppo_epochs
-        # the fused output layer's backward recomputes each chunk's logits: one more vocabulary projection
+        # the fused output layer's backward recomputes each chunk's logits: one more vocabulary projection (on the
+        # response tokens' outputs, which sharing does not change)
         + (2.0 * spec.hidden_size * spec.vocab_size * tokens * actor.ppo_epochs if chunk else 0.0),
     }
     if reward_model is not None:
@@ -632,7 +638,7 @@ def plan(cfg, gpu_memory_gib: float = 80.0) -> Plan:
                             "optimizer": policy.optimizer_offload, "ref_param": ref_offload},
                 "host_offload_bytes_per_node": host_offload * trainer.n_gpus_per_node,
                 "train_tokens_per_micro_batch": train_tokens, "log_prob_tokens_per_micro_batch": logprob_tokens,
-                "fused_output_chunk": chunk, "reference": use_ref, "experts": experts,
+                "fused_output_chunk": chunk, "reference": use_ref, "experts": experts, "shared_prompts": shared,
                 "lora": None if run.lora is None else {"rank": run.lora.rank, "targets": list(run.lora.targets),
                                                        "trained_parameters": lora_parameters(spec, run.lora)},
                 "critic": None if critic is None else {"tp": critic.tp, "pp": critic.pp, "dp": critic.dp,

@@ -179,11 +179,13 @@ class ActorRolloutRefWorker(RankWorker):
         # Policy and reference run packed THD micro-batches (no compute on padding) unless the key says no
         # or the device has no fast variable-length attention (model_builder.packed_sequences).
         self.remove_padding = packed_sequences(arr.model.use_remove_padding)
-        # actor.use_prefix_grouper (unset: on): a group's prompt computed once for its responses, in the update and
-        # the old-log-prob and reference passes, where the models run the layout (shared_prefix.unsupported)
+        # actor.use_prefix_grouper: a group's prompt computed once for its responses, in the update and the
+        # old-log-prob and reference passes, where the models run the layout (shared_prefix.unsupported); unset,
+        # where the passes are packed (on CUDA without Transformer Engine per-slot attention is launch-bound)
         self.shared_prompts_off = None if self.plan.shared_prompts is False else shared_prefix.unsupported(
             self.policy + (self.ref or []))
-        self.shared_prompts = self.plan.shared_prompts is not False and self.shared_prompts_off is None
+        self.shared_prompts = self.shared_prompts_off is None and (
+            self.plan.shared_prompts or (self.plan.shared_prompts is None and self.remove_padding))
         self.response_length = self.plan.response_length
         # LoRA: the engine serves the adapters (vLLM's adapter path) or is sent merged weights
         self.adapter_sync = self.plan.lora is not None and not self.plan.lora.merge

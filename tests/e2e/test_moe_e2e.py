@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 from e2e_checks import with_extended
 from test_verl_scripts import check_method, swapped, vendored_args
-from vllm_cpu_kernels import skip_fp32_mla_on_amx
 
 from meshrl.config import load_config
 from meshrl.trainer.main import parse_args, preflight
@@ -76,7 +75,6 @@ def test_verls_moe_script_trains_one_cpu_step(tmp_path: Path, name: str) -> None
     from meshrl.trainer.main import run
 
     mirror, path, model = SCRIPTS[name]
-    skip_fp32_mla_on_amx(model)
     hf_dir = resolve_model_path(model)
     script = swapped(vendored_args(mirror, path), tmp_path / "run", model, sizes=EXPERT_SIZES)
     # the roles that start from a dist checkpoint (the policy, the reference, the critic) start from one, as in the
@@ -126,7 +124,6 @@ EP2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.expert_mod
 
 @pytest.mark.parametrize("model", with_extended(["tiny:qwen2_moe", "tiny:deepseek_v3"], EXTENDED))
 def test_one_grpo_step_through_megatron_ep2_and_vllm_tp2(train, tmp_path: Path, model: str) -> None:
-    skip_fp32_mla_on_amx(model)
     _, steps = train(f"actor_rollout_ref.model.path={model}", *EP2, run_dir=tmp_path / "ep2")
     step = steps[1]
     assert step["rollout/log_prob_max_abs_diff"] < 1e-3, step["rollout/log_prob_max_abs_diff"]

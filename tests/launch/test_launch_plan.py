@@ -156,7 +156,14 @@ def test_memory_scales_with_the_knobs():
     # offloading the reference keeps it out of every phase but the one that reads it
     assert "ref params" in phase(base, "log-prob").items and "ref params" not in phase(base, "rollout").items
     # ReMax decodes one greedy response per prompt on top of the n samples
-    assert base.flops["generation"] == pytest.approx(base.flops["old_log_probs"] * 5 / 4)
+    unshared = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.use_prefix_grouper=False"))
+    assert unshared.flops["generation"] == pytest.approx(unshared.flops["old_log_probs"] * 5 / 4)
+    # shared prompts (on by default): the policy's passes run a prompt once for its n responses
+    cfg = load("remax_qwen2.5-7b_seq_balance")
+    prompt, response, n = cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.actor_rollout_ref.rollout.n
+    assert base.layout["shared_prompts"] and not unshared.layout["shared_prompts"]
+    assert base.flops["old_log_probs"] / unshared.flops["old_log_probs"] == pytest.approx(
+        (prompt + n * response) / (n * (prompt + response)))
 
 
 def test_pipeline_first_stage_holds_pp_micro_batches():

