@@ -9,7 +9,7 @@ its own torchrun launch, so each rank's memory is its own. Per rank:
   storages, counted by a ``saved_tensors_hooks`` pack hook): what sequence parallelism divides;
 - ``update_peak_bytes``: the process's peak RSS during the pass (``VmHWM``, reset before it) minus its RSS just
   before it (model and gradient buffer: the same in both settings);
-- ``planned_activation_bytes``: ``meshrl plan``'s activations for the layout (``trainer.plan``'s formula, fp32).
+- ``planned_activation_bytes``: ``meshrl plan``'s activations for the layout (``meshrl.memory_plan``'s formula, fp32).
 
 Writes bench/results/sequence_parallel.json. Time is recorded with the load average but is not the point (three
 ranks on two cores).
@@ -45,7 +45,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from meshrl.models.embedded import smollm2_hf_dir
     from meshrl.parallel import hf_conversion, model_builder, schedule, state
     from meshrl.parallel.forward import OutputRequest
-    from meshrl.trainer.plan import activation_bytes_per_token
+    from meshrl.memory_plan.activations import activation_bytes_per_token
     from meshrl.workers.sequences import response_part
 
     torch.set_num_threads(1)

@@ -55,7 +55,7 @@ def check_layout(tp: int, pp: int, models: list[str], timeout_s: float) -> dict:
         result["dp_group_size_ok"] = int(ones.item()) == dist.get_world_size() // (tp * pp)
         for model in models:
             from meshrl.parallel.model_builder import build_model, model_spec, unwrap
-            from meshrl.trainer.plan import load_hf_config, stage_parameters
+            from meshrl.memory_plan import load_hf_config, stage_parameters
 
             hf_config = load_hf_config(model)
             chunks = build_model(hf_config, perform_initialization=False)

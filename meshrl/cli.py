@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return plot_main(rest) or 0
     if command == "plan":
-        from meshrl.trainer.plan import main as plan_main
+        from meshrl.memory_plan import main as plan_main
 
         return plan_main(rest)
     if command == "convert":

@@ -19,7 +19,7 @@ from typing import Any
 
 from meshrl.process_memory import trims_heap
 from meshrl.protocol import Batch
-from meshrl.workers.actor_rollout_ref import load_initial_weights, optimizer_config, transformer_overrides
+from meshrl.workers.model_setup import load_initial_weights, optimizer_config, transformer_overrides
 from meshrl.workers.dispatch import DispatchGroup
 from meshrl.workers.engine import NonFinitePolicy, TrainingEngine
 from meshrl.workers.objectives import CriticObjective

@@ -186,6 +186,30 @@ def test_the_ceiling_over_trl_is_trls_step_over_the_matmul_floor():
     assert "ceiling_speedup_vs_trl" not in limits.summarize_limits([bare] * 3, trl_step_s=30.0)
 
 
+def test_corrected_flops_count_each_prompt_once_causal_attention_and_response_outputs_only():
+    """Against a token-by-token count: 2 prompts of 10 tokens with 4 responses of 6 each."""
+    weights, vocab, per_key = 2 * SHAPE.params, 2 * SHAPE.vocab * SHAPE.hidden, 4 * SHAPE.layers * SHAPE.hidden
+    p, r, groups, n = 10, 6, 2, 4
+    prompt = sum(weights - vocab + per_key * i for i in range(1, p + 1))  # no outputs for prompt tokens
+    response = sum(weights + per_key * (p + j) for j in range(1, r + 1))  # after the prompt's p keys
+    train, decode, prefill = limits.corrected_flops(SHAPE, rows=groups * n, n=n, prompt_mean=p, response_mean=r)
+    assert train == pytest.approx(3 * groups * (prompt + n * response))
+    assert decode == pytest.approx(groups * n * response)
+    assert prefill == pytest.approx(groups * (prompt + vocab))  # the last prompt position's outputs
+
+
+def test_the_corrected_floor_is_in_the_step_and_beside_the_speedup_over_trl():
+    st = vs_trl.meshrl_step(meshrl_record(), rows=8)
+    step = limits.step_limits(st, SHAPE, rows=8, n=4, flops_per_s=1e6, read_bytes_per_s=1e5, weight_dtype_bytes=4)
+    assert step["corrected_floor_s"] == pytest.approx(
+        step["corrected_floor_train_s"] + step["corrected_floor_decode_s"]
+        + limits.corrected_flops(SHAPE, rows=8, n=4, prompt_mean=st["prompt_tokens"] / 8,
+                                 response_mean=st["response_tokens"] / 8)[2] / 1e6)
+    summary = limits.summarize_limits([step] * 3, trl_step_s=30.0)
+    assert summary["corrected_ceiling_speedup_vs_trl"] == pytest.approx(30.0 / step["corrected_floor_s"])
+    assert summary["step_over_corrected_floor"] == pytest.approx(10.0 / step["corrected_floor_s"])
+
+
 def test_consistency_compares_prompt_tokens_step_by_step():
     m, t = steps_of([1.0, 2.0]), steps_of([1.0, 2.0])
     assert vs_trl.consistency(m, t)["prompt_tokens_equal"]

@@ -119,7 +119,7 @@ class StandIn(mock.MagicMock):
 
 
 WORKER_MODULES = ("meshrl.workers.actor_rollout_ref", "meshrl.workers.critic", "meshrl.workers.reward_model",
-                  "meshrl.workers.rank")
+                  "meshrl.workers.rank", "meshrl.workers.model_setup")
 # What a set-up imports and runs for real: the translations of its section (optimizer, engine and sampling settings)
 REAL_IMPORTS = ("meshrl.config", "meshrl.rollout.base")
 

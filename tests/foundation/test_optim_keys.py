@@ -12,7 +12,7 @@ import pytest
 from meshrl.config import ConfigError, load_config
 from meshrl.config.validate import validate_config
 from meshrl.parallel.optimizer import advance_schedule, build_scheduler
-from meshrl.workers.actor_rollout_ref import optimizer_config
+from meshrl.workers.model_setup import optimizer_config
 
 OPTIM = "actor_rollout_ref.actor.optim"
 

@@ -8,10 +8,11 @@ import pytest
 from meshrl.config import load_config
 from meshrl.config.validate import validate_config
 from meshrl.parallel.model_builder import model_spec
-from meshrl.trainer import plan as plan_mod
-from meshrl.trainer.plan import (GIB, KNOWN_MODELS, active_parameters, all_to_all_bytes_per_token,
-                                 expert_parameters, layer_parameters, load_hf_config, main, matmul_parameters, plan,
-                                 stage_parameters)
+from meshrl.memory_plan import GIB, estimate, main
+from meshrl.memory_plan.activations import all_to_all_bytes_per_token
+from meshrl.memory_plan.weights import (active_parameters, expert_parameters, layer_parameters, load_hf_config,
+                                        matmul_parameters, stage_parameters)
+from meshrl.models.known import KNOWN_MODELS
 
 # Parameter totals the Hugging Face hub shows for these checkpoints (safetensors), in billions.
 PUBLISHED_B = {
@@ -138,25 +139,25 @@ def phase(result, name):
 
 
 def test_memory_scales_with_the_knobs():
-    base = plan(load("remax_qwen2.5-7b_seq_balance"))
-    half_budget = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12000"))
+    base = estimate(load("remax_qwen2.5-7b_seq_balance"))
+    half_budget = estimate(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12000"))
     update, update_half = phase(base, "actor update").items, phase(half_budget, "actor update").items
     # the fused output layer (the default) holds one chunk of logits whatever the budget (test_fused_output.py)
     assert update_half["actor logits"] == update["actor logits"]
-    no_distopt = plan(load("remax_qwen2.5-7b_seq_balance",
+    no_distopt = estimate(load("remax_qwen2.5-7b_seq_balance",
                            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False"))
     dp = base.layout["dp"]
     assert phase(no_distopt, "actor optimizer").items["actor optimizer"] == pytest.approx(
         dp * phase(base, "actor optimizer").items["actor optimizer"])
-    tp4 = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"))
+    tp4 = estimate(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"))
     assert phase(tp4, "actor update").items["actor logits"] == pytest.approx(update["actor logits"] / 2)
-    no_recompute = plan(load("remax_qwen2.5-7b_seq_balance",
+    no_recompute = estimate(load("remax_qwen2.5-7b_seq_balance",
                              "actor_rollout_ref.model.enable_gradient_checkpointing=False"))
     assert phase(no_recompute, "actor update").items["actor activations"] > 5 * update["actor activations"]
     # offloading the reference keeps it out of every phase but the one that reads it
     assert "ref params" in phase(base, "log-prob").items and "ref params" not in phase(base, "rollout").items
     # ReMax decodes one greedy response per prompt on top of the n samples
-    unshared = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.use_prefix_grouper=False"))
+    unshared = estimate(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.use_prefix_grouper=False"))
     assert unshared.flops["generation"] == pytest.approx(unshared.flops["old_log_probs"] * 5 / 4)
     # shared prompts (on by default): the policy's passes run a prompt once for its n responses
     cfg = load("remax_qwen2.5-7b_seq_balance")
@@ -167,8 +168,8 @@ def test_memory_scales_with_the_knobs():
 
 
 def test_pipeline_first_stage_holds_pp_micro_batches():
-    flat = plan(load("grpo_qwen2-7b_math", "actor_rollout_ref.model.enable_gradient_checkpointing=False"))
-    piped = plan(load("grpo_qwen2-7b_math_megatron", "actor_rollout_ref.model.enable_gradient_checkpointing=False"))
+    flat = estimate(load("grpo_qwen2-7b_math", "actor_rollout_ref.model.enable_gradient_checkpointing=False"))
+    piped = estimate(load("grpo_qwen2-7b_math_megatron", "actor_rollout_ref.model.enable_gradient_checkpointing=False"))
     assert piped.stage["actor"] == 0  # the first stage is the fuller one without recompute
     # PP 2 halves the layers of a stage but keeps 2 micro-batches in flight: same activations at stage 0
     assert phase(piped, "actor update").items["actor activations"] == pytest.approx(
@@ -186,7 +187,7 @@ def test_refuses_a_layout_that_cannot_fit_and_names_the_knobs(capsys):
 
 
 def test_refuses_a_rollout_budget_without_kv_room():
-    result = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.rollout.gpu_memory_utilization=0.05"))
+    result = estimate(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.rollout.gpu_memory_utilization=0.05"))
     assert not result.fits
     assert any("KV cache" in p for p in result.problems)
     assert any("gpu_memory_utilization" in a for a in result.advice)
@@ -218,34 +219,34 @@ def test_impossible_layout_and_unknown_model_are_config_errors(capsys):
 def test_local_folder_is_read(tmp_path):
     config = load_hf_config("Qwen/Qwen2.5-1.5B-Instruct")
     config.save_pretrained(tmp_path)
-    result = plan(load("remax_qwen2.5-7b_seq_balance", f"actor_rollout_ref.model.path={tmp_path}"))
+    result = estimate(load("remax_qwen2.5-7b_seq_balance", f"actor_rollout_ref.model.path={tmp_path}"))
     assert result.model["parameters"] == stage_parameters(spec_of("Qwen/Qwen2.5-1.5B-Instruct"))
 
 
 def test_ppo_counts_the_colocated_critic():
-    result = plan(load("ppo_qwen2.5-1.5b"))
+    result = estimate(load("ppo_qwen2.5-1.5b"))
     spec = spec_of("Qwen/Qwen2.5-1.5B-Instruct")
     assert [p.name for p in result.phases][-2:] == ["critic update", "critic optimizer"]
     assert "critic optimizer" in phase(result, "actor update").items  # not offloaded in this recipe
     tokens = 1024 * 1 * (512 + 1024)  # prompts x responses per prompt x full length
-    assert result.flops["values"] == pytest.approx(2 * plan_mod.matmul_parameters(spec, critic=True) * tokens)
+    assert result.flops["values"] == pytest.approx(2 * matmul_parameters(spec, critic=True) * tokens)
     # a scalar head instead of the (tied) vocabulary projection: the critic is smaller in FLOPs
-    assert plan_mod.matmul_parameters(spec, critic=True) < plan_mod.matmul_parameters(spec)
+    assert matmul_parameters(spec, critic=True) < matmul_parameters(spec)
 
 
 def test_actor_dtype_sets_the_byte_counts():
     """megatron.dtype=bfloat16 on CPU is counted as mixed precision (bf16 params, fp32 master copy and
     moments); float32 on GPU as fp32 throughout; the reference follows the actor."""
-    fp32 = plan(load("cpu_tiny_grpo", "actor_rollout_ref.actor.use_kl_loss=True"))
-    bf16 = plan(load("cpu_tiny_grpo", "actor_rollout_ref.actor.use_kl_loss=True",
+    fp32 = estimate(load("cpu_tiny_grpo", "actor_rollout_ref.actor.use_kl_loss=True"))
+    bf16 = estimate(load("cpu_tiny_grpo", "actor_rollout_ref.actor.use_kl_loss=True",
                      "actor_rollout_ref.actor.megatron.dtype=bfloat16"))
     static = phase(fp32, "actor optimizer").items, phase(bf16, "actor optimizer").items
     assert static[1]["actor params"] == pytest.approx(static[0]["actor params"] / 2)
     assert static[1]["actor optimizer"] == pytest.approx(static[0]["actor optimizer"] * 12 / 8)
     assert static[1]["ref params"] == pytest.approx(static[0]["ref params"] / 2)
     assert (fp32.layout["actor_dtype"], bf16.layout["actor_dtype"]) == ("float32", "bfloat16")
-    gpu = plan(load("remax_qwen2.5-7b_seq_balance"))
-    gpu_fp32 = plan(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.dtype=float32"))
+    gpu = estimate(load("remax_qwen2.5-7b_seq_balance"))
+    gpu_fp32 = estimate(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.dtype=float32"))
     assert phase(gpu_fp32, "actor update").items["actor params"] == pytest.approx(
         2 * phase(gpu, "actor update").items["actor params"])
 
@@ -255,17 +256,17 @@ def test_sum_pi_squared_raises_the_unfused_forward_logits_to_its_temporaries():
     10 B per logit element instead of the cross entropy's 6; the fused output layer squares in place."""
     unfused = ("actor_rollout_ref.model.use_fused_kernels=False",)
     otb = ("algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared=True")
-    base = phase(plan(load("remax_qwen2.5-7b_seq_balance", *unfused)), "log-prob").items["forward logits"]
-    with_pi2 = phase(plan(load("remax_qwen2.5-7b_seq_balance", *unfused, *otb)), "log-prob").items["forward logits"]
+    base = phase(estimate(load("remax_qwen2.5-7b_seq_balance", *unfused)), "log-prob").items["forward logits"]
+    with_pi2 = phase(estimate(load("remax_qwen2.5-7b_seq_balance", *unfused, *otb)), "log-prob").items["forward logits"]
     assert with_pi2 == pytest.approx(base * 10 / 6)
-    fused = phase(plan(load("remax_qwen2.5-7b_seq_balance")), "log-prob").items["forward logits"]
-    assert phase(plan(load("remax_qwen2.5-7b_seq_balance", *otb)), "log-prob").items["forward logits"] == fused
+    fused = phase(estimate(load("remax_qwen2.5-7b_seq_balance")), "log-prob").items["forward logits"]
+    assert phase(estimate(load("remax_qwen2.5-7b_seq_balance", *otb)), "log-prob").items["forward logits"] == fused
 
 
 def test_the_reward_model_is_planned_as_its_own_role():
     base = ["reward_model.enable=True", "reward_model.model.path=tiny-rm:llama"]
-    without = plan(load_config([], recipe="cpu_tiny_ppo"), gpu_memory_gib=80)
-    result = plan(load_config(base, recipe="cpu_tiny_ppo"), gpu_memory_gib=80)
+    without = estimate(load_config([], recipe="cpu_tiny_ppo"), gpu_memory_gib=80)
+    result = estimate(load_config(base, recipe="cpu_tiny_ppo"), gpu_memory_gib=80)
     params = stage_parameters(spec_of("tiny-rm:llama"), critic=True) * 4  # fp32 on CPU
     phases = {p.name: p for p in result.phases}
     assert "reward model" in phases and "reward model" not in {p.name for p in without.phases}
@@ -273,7 +274,7 @@ def test_the_reward_model_is_planned_as_its_own_role():
     assert phases["reward model"].items["reward model activations"] > 0
     assert phases["rollout"].items["runtime overhead"] > without.phases[0].items["runtime overhead"]  # a process more
     assert result.flops["reward_model"] > 0 and result.layout["reward_model"]["tp"] == 1
-    offloaded = plan(load_config([*base, "reward_model.megatron.param_offload=True"], recipe="cpu_tiny_ppo"), 80)
+    offloaded = estimate(load_config([*base, "reward_model.megatron.param_offload=True"], recipe="cpu_tiny_ppo"), 80)
     assert [p.name for p in offloaded.phases if "reward model params" in p.items] == ["reward model"]
 
 
@@ -284,8 +285,8 @@ def test_lora_counts_pefts_adapters_and_builds_no_reference():
     from meshrl.models.resolve import resolve_model_path
 
     overrides = ["actor_rollout_ref.actor.use_kl_loss=True"]
-    full = plan(load_config(overrides, recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
-    lora = plan(load_config([*overrides, "actor_rollout_ref.model.lora_rank=8",
+    full = estimate(load_config(overrides, recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
+    lora = estimate(load_config([*overrides, "actor_rollout_ref.model.lora_rank=8",
                              "actor_rollout_ref.model.target_modules=all-linear"], recipe="cpu_tiny_grpo"), 80)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny:llama"))
     trainable = sum(p.numel() for p in get_peft_model(hf, LoraConfig(r=8, target_modules="all-linear")).parameters()
@@ -304,13 +305,13 @@ def test_a_generative_reward_model_holds_its_server_through_every_phase():
              "custom_reward_function.path=recipes/rewards/llm_judge.py"]
     key = "reward judge (vLLM server)"
     # on CPU: its weights, profiled activations and KV cache, with no Megatron reward-model role
-    cpu = plan(load_config([*judge, "reward_model.rollout.kv_cache_memory_bytes=1073741824"],
+    cpu = estimate(load_config([*judge, "reward_model.rollout.kv_cache_memory_bytes=1073741824"],
                            recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
     weights = stage_parameters(spec_of("tiny:qwen2")) * 2  # reward_model.rollout.dtype: bfloat16 (verl's default)
     assert all(p.items[key] > weights + GIB for p in cpu.phases)
     assert "reward model" not in {p.name for p in cpu.phases}
     # on GPU: its share of the whole GPU, as vLLM allocates it
-    gpu = plan(load_config([*judge, "trainer.device=cuda", "reward_model.rollout.gpu_memory_utilization=0.25"],
+    gpu = estimate(load_config([*judge, "trainer.device=cuda", "reward_model.rollout.gpu_memory_utilization=0.25"],
                            recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
     assert all(p.items[key] == 0.25 * 80 * GIB for p in gpu.phases)
 
@@ -322,9 +323,9 @@ def test_the_cpu_engine_sleeps_without_its_weights_unless_adapters_are_synced():
         return [p.name for p in result.phases if "vLLM weights" in p.items]
 
     lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=all-linear"]
-    full = plan(load_config([], recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
-    adapters = plan(load_config(lora, recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
-    merged = plan(load_config([*lora, "actor_rollout_ref.model.lora.merge=True"], recipe="cpu_tiny_grpo"),
+    full = estimate(load_config([], recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
+    adapters = estimate(load_config(lora, recipe="cpu_tiny_grpo"), gpu_memory_gib=80)
+    merged = estimate(load_config([*lora, "actor_rollout_ref.model.lora.merge=True"], recipe="cpu_tiny_grpo"),
                   gpu_memory_gib=80)
     assert holding(full) == holding(merged) == ["rollout"]
     assert holding(adapters) == [p.name for p in adapters.phases] and len(adapters.phases) > 1

@@ -14,7 +14,8 @@ from meshrl.config import load_config
 from meshrl.config.loader import RECIPES_DIR
 from meshrl.config.lora_keys import lora_enabled
 from meshrl.config.validate import validate_config, world_size
-from meshrl.trainer import plan as plan_mod
+from meshrl.memory_plan import estimate
+from meshrl.models.known import KNOWN_MODELS
 
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 FULL = [p for p in RECIPES if not p.stem.startswith("_")]
@@ -70,7 +71,7 @@ def test_recipe_validates_and_fits(path):
     cfg = load_config([], recipe=path)
     skip_without_optional_model(cfg)
     validate_config(cfg)
-    result = plan_mod.plan(cfg, gpu_memory_gib=80)
+    result = estimate(cfg, gpu_memory_gib=80)
     assert result.fits, f"{path.stem}: {result.problems}; {result.advice}"
     assert result.layout["world"] == world_size(cfg)
     assert result.rollout["full_length_sequences"] >= 1
@@ -79,7 +80,7 @@ def test_recipe_validates_and_fits(path):
 @pytest.mark.parametrize("path", FULL, ids=lambda p: p.stem)
 def test_recipe_model_needs_no_download(path):
     model = load_config([], recipe=path).actor_rollout_ref.model.path
-    assert model in plan_mod.KNOWN_MODELS or model.startswith(("embedded:", "tiny:")), model
+    assert model in KNOWN_MODELS or model.startswith(("embedded:", "tiny:")), model
 
 
 def test_learning_rates_follow_the_guide():
@@ -88,7 +89,7 @@ def test_learning_rates_follow_the_guide():
     # scripts' 3e-5.
     for path in FULL:
         cfg = load_config([], recipe=path)
-        if cfg.actor_rollout_ref.model.path in plan_mod.KNOWN_MODELS:
+        if cfg.actor_rollout_ref.model.path in KNOWN_MODELS:
             low, high = (3e-6, 3e-5) if lora_enabled(cfg) else (5e-7, 1e-6)
             assert low <= cfg.actor_rollout_ref.actor.optim.lr <= high, path.stem
 

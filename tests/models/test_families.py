@@ -10,7 +10,7 @@ from meshrl.models import families
 from meshrl.models.hf_classes import hf_class
 from meshrl.models.families import FAMILY_MODULES, checkpoint_shapes, family, hf_layout, model_spec
 from meshrl.models.tiny import TinySpec, tiny_config, tiny_spec
-from meshrl.trainer.plan import stage_parameters
+from meshrl.memory_plan import stage_parameters
 
 MODEL_TYPES = tuple(FAMILY_MODULES)
 

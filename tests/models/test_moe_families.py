@@ -168,6 +168,6 @@ def test_lora_on_moe_is_planned_at_preflight_and_moe_tensor_parallelism_in_vllm_
     from meshrl.rollout.vllm_engine import VLLMEngine
 
     engine_args = VLLMEngine._engine_kwargs  # what a GPU engine is given (no engine started here)
-    fake = type("Fake", (), {"_cuda": True, "model_path": "m", "dp_rank": 0})()
+    fake = type("Fake", (), {"_cuda": True, "model_path": "m", "dp_rank": 0, "_cpu_attention_backend": None})()
     kwargs = engine_args(fake, EngineConfig(tensor_model_parallel_size=2, expert_parallel_size=2), colocated=True)
     assert kwargs["enable_expert_parallel"] is True and kwargs["tensor_parallel_size"] == 2

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_family_vllm import perturbed_megatron, served_logprob_error, tp1  # noqa: F401  (the fixture)
-from vllm_cpu_kernels import skip_fp32_mla_on_amx
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -23,7 +22,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3",
                                         *(pytest.param(m, marks=pytest.mark.extended) for m in ("qwen3_moe", "mixtral"))])
 def test_engine_serves_the_resharded_experts(tp1, tmp_path, model_type: str) -> None:  # noqa: F811
-    skip_fp32_mla_on_amx(model_type)
     from transformers import AutoModelForCausalLM
 
     from meshrl.parallel import hf_conversion

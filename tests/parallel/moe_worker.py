@@ -215,7 +215,7 @@ def planned_parameters(path: Path) -> int:
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    from meshrl.trainer.plan import stage_parameters
+    from meshrl.memory_plan import stage_parameters
 
     return stage_parameters(model_builder.model_spec(AutoConfig.from_pretrained(path)),
                             tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),

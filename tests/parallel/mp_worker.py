@@ -413,7 +413,7 @@ def check_forward_only_model(path: Path) -> dict:
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
-    from meshrl.trainer.plan import stage_parameters
+    from meshrl.memory_plan import stage_parameters
 
     batches, request = my_batches(make_micro_batches()), OutputRequest(entropy=True)
     trainable = build(path)

@@ -19,7 +19,7 @@ from meshrl.models.families import checkpoint_shapes, family, model_spec
 from meshrl.models.tiny import tiny_config, tiny_model_dir
 from meshrl.parallel import hf_conversion, layers, model_builder, schedule, state
 from meshrl.parallel.forward import OutputRequest
-from meshrl.trainer.plan import stage_parameters
+from meshrl.memory_plan import stage_parameters
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -239,12 +239,12 @@ def test_the_planner_counts_one_chunk_of_logits_with_the_fused_layer() -> None:
     fused, with the chunk only, and both the update's and the log-prob phase's totals drop by the difference."""
     from meshrl.config import load_config
     from meshrl.config.validate import validate_config
-    from meshrl.trainer.plan import plan
+    from meshrl.memory_plan import estimate
 
     def phases(*overrides: str) -> dict:
         cfg = load_config(list(overrides), recipe="remax_qwen2.5-7b_seq_balance")
         validate_config(cfg)
-        return {p.name: p for p in plan(cfg).phases}
+        return {p.name: p for p in estimate(cfg).phases}
 
     unfused, budget = "actor_rollout_ref.model.use_fused_kernels=False", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
     before, after = phases(unfused), phases()

@@ -14,8 +14,8 @@ from meshrl.config.validate import validate_config
 from meshrl.parallel import state
 from meshrl.parallel.forward import trim_rows, unpack
 from meshrl.parallel.model_builder import build_forward_only_model, model_config
-from meshrl.trainer.plan import plan
-from meshrl.workers.actor_rollout_ref import transformer_overrides
+from meshrl.memory_plan import estimate
+from meshrl.workers.model_setup import transformer_overrides
 
 ACTOR = "actor_rollout_ref.actor.megatron"
 
@@ -82,7 +82,7 @@ def test_plan_splits_every_activation_over_tp():
     def actor_activations(*overrides):
         cfg = load_config(list(overrides), recipe=recipe)
         validate_config(cfg)
-        result = plan(cfg)
+        result = estimate(cfg)
         update = next(p for p in result.phases if p.name == "actor update")
         return update.items["actor activations"], result
 

@@ -187,13 +187,20 @@ def test_every_argument_the_vllm_engine_sets_is_owned():
     config = EngineConfig(vllm_kwargs={"max_logprobs": 7})
     for cuda in (False, True):
         for colocated in (False, True):
-            fake = SimpleNamespace(model_path="m", _cuda=cuda, dp_rank=0)
+            fake = SimpleNamespace(model_path="m", _cuda=cuda, dp_rank=0, _cpu_attention_backend=None)
             kwargs = VLLMEngine._engine_kwargs(fake, config, colocated)
             assert set(kwargs) - {"max_logprobs"} <= set(OWNED_VLLM_ARGS) and kwargs["max_logprobs"] == 7
             assert kwargs["load_format"] == "auto"
-    dummy = VLLMEngine._engine_kwargs(SimpleNamespace(model_path="m", _cuda=False, dp_rank=0),
+    dummy = VLLMEngine._engine_kwargs(SimpleNamespace(model_path="m", _cuda=False, dp_rank=0,
+                                                      _cpu_attention_backend=None),
                                       EngineConfig(load_format="dummy_megatron"), False)
     assert dummy["load_format"] == "dummy"
+    # an fp32 MLA model on an AMX CPU (serving_limits.vllm_cpu_mla_backend): vLLM's reference MLA backend, unless the
+    # rollout's engine_kwargs choose an attention_config themselves
+    mla = SimpleNamespace(model_path="m", _cuda=False, dp_rank=0, _cpu_attention_backend="CPU_MLA")
+    assert VLLMEngine._engine_kwargs(mla, EngineConfig(), False)["attention_config"] == {"backend": "CPU_MLA"}
+    chosen = EngineConfig(vllm_kwargs={"attention_config": {"backend": "AMX_MLA"}})
+    assert VLLMEngine._engine_kwargs(mla, chosen, False)["attention_config"] == {"backend": "AMX_MLA"}
 
 
 @needs_vllm

@@ -11,7 +11,7 @@ from meshrl.parallel import state
 from meshrl.parallel.convert_cli import hf_to_mcore
 from meshrl.parallel.hf_conversion import load_hf_weights
 from meshrl.parallel.model_builder import build_model, model_config
-from meshrl.workers.actor_rollout_ref import load_initial_weights, transformer_overrides
+from meshrl.workers.model_setup import load_initial_weights, transformer_overrides
 
 MEGATRON = "actor_rollout_ref.actor.megatron"
 

@@ -274,7 +274,7 @@ def check_lr_schedule(worker, rl_steps: int = 4) -> dict:
 
     from meshrl.algorithms import GlobalNorm
     from meshrl.parallel.optimizer import build_optimizer
-    from meshrl.workers.actor_rollout_ref import optimizer_config
+    from meshrl.workers.model_setup import optimizer_config
 
     optim = OmegaConf.create({**OmegaConf.to_container(worker.cfg.actor_rollout_ref.actor.optim),
                               "lr": 1e-3, "lr_warmup_steps_ratio": 0.25, "warmup_style": "cosine",
