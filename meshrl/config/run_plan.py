@@ -80,7 +80,8 @@ MISMATCH_TOLERANCES = {"float32": 1e-3, "16-bit": 0.2}
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """One role's model-parallel layout over the run's training processes."""
+    """One role's model-parallel layout over the run's training processes: what its workers initialise megatron's
+    groups with (``meshrl.workers.rank``). ``expert_tensor``: the experts' TP, None: the dense layers' TP."""
 
     tensor: int
     pipeline: int
@@ -88,6 +89,7 @@ class ParallelLayout:
     context: int
     expert: int
     data: int
+    expert_tensor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,8 @@ def _layout(cfg: DictConfig, role: str) -> ParallelLayout:
     mg = OmegaConf.select(cfg, ROLE_SECTIONS[role]).megatron
     return ParallelLayout(tensor=mg.tensor_model_parallel_size, pipeline=mg.pipeline_model_parallel_size,
                           virtual_pipeline=mg.virtual_pipeline_model_parallel_size, context=mg.context_parallel_size,
-                          expert=mg.expert_model_parallel_size, data=data_parallel_size(cfg, role))
+                          expert=mg.expert_model_parallel_size, data=data_parallel_size(cfg, role),
+                          expert_tensor=mg.expert_tensor_parallel_size)
 
 
 def build_run_plan(cfg: DictConfig) -> RunPlan:

@@ -35,8 +35,10 @@ def outcome_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -
     return token_scores
 
 
-def compute_token_rewards(batch: Batch, algo: DictConfig, kl_ctrl: KLController | None) -> dict[str, float]:
-    """``token_level_rewards`` = scores, minus β·KL per token when ``algorithm.use_kl_in_reward``.
+def compute_token_rewards(batch: Batch, algo: DictConfig, kl_ctrl: KLController | None,
+                          kl_in_reward: str | None) -> dict[str, float]:
+    """``token_level_rewards`` = scores, minus β·KL per token of type ``kl_in_reward`` (the run plan's: the
+    ``algorithm.kl_penalty`` of ``algorithm.use_kl_in_reward``; None: no KL in the reward).
 
     With ``algorithm.remax.reward_clip`` = c > 0, scores are first clipped to [−c, c], for every
     estimator; so is ReMax's baseline ``greedy_scores`` (rewritten in the batch), so that the sampled
@@ -48,20 +50,21 @@ def compute_token_rewards(batch: Batch, algo: DictConfig, kl_ctrl: KLController 
         scores = scores.clamp(-clip, clip)
         if "greedy_scores" in batch:
             batch.set("greedy_scores", batch["greedy_scores"].clamp(-clip, clip))
-    if not algo.use_kl_in_reward:
+    if kl_in_reward is None:
         batch.set("token_level_rewards", scores)
         return {}
     penalised = apply_kl_penalty(scores, batch["old_log_probs"], batch["ref_log_probs"], batch["response_mask"],
-                                 kl_coef=kl_ctrl.value, kl_type=algo.kl_penalty)
+                                 kl_coef=kl_ctrl.value, kl_type=kl_in_reward)
     batch.set("token_level_rewards", penalised.rewards)
     metrics = {"actor/reward_kl_penalty": float(penalised.mean_kl), "actor/reward_kl_coef": kl_ctrl.value}
     kl_ctrl.update(penalised.mean_kl, n_steps=len(batch))
     return metrics
 
 
-def compute_advantages(batch: Batch, algo: DictConfig) -> dict[str, float]:
-    """Run ``algorithm.adv_estimator`` (a registered name or ``module:function``) on the batch."""
-    estimator = ADVANTAGE_ESTIMATORS.get(algo.adv_estimator)
+def compute_advantages(batch: Batch, algo: DictConfig, estimator_name: str) -> dict[str, float]:
+    """Run the estimator ``estimator_name`` (the run plan's ``algorithm.adv_estimator``: a registered name or
+    ``module:function``) on the batch, with ``algo``'s settings for it."""
+    estimator = ADVANTAGE_ESTIMATORS.get(estimator_name)
     available = {name: batch[name] for name in ESTIMATOR_BATCH_INPUTS if name in batch}
     extras = {key: batch[key] for key in batch.meta.get(REWARD_EXTRA_KEYS, ())}
     keys = None if algo.gdpo_reward_keys is None else [str(key) for key in algo.gdpo_reward_keys]

@@ -187,9 +187,9 @@ class RLTrainer:
         with timer("reward"):
             metrics.update(self.apply_scores(batch, scoring.result(), prefix="score"))
         with timer("adv"):
-            metrics.update(compute_token_rewards(batch, cfg.algorithm, self.kl_ctrl))
+            metrics.update(compute_token_rewards(batch, cfg.algorithm, self.kl_ctrl, plan.kl_in_reward))
             metrics.update(apply_rollout_correction(batch, plan.rollout_correction))  # IS weights, rejection
-            metrics.update(compute_advantages(batch, cfg.algorithm))
+            metrics.update(compute_advantages(batch, cfg.algorithm, plan.adv_estimator))
         if plan.use_critic:
             with timer("update_critic"):
                 metrics.update(self.critic.update(self.mini_batches(batch, plan.critic_update, stream=1)))

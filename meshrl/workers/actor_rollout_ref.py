@@ -72,7 +72,7 @@ class ActorRolloutRefWorker(RankWorker):
         actor = arr.actor
         threads = int(os.environ.get("MESHRL_THREADS", "1"))
         imported = time.monotonic()
-        self._init_distributed(address, actor.megatron, threads)
+        self._init_distributed(address, self.plan.actor_layout, actor.megatron.seed, threads)
         trust = {"trust_remote_code": arr.model.trust_remote_code}
         self.hf_config = load_model_config(self.model_dir, arr.model.override_config, **trust)
         self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir, **trust)
@@ -113,7 +113,7 @@ class ActorRolloutRefWorker(RankWorker):
             if arr.ref.megatron.param_offload or arr.ref.fsdp_config.param_offload:
                 self.ref_offloaded = offload(self.ref, params=True, grads=False, optimizer_state=False,
                                             buffers=self.host_buffers)
-        self.objective = ActorObjective.from_config(actor, self.plan.rollout_correction)
+        self.objective = ActorObjective.from_config(actor, self.plan)
         # Policy and reference run packed THD micro-batches (no compute on padding) unless the key says no
         # or the device has no fast variable-length attention (model_builder.packed_sequences).
         self.remove_padding = packed_sequences(arr.model.use_remove_padding)
@@ -127,13 +127,13 @@ class ActorRolloutRefWorker(RankWorker):
         self.response_length = self.plan.response_length
         # LoRA: the engine serves the adapters (vLLM's adapter path) or is sent merged weights
         self.adapter_sync = self.plan.lora is not None and not self.plan.lora.merge
-        self.replica = self.rank // arr.rollout.tensor_model_parallel_size
+        self.replica = self.rank // self.plan.rollout_tensor_parallel
         startup = {"imports": imported - started, "models": time.monotonic() - imported}
         if start_engine:
             startup.update(self.start_engine())
         return {**self.layout_dict(), "replica": self.replica,
-                "replica_leader": self.rank % arr.rollout.tensor_model_parallel_size == 0,
-                "num_replicas": self.world_size // arr.rollout.tensor_model_parallel_size, "startup": startup,
+                "replica_leader": self.rank % self.plan.rollout_tensor_parallel == 0,
+                "num_replicas": self.world_size // self.plan.rollout_tensor_parallel, "startup": startup,
                 "shared_prompts_off": self.shared_prompts_off}
 
     def start_engine(self) -> dict[str, float]:
@@ -200,7 +200,7 @@ class ActorRolloutRefWorker(RankWorker):
         out = responses_batch(prompts, completions, sampling.n, self.response_length, self.pad_id)
         if self.agent_loop is not None:
             out.set(AGENT_STATS, stats)
-        return out if self.rank % self.section.rollout.tensor_model_parallel_size == 0 else None
+        return out if self.rank % self.plan.rollout_tensor_parallel == 0 else None
 
     def start_generate(self, prompts: Batch, mode: str) -> None:
         """``generate`` on a thread of this worker, while its next calls (log-prob passes, the update) run: the
@@ -210,7 +210,7 @@ class ActorRolloutRefWorker(RankWorker):
         engine (a weight sync) before it."""
         if self._background is not None:
             raise RuntimeError("start_generate() while a generation is in flight: finish_generate() first")
-        if self.section.rollout.tensor_model_parallel_size != 1 or any(actor_offload(self.section.actor)):
+        if self.plan.rollout_tensor_parallel != 1 or any(actor_offload(self.section.actor)):
             raise RuntimeError("overlapped generation needs rollout.tensor_model_parallel_size=1 and no trainer "
                                "offload (meshrl.trainer.async_trainer.why_serial decides before calling)")
         if self._generation_thread is None:

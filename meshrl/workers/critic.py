@@ -39,7 +39,8 @@ class CriticWorker(RankWorker):
 
         critic = self.section
         megatron = critic.megatron
-        self._init_distributed(address, megatron, int(os.environ.get("MESHRL_THREADS", "1")))
+        self._init_distributed(address, self.plan.critic_layout, megatron.seed,
+                               int(os.environ.get("MESHRL_THREADS", "1")))
         trust = {"trust_remote_code": critic.model.trust_remote_code}
         self.hf_config = AutoConfig.from_pretrained(self.model_dir, **trust)
         tokenizer = AutoTokenizer.from_pretrained(critic.model.tokenizer_path or self.model_dir, **trust)

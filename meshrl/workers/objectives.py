@@ -50,14 +50,13 @@ class ActorObjective:
     rollout_correction: RolloutCorrectionSettings | None = None
 
     @classmethod
-    def from_config(cls, actor: DictConfig, rollout_correction: RolloutCorrectionSettings | None = None
-                    ) -> "ActorObjective":
-        """From the ``actor`` section; with ``rollout_correction.bypass`` the loss is ``bypass_mode``, whatever
-        ``policy_loss.loss_mode`` says (verl's trainer sets it so)."""
-        bypass = rollout_correction is not None and rollout_correction.bypass
+    def from_config(cls, actor: DictConfig, plan) -> "ActorObjective":
+        """From the ``actor`` section and the run plan (``plan``: its loss, ``bypass_mode`` in rollout correction's
+        bypass mode whatever ``policy_loss.loss_mode`` says, as verl's trainer sets it; its aggregation and its
+        rollout correction)."""
         return cls(
-            loss_mode="bypass_mode" if bypass else actor.policy_loss.loss_mode,
-            loss_agg_mode=actor.loss_agg_mode,
+            loss_mode=plan.policy_loss,
+            loss_agg_mode=plan.loss_agg_mode,
             clip_ratio_low=actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
             clip_ratio_high=actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio,
             clip_ratio_c=actor.clip_ratio_c,
@@ -67,7 +66,7 @@ class ActorObjective:
             kl_loss_type=actor.kl_loss_type,
             loss_options={"tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg,
                           **{key: actor.policy_loss[key] for key in POLICY_LOSS_OPTIONS}},
-            rollout_correction=rollout_correction,
+            rollout_correction=plan.rollout_correction,
         )
 
     @property

@@ -102,7 +102,8 @@ class RankWorker:
         # Ray's node address is the one other nodes reach (a hostname lookup may give 127.0.1.1).
         return ray.util.get_node_ip_address(), port
 
-    def _init_distributed(self, address: tuple[str, int], megatron_cfg, threads: int) -> RankLayout:
+    def _init_distributed(self, address: tuple[str, int], layout, seed: int, threads: int) -> RankLayout:
+        """The process group and megatron's groups of the role's ``layout`` (its ``RunPlan`` layout), seeded."""
         import torch
         import torch.distributed as dist
 
@@ -119,15 +120,9 @@ class RankWorker:
         dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size,
                                 timeout=timeout)
         parallel = state.ParallelConfig(
-            tensor_parallel=megatron_cfg.tensor_model_parallel_size,
-            pipeline_parallel=megatron_cfg.pipeline_model_parallel_size,
-            virtual_pipeline=megatron_cfg.virtual_pipeline_model_parallel_size,
-            context_parallel=megatron_cfg.context_parallel_size,
-            expert_parallel=megatron_cfg.expert_model_parallel_size,
-            expert_tensor_parallel=megatron_cfg.expert_tensor_parallel_size,
-            timeout_s=self.plan.workers.collective_timeout_s,
-            seed=megatron_cfg.seed,
-        )
+            tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline, virtual_pipeline=layout.virtual_pipeline,
+            context_parallel=layout.context, expert_parallel=layout.expert, expert_tensor_parallel=layout.expert_tensor,
+            timeout_s=self.plan.workers.collective_timeout_s, seed=seed)
         state.initialize(parallel)
         from megatron.core import parallel_state
 

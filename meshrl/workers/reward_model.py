@@ -92,7 +92,8 @@ class RewardModelWorker(RankWorker):
 
         rm = self.section
         megatron = rm.megatron
-        self._init_distributed(address, megatron, int(os.environ.get("MESHRL_THREADS", "1")))
+        self._init_distributed(address, self.plan.reward_model_layout, megatron.seed,
+                               int(os.environ.get("MESHRL_THREADS", "1")))
         trust = {"trust_remote_code": rm.model.trust_remote_code}
         self.hf_config = AutoConfig.from_pretrained(self.model_dir, **trust)
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir, **trust)

@@ -135,3 +135,22 @@ def test_completions_land_in_their_rows_whatever_the_engine_order():
 def test_build_run_plan_raises_what_validate_lists():
     with pytest.raises(ConfigError, match="grpoo"):
         build_run_plan(load_config(["algorithm.adv_estimator=grpoo"], recipe="cpu_tiny_grpo"))
+
+
+def test_every_field_of_the_run_plan_is_read_by_the_code_it_decides_for():
+    """A decision the run plan names is taken once and read from it: each field of ``RunPlan`` (and of its
+    ``WorkerSettings``) is read as ``plan.<field>`` / ``run.<field>`` (``workers.<field>``) somewhere in ``meshrl/``
+    outside the module that builds it; a field nobody reads is a decision taken again elsewhere, or dead."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from meshrl.config.run_plan import RunPlan, WorkerSettings
+
+    package = Path(__file__).resolve().parents[2] / "meshrl"
+    sources = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "run_plan.py")
+    read = {cls: set(re.findall(rf"\b{owner}\.(\w+)", sources))
+            for cls, owner in ((RunPlan, "(?:plan|run)"), (WorkerSettings, "(?:workers|settings)"))}
+    unread = [f"{cls.__name__}.{f.name}" for cls, names in read.items() for f in dataclasses.fields(cls)
+              if f.name not in names]
+    assert not unread, f"run plan fields no code reads: {unread}"

@@ -94,8 +94,8 @@ def test_decoupled_correction_weighs_and_rejects_and_the_advantages_see_every_sa
     # advantages of the kept responses are those without the rejection
     algorithm = load_config([], recipe="cpu_tiny_grpo").algorithm
     untouched = grpo_batch()
-    compute_advantages(batch, algorithm)
-    compute_advantages(untouched, algorithm)
+    compute_advantages(batch, algorithm, "grpo")
+    compute_advantages(untouched, algorithm, "grpo")
     assert torch.allclose(batch["advantages"], untouched["advantages"])
 
     diagnostics = batch_metrics(batch, plan)  # on every sampled token, the rejected ones included

@@ -41,7 +41,8 @@ def take(mb, idx):
      "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"],
 ])
 def test_actor_objective_is_split_invariant(overrides):
-    objective = ActorObjective.from_config(load_config(overrides).actor_rollout_ref.actor)
+    cfg = load_config(overrides)
+    objective = ActorObjective.from_config(cfg.actor_rollout_ref.actor, build_run_plan(cfg))
     mb, log_probs, entropy = mini_batch()
     norm = GlobalNorm.from_mask(mb["response_mask"])
 
@@ -78,23 +79,24 @@ def test_actor_objective_is_split_invariant(overrides):
 ])
 def test_actor_objective_hands_each_loss_its_options(overrides, options):
     """verl's keys reach the loss that reads them: sapo's actor.tau_*, the others' actor.policy_loss.*."""
-    actor = load_config(overrides).actor_rollout_ref.actor
-    objective = ActorObjective.from_config(actor)
+    cfg = load_config(overrides)
+    objective = ActorObjective.from_config(cfg.actor_rollout_ref.actor, build_run_plan(cfg))
     mb, log_probs, _ = mini_batch()
     mask, norm = mb["response_mask"], GlobalNorm.from_mask(mb["response_mask"])
     torch.manual_seed(0)  # clip_cov's draw
     loss, _ = objective(log_probs, None, mb, norm)
     torch.manual_seed(0)
-    direct = POLICY_LOSSES.get(actor.policy_loss.loss_mode)(log_probs, mb["old_log_probs"], mb["advantages"], mask,
-                                                             **options)
+    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    direct = POLICY_LOSSES.get(loss_mode)(log_probs, mb["old_log_probs"], mb["advantages"], mask, **options)
     expected = aggregate_loss(direct.loss, mask, direct.agg_mode or "token-mean", norm)
     assert float(loss) == pytest.approx(float(expected))
-    if actor.policy_loss.loss_mode == "clip_cov":
+    if loss_mode == "clip_cov":
         assert bool(direct.metrics["clipfrac"].any())  # the draw picked tokens: the options changed the loss
 
 
 def test_kl_loss_zero_for_identical_policies():
-    objective = ActorObjective.from_config(load_config(["actor_rollout_ref.actor.use_kl_loss=True"]).actor_rollout_ref.actor)
+    cfg = load_config(["actor_rollout_ref.actor.use_kl_loss=True"])
+    objective = ActorObjective.from_config(cfg.actor_rollout_ref.actor, build_run_plan(cfg))
     mb, log_probs, _ = mini_batch()
     mb["ref_log_probs"] = log_probs.clone()
     _, metrics = objective(log_probs, None, mb, GlobalNorm.from_mask(mb["response_mask"]))
@@ -120,14 +122,15 @@ def test_actor_objective_applies_rollout_correction():
     mb, log_probs, _ = mini_batch()
     norm = GlobalNorm.from_mask(mb["response_mask"])
     weights = torch.rand(log_probs.shape, generator=torch.Generator().manual_seed(5)) * 2
-    objective = ActorObjective.from_config(load_config([]).actor_rollout_ref.actor)
+    cfg = load_config([])
+    objective = ActorObjective.from_config(cfg.actor_rollout_ref.actor, build_run_plan(cfg))
     loss, _ = objective(log_probs, None, {**mb, "rollout_is_weights": weights}, norm)
     vanilla = get_policy_loss("vanilla")(log_probs, mb["old_log_probs"], mb["advantages"], mb["response_mask"])
     assert torch.allclose(loss, aggregate_loss(vanilla.loss * weights, mb["response_mask"], "token-mean", norm))
 
     cfg = load_config([f"algorithm.rollout_correction.{key}" for key in (
         "bypass_mode=True", "loss_type=reinforce", "rollout_is=token", "rollout_rs=token_k2", "rollout_rs_threshold=0.02")])
-    objective = ActorObjective.from_config(cfg.actor_rollout_ref.actor, build_run_plan(cfg).rollout_correction)
+    objective = ActorObjective.from_config(cfg.actor_rollout_ref.actor, build_run_plan(cfg))
     assert objective.loss_mode == "bypass_mode"
 
     def total(splits):
