@@ -250,13 +250,15 @@ def plot(result: dict, path: Path) -> None:
     if loop:
         ax = axes[0][-1]
         for offset, mode, color in ((-0.2, "sync", "tab:gray"), (0.2, "async", "tab:blue")):
-            bars = ax.bar([i + offset for i in range(len(loop["rounds"]))], [r[mode]["seconds"] for r in loop["rounds"]],
+            bars = ax.bar([i + offset for i in range(len(loop["rounds"]))],
+                          [r[mode]["seconds"] for r in loop["rounds"]],
                           width=0.4, color=color, label=mode)
             ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.set_xticks(range(len(loop["rounds"])), [f"round {i + 1}" for i in range(len(loop["rounds"]))])
         ax.set_ylabel("seconds for the multi-turn rollout")
         ax.set_title(f"multi-turn generation alone, {loop['prompts']} prompts x {loop['n']}, <= "
-                     f"{loop['max_assistant_turns']} turns,\ntool latency {loop['tool_delay_s']} s per call", fontsize=9)
+                     f"{loop['max_assistant_turns']} turns,\ntool latency {loop['tool_delay_s']} s per call",
+                     fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

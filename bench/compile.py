@@ -94,7 +94,8 @@ def region_seconds(tokens: int, reps: int) -> dict[str, dict[str, float]]:
     compiled_norm = torch.nn.RMSNorm(576, eps=1e-5)
     compiled_norm.compile(dynamic=True)
     freqs = torch.randn(tokens, 1, 1, 64, generator=g)
-    eager_rope, compiled_rope = rope_utils._apply_rotary_pos_emb_bshd, compiled._compile(rope_utils._apply_rotary_pos_emb_bshd)
+    eager_rope, compiled_rope = (rope_utils._apply_rotary_pos_emb_bshd,
+                                 compiled._compile(rope_utils._apply_rotary_pos_emb_bshd))
 
     def glu(y):  # megatron's MLP without bias_activation_fusion
         a, b = torch.chunk(y, 2, dim=-1)
@@ -233,7 +234,8 @@ def main() -> None:
         "threads": args.threads, "steps_timed": args.steps,
         "layout": "TP1 PP1 DP1, megatron local spec (RMSNorm) + SDPA core attention, fused output layer off",
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "load_average_1m_before_after": load},
-        "variants": variants, "regions_forward_backward_seconds": regions, "command": "python -m bench.compile " + " ".join(sys.argv[1:]),
+        "variants": variants, "regions_forward_backward_seconds": regions,
+        "command": "python -m bench.compile " + " ".join(sys.argv[1:]),
     }
     write_result("compile", result, plot)
     for name, v in variants.items():

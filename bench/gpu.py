@@ -182,7 +182,8 @@ def section_parity(args) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
         with torch.no_grad():
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = hf(input_ids=ids.cuda(), attention_mask=mask.cuda(), position_ids=position_ids.cuda()).logits.float()
+            logits = hf(input_ids=ids.cuda(), attention_mask=mask.cuda(),
+                        position_ids=position_ids.cuda()).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1)
         ref_lp = torch.zeros(batch, seq)
         ref_ent = torch.zeros(batch, seq)
@@ -213,7 +214,8 @@ def make_worker(args, overrides: list[str]):
     model_dir = random_model_dir(args)
     cfg = load_config([
         f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cuda", "trainer.n_gpus_per_node=1",
-        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.ignore_eos=True",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.ignore_eos=True",
         f"actor_rollout_ref.rollout.n={args.n}", f"data.train_batch_size={args.prompts}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}", f"data.max_prompt_length={args.prompt_len}",
         f"data.max_response_length={args.response}", "actor_rollout_ref.actor.megatron.dtype=bfloat16",
@@ -546,7 +548,8 @@ def summary(result: dict) -> list[str]:
                 if "error" in s:
                     lines.append(f"{name} {s['rows']}x{s['seq']} budget {s['token_budget']}: {s['error'][:80]}")
                     continue
-                lines.append(f"{name} {s['rows']}x{s['seq']} budget {s['token_budget']}: {s['tokens_per_s']:.0f} tok/s, "
+                lines.append(f"{name} {s['rows']}x{s['seq']} budget {s['token_budget']}: "
+                             f"{s['tokens_per_s']:.0f} tok/s, "
                              f"MFU {s['achieved_flops_median'] / peak:.3f} measured / "
                              f"{s['achieved_flops_median'] / sheet:.3f} datasheet, "
                              f"peak mem {s['peak_memory_gib']:.1f} GiB; first update {s['first_s']:.1f} s, loss "
@@ -555,10 +558,12 @@ def summary(result: dict) -> list[str]:
             lines.append("offload " + "; ".join(f"{r['offloaded_gib']:.1f} GiB out {r['offload_s']:.2f} s, back "
                                                  f"{r['restore_s']:.2f} s" for r in section["rounds"])
                          + f"; allocated {section['allocated_before_gib']:.1f} -> "
-                         f"{section['rounds'][0]['allocated_offloaded_gib']:.1f} -> {section['allocated_restored_gib']:.1f} GiB;"
+                         f"{section['rounds'][0]['allocated_offloaded_gib']:.1f} -> "
+                         f"{section['allocated_restored_gib']:.1f} GiB;"
                          f" identical params {section['params_identical']} grads {section['grads_identical']}")
         elif name == "profile":
-            lines.append("profile " + "  ".join(f"{k} {section[k]['seconds']:.3f} s {section[k]['achieved_flops'] / 1e12:.0f} "
+            lines.append("profile " + "  ".join(f"{k} {section[k]['seconds']:.3f} s "
+                                                f"{section[k]['achieved_flops'] / 1e12:.0f} "
                                                 f"TFLOP/s" for k in ("forward", "forward_backward", "hf_forward")))
         elif name == "checkpoint":
             lines.append(f"checkpoint save {section['save_s']:.1f} s load {section['load_s']:.1f} s, "
@@ -647,7 +652,8 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=512)
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--mfu-shapes", type=parse_shapes, default=parse_shapes("64x1024@4096,64x1024@8192,32x2048@8192"))
+    parser.add_argument("--mfu-shapes", type=parse_shapes,
+                        default=parse_shapes("64x1024@4096,64x1024@8192,32x2048@8192"))
     parser.add_argument("--mfu-repeats", type=int, default=3)
     parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--section-out", help=argparse.SUPPRESS)
@@ -664,7 +670,8 @@ def main() -> None:
         start = time.perf_counter()
         child = subprocess.run([sys.executable, "-m", "bench.gpu", *sys.argv[1:], "--section", name,
                                 "--section-out", str(out)], cwd=Path(__file__).resolve().parents[1])
-        result[name] = json.loads(out.read_text()) if out.is_file() else {"ok": False, "error": f"exit {child.returncode}"}
+        result[name] = (json.loads(out.read_text()) if out.is_file()
+                        else {"ok": False, "error": f"exit {child.returncode}"})
         result[name]["wall_s"] = time.perf_counter() - start
         print(f"[bench.gpu] {name}: {'ok' if result[name].get('ok') else 'FAILED'} in {result[name]['wall_s']:.0f} s",
               flush=True)

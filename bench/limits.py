@@ -19,7 +19,7 @@ the actor's dtype and B the read bandwidth:
                        less the vocabulary projection (6·V·h) of the prompt tokens: only response
                        tokens' log-probs are needed, and meshrl computes only those
     decode bytes     = W · D                      (each decode step reads every weight once)
-    floor_s          = training FLOPs / F + decode bytes / B          (issue 9's definition; target: step <= 1.25 x floor)
+    floor_s          = training FLOPs / F + decode bytes / B   (issue 9's definition; target: step <= 1.25 x floor)
     update fraction  = training FLOPs / update_actor_s / F
     decode fraction  = decode bytes / gen_s / B   (and the decode's FLOP fraction, 2·N per generated token / gen_s / F)
 
@@ -298,18 +298,21 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     g = 1e9
-    print(f"machine: matmul fp32 {rates['matmul_flops_fp32'] / g:.0f} GFLOP/s, bf16 {rates['matmul_flops_bf16'] / g:.1f} "
+    print(f"machine: matmul fp32 {rates['matmul_flops_fp32'] / g:.0f} GFLOP/s, "
+          f"bf16 {rates['matmul_flops_bf16'] / g:.1f} "
           f"GFLOP/s, read {rates['read_bytes_per_s'] / g:.1f} GB/s (load average {measured['load_average']}); "
           f"a decode step's matmuls at {decode['rows']} rows: {decode['seconds_per_step'] * 1e3:.0f} ms "
           f"({decode['flops_per_s'] / g:.0f} GFLOP/s)")
     for st in per_step:
         print(f"step {st['step']}: {st['wall_s']:.1f} s vs floor {st['floor_s']:.1f} s ({st['step_over_floor']:.2f}x; "
               f"roofline {st['roofline_floor_s']:.1f} s, {st['step_over_roofline_floor']:.2f}x)  update "
-              f"{_pct(st['update_fraction_of_matmul_flops'])} of FLOP/s  decode {_pct(st['decode_fraction_of_bandwidth'])} "
+              f"{_pct(st['update_fraction_of_matmul_flops'])} of FLOP/s  "
+              f"decode {_pct(st['decode_fraction_of_bandwidth'])} "
               f"of bandwidth, {_pct(st['decode_fraction_of_matmul_flops'])} of FLOP/s, "
               f"{st['gen_over_decode_matmuls']:.2f}x its matmuls' time")
     if "ceiling_speedup_vs_trl" in summary:
-        print(f"TRL's step {summary['trl_step_s']:.1f} s: meshrl {summary['speedup_vs_trl']:.2f}x faster; at its matmul "
+        print(f"TRL's step {summary['trl_step_s']:.1f} s: meshrl {summary['speedup_vs_trl']:.2f}x faster; "
+              "at its matmul "
               f"floor ({summary['matmul_floor_s']:.1f} s) it would be {summary['ceiling_speedup_vs_trl']:.2f}x")
     if "corrected_ceiling_speedup_vs_trl" in summary:
         print(f"corrected floor {summary['corrected_floor_s']:.1f} s (shared prompts, causal attention, decode at the "

@@ -43,7 +43,8 @@ LAYOUTS = {
     "ep2_r2": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
                "actor_rollout_ref.ref.megatron.expert_model_parallel_size=2",
                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-               "actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
+               "actor_rollout_ref.actor.megatron.router_replay.mode=R2",
+               "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
 }
 ROWS, LENGTH, PERTURBATION = 16, 96, 1e-2
 COMMON = ["actor_rollout_ref.model.path=tiny:qwen2_moe", "trainer.test_freq=-1", "trainer.val_before_train=False",
@@ -111,7 +112,8 @@ def replay_mismatch(seed: int = 0) -> dict:
 
     def run(chunks, routes=None):
         """(log-probs, routes the routers chose) of every micro-batch; ``routes``: replay those."""
-        micros = batches if routes is None else [{**mb, router_replay.ROUTES: r.long()} for mb, r in zip(batches, routes)]
+        micros = (batches if routes is None
+                  else [{**mb, router_replay.ROUTES: r.long()} for mb, r in zip(batches, routes)])
         if routes is not None:
             return [o["log_probs"] for o in schedule.forward_only(chunks, micros, request)], routes
         with router_replay.recording(chunks) as record:

@@ -149,8 +149,8 @@ def run_setting(name: str, steps: int, run_dir: Path) -> dict:
             "returncode": done.returncode, "wall_s": round(wall, 1),
             "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
             "refusal": None if done.returncode == 0 else "\n".join(lines[-TAIL_LINES:]),
-            "mismatch_warnings": alarms[:5], "ready_line": next((line for line in lines if line.startswith("meshrl: ready")),
-                                                                   None),
+            "mismatch_warnings": alarms[:5],
+            "ready_line": next((line for line in lines if line.startswith("meshrl: ready")), None),
             "steps": records, "summary": summarise(records)}
 
 

@@ -65,7 +65,8 @@ def main(argv=None):
               "isolation": isolation_report(), "runs": []}
     for n in args.concurrency:
         run = measure(jobs, n)
-        print(f"max_concurrent={n}: {run['programs_per_s']:.1f} programs/s ({run['programs']} in {run['wall_s']:.1f} s, "
+        print(f"max_concurrent={n}: {run['programs_per_s']:.1f} programs/s "
+              f"({run['programs']} in {run['wall_s']:.1f} s, "
               f"load average {run['load_average_1m_after']:.2f})", flush=True)
         report["runs"].append(run)
     RESULTS.mkdir(exist_ok=True)

@@ -79,7 +79,8 @@ def rank_main(args: argparse.Namespace) -> None:
     spec = model_builder.model_spec(hf_config)
     tokens = args.prompt + args.response
     figures = {"saved_activation_bytes": sum(storages.values()),
-               "update_peak_bytes": process_memory.peak_rss_bytes() - before, "rss_before_bytes": before, "seconds": seconds,
+               "update_peak_bytes": process_memory.peak_rss_bytes() - before, "rss_before_bytes": before,
+               "seconds": seconds,
                "planned_activation_bytes": activation_bytes_per_token(spec, TP, 4, args.sequence_parallel)
                * spec.num_layers * tokens}
     ranks: list = [None] * dist.get_world_size()

@@ -94,7 +94,8 @@ class Settings:
     temperature: float = 1.0
     loss_agg: str = "token-mean over the whole batch (meshrl loss_agg_mode=token-mean, TRL loss_type=dapo)"
     micro_batch: int = 8  # TRL: sequences per micro-batch (gradient accumulation over prompts*n/micro_batch)
-    meshrl_micro_batch_tokens: int | None = None  # meshrl's token budget; None: micro_batch * (longest prompt + response_length)
+    # meshrl's token budget; None: micro_batch * (longest prompt + response_length)
+    meshrl_micro_batch_tokens: int | None = None
     gradient_checkpointing: bool = False
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     seed: int = 1
@@ -590,7 +591,8 @@ def print_summary(result: dict) -> None:
             continue
         m = result["summary"][name]
         fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
-        print(f"{name:6s} step {m['step_s']:7.1f} s  gen {m['gen_s']:6.1f} s ({fmt(m['gen_tokens_per_s'], '.0f')} tok/s)  "
+        print(f"{name:6s} step {m['step_s']:7.1f} s  gen {m['gen_s']:6.1f} s "
+              f"({fmt(m['gen_tokens_per_s'], '.0f')} tok/s)  "
               f"train {m['train_s']:6.1f} s ({fmt(m['train_tokens_per_s'], '.0f')} tok/s)  "
               f"peak RSS {fmt(m['peak_rss_gib'], '.2f')} GiB  reward {fmt(m['mean_reward'], '.3f')}")
     r = result.get("ratios")
@@ -611,7 +613,8 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="TRL sequences per micro-batch")
     p.add_argument("--meshrl-micro-batch-tokens", type=int, default=None,
-                   help="meshrl token budget per micro-batch (default: micro-batch x (longest prompt + response length))")
+                   help="meshrl token budget per micro-batch "
+                        "(default: micro-batch x (longest prompt + response length))")
     p.add_argument("--gradient-checkpointing", action="store_true", help="both sides recompute activations")
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -646,7 +649,8 @@ def precision_block(s: Settings) -> dict:
     trl = ({"generation": "float32 (TRL's transformers-generate path does not cast)",
             "training": "bf16 autocast (bf16=True)", "weights_and_optimizer": "float32"}
            if s.trl_bf16_mode == "autocast" else
-           {"generation": "bfloat16", "training": "bfloat16", "weights_and_optimizer": "bfloat16 (model loaded in bf16)"})
+           {"generation": "bfloat16", "training": "bfloat16",
+            "weights_and_optimizer": "bfloat16 (model loaded in bf16)"})
     return {"meshrl": {"rollout": "bfloat16 (rollout.dtype=bfloat16)",
                        "actor": "bfloat16 parameters (actor.megatron.dtype=bfloat16); fp32 main params, "
                                 "gradients and Adam state in megatron's mixed-precision optimizer"},
@@ -666,7 +670,8 @@ def refuse_emulated_bf16(threads: int) -> None:
     if bf16_is_emulated(bf16, fp32):
         raise SystemExit(f"vs_trl --dtype bf16: this CPU's bf16 matmul runs at {bf16 / 1e9:.1f} GFLOP/s, "
                          f"{fp32 / bf16:.0f}x slower than fp32 ({fp32 / 1e9:.0f} GFLOP/s): bf16 is emulated here "
-                         "(no AVX512-BF16/AMX). Run the bf16 comparison on a CPU with native bf16, or use --dtype fp32.")
+                         "(no AVX512-BF16/AMX). Run the bf16 comparison on a CPU with native bf16, "
+                         "or use --dtype fp32.")
 
 
 def main(argv=None) -> int:

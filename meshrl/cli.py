@@ -26,7 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from meshrl.trainer.main import TRAIN_USAGE, main as train_main
 
         if not rest:  # verl's defaults alone read data from ~/data and want 8 GPUs: not what a bare command means
-            print(f"usage: {TRAIN_USAGE}\nmeshrl train: give a recipe, e.g. meshrl train cpu_tiny_grpo", file=sys.stderr)
+            print(f"usage: {TRAIN_USAGE}\nmeshrl train: give a recipe, e.g. meshrl train cpu_tiny_grpo",
+                  file=sys.stderr)
             return 2
         # A leading recipe name is meshrl's form; options and overrides (verl's forms) pass through as given.
         if "=" in rest[0] or rest[0].startswith("-"):

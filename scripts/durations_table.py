@@ -35,7 +35,8 @@ def per_file(junit: Path) -> dict[str, tuple[float, int, int]]:
 def table(title: str, rows: dict[str, tuple[float, int, int]], wall_s: float) -> list[str]:
     total = sum(s for s, _, _ in rows.values())
     lines = [f"### {title}: {sum(n for _, n, _ in rows.values())} tests, {wall_s / 60:.1f} min wall "
-             f"({total:.0f} test-seconds)", "", "| file | tests | skipped | seconds | share |", "| --- | ---: | ---: | ---: | ---: |"]
+             f"({total:.0f} test-seconds)", "", "| file | tests | skipped | seconds | share |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     for name, (seconds, tests, skipped) in sorted(rows.items(), key=lambda item: -item[1][0]):
         lines.append(f"| `{name}` | {tests} | {skipped} | {seconds:.1f} | {seconds / total:.1%} |")
     return lines + [""]

@@ -180,7 +180,8 @@ def _colocate_async_problems(cfg: DictConfig) -> list[str]:
     mode = "trainer.v1.trainer_mode=colocate_async"
     if cfg.trainer.async_mode is not None:
         problems.append(f"trainer.async_mode={cfg.trainer.async_mode}: one asynchronous trainer at a time; {mode} "
-                        "asks for verl V1's colocate_async: set trainer.async_mode=null or trainer.v1.trainer_mode=sync")
+                        "asks for verl V1's colocate_async: set trainer.async_mode=null or "
+                        "trainer.v1.trainer_mode=sync")
     if rollout.name != "vllm":
         problems.append(f"actor_rollout_ref.rollout.name={rollout.name}: {mode} drives the vLLM engine request by "
                         "request (partial rollout); set rollout.name=vllm")

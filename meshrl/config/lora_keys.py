@@ -91,7 +91,8 @@ def _peft_names(value: Any, key: str, problems: list[str]) -> set[str]:
     except re.error as error:
         problems.append(f"{key}={value!r} is not a regular expression PEFT can read: {error}")
         return set()
-    per_layer = {frozenset(name for name in HF_LINEAR if regex.fullmatch(f"model.layers.{layer}.{HF_PARENT[name]}.{name}"))
+    per_layer = {frozenset(name for name in HF_LINEAR
+                           if regex.fullmatch(f"model.layers.{layer}.{HF_PARENT[name]}.{name}"))
                  for layer in range(LAYERS_CHECKED)}
     if len(per_layer) > 1:
         problems.append(f"{key}={value!r} selects different modules in different layers; per-layer LoRA is not "

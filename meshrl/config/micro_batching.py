@@ -89,7 +89,8 @@ def micro_batching(cfg: DictConfig, phase: str, dp_size: int) -> MicroBatching:
         name = "actor_rollout_ref." + ("rollout" if phase == "actor_log_prob" else "ref")
         section = arr.rollout if phase == "actor_log_prob" else arr.ref
         own = _per_gpu(section, "log_prob_micro_batch_size", name, dp_size)
-        dynamic = actor.use_dynamic_bsz if section.log_prob_use_dynamic_bsz is None else section.log_prob_use_dynamic_bsz
+        dynamic = (actor.use_dynamic_bsz if section.log_prob_use_dynamic_bsz is None
+                   else section.log_prob_use_dynamic_bsz)
         budget = section.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
         budget_key = f"{name}.log_prob_max_token_len_per_gpu"
         size = own if own is not None else actor_size
@@ -112,7 +113,8 @@ def micro_batching(cfg: DictConfig, phase: str, dp_size: int) -> MicroBatching:
         budget = rm.forward_max_token_len_per_gpu or critic.forward_max_token_len_per_gpu \
             or critic.ppo_max_token_len_per_gpu
         budget_key = "reward_model.forward_max_token_len_per_gpu"
-        candidates = (_per_gpu(rm, "micro_batch_size", "reward_model", dp_size), critic.forward_micro_batch_size_per_gpu,
+        candidates = (_per_gpu(rm, "micro_batch_size", "reward_model", dp_size),
+                      critic.forward_micro_batch_size_per_gpu,
                       _per_gpu(critic, "ppo_micro_batch_size", "critic", dp_size), actor_size)
         size = next((c for c in candidates if c is not None), None)
         sources = ["reward_model.micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",

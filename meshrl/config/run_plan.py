@@ -228,7 +228,8 @@ def build_run_plan(cfg: DictConfig) -> RunPlan:
     """The ``RunPlan`` of ``cfg``; raises ``ConfigError`` listing unknown method names and unbuildable phases."""
     plan, problems = check_run_plan(cfg)
     if problems:
-        raise ConfigError("invalid configuration ({} problem(s)):\n  - {}".format(len(problems), "\n  - ".join(problems)))
+        raise ConfigError("invalid configuration ({} problem(s)):\n  - {}".format(
+            len(problems), "\n  - ".join(problems)))
     return plan
 
 

@@ -223,7 +223,8 @@ class OptimConfig:
     optimizer: str = "adam"  # megatron's Adam with decoupled weight decay (AdamW); the only one wired
     lr_warmup_init: float = 0.0  # the warm-up's first learning rate
     lr_decay_steps: Optional[int] = None  # None: total_training_steps
-    lr_decay_style: Optional[str] = None  # constant | linear | cosine | inverse_square_root | WSD; None: lr_scheduler_type
+    # constant | linear | cosine | inverse_square_root | WSD; None: lr_scheduler_type
+    lr_decay_style: Optional[str] = None
     min_lr: Optional[float] = None  # None: lr * min_lr_ratio
     weight_decay_incr_style: str = "constant"  # constant | linear | cosine (verl starts and ends at weight_decay)
     lr_wsd_decay_style: str = "exponential"  # the WSD schedule's anneal: linear | cosine | exponential | minus_sqrt

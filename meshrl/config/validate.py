@@ -21,8 +21,8 @@ from meshrl.config.loader import ConfigError, default_config
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS
 from meshrl.config.run_plan import RunPlan, check_run_plan, estimator_inputs
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_DECAY_STYLES, LR_SCHEDULES,
-                                  MEGATRON_DTYPES, MOE_BALANCING, NONFINITE_ACTIONS, ROLLOUT_MODES, WD_INCR_STYLES, WSD_DECAY_STYLES,
-                                  RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
+                                  MEGATRON_DTYPES, MOE_BALANCING, NONFINITE_ACTIONS, ROLLOUT_MODES, WD_INCR_STYLES,
+                                  WSD_DECAY_STYLES, RESUME_MODES, ROLLOUT_ENGINES, TRUNCATION_MODES)
 
 
 # loss_mode -> its options (keys under actor_rollout_ref.actor) that must be > 0
@@ -107,7 +107,8 @@ def validate_config(cfg: DictConfig) -> RunPlan:
 
     p.choice(rollout.mode, "actor_rollout_ref.rollout.mode", ROLLOUT_MODES)
     # The workers render tool messages with the chat template but receive only their own config section.
-    p.require(not (rollout.multi_turn.enable and cfg.data.apply_chat_template_kwargs), "data.apply_chat_template_kwargs",
+    p.require(not (rollout.multi_turn.enable and cfg.data.apply_chat_template_kwargs),
+              "data.apply_chat_template_kwargs",
               "with rollout.multi_turn.enable the workers render tool messages without these template arguments "
               "(passing them on is not built yet), so the turns after a tool call would be rendered unlike the "
               "prompt; remove them, or set rollout.multi_turn.enable=False")
@@ -118,7 +119,8 @@ def validate_config(cfg: DictConfig) -> RunPlan:
               "multi-turn rollouts run their tools on every rank of an inference replica, and sharing one rank's "
               "tool outputs with the others is not built yet; set it to 1 with rollout.multi_turn.enable")
     # Interactions play the user of multi-turn conversations and read them as chat messages (verl's raw_prompt).
-    for key, what in (("interaction_config_path", "interactions answer"), ("function_tool_path", "function tools run in"),
+    for key, what in (("interaction_config_path", "interactions answer"),
+                      ("function_tool_path", "function tools run in"),
                       ("tool_config_path", "tools run in")):
         p.require(not rollout.multi_turn[key] or rollout.multi_turn.enable,
                   f"actor_rollout_ref.rollout.multi_turn.{key}",
@@ -144,7 +146,8 @@ def validate_config(cfg: DictConfig) -> RunPlan:
         notes.append(f"{', '.join(fsdp)}: meshrl trains with its Megatron backend (fsdp_config's param_offload / "
                      "optimizer_offload carry over to it)")
     _check_reference_layout(p, actor.megatron, ref.megatron)
-    _check_mini_batch(p, actor.ppo_mini_batch_size, data.train_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    _check_mini_batch(p, actor.ppo_mini_batch_size, data.train_batch_size,
+                      "actor_rollout_ref.actor.ppo_mini_batch_size")
     for key in ("log_prob_max_token_len_per_gpu",):
         for section, name in ((ref, "ref"), (rollout, "rollout")):
             value = section[key]
@@ -161,7 +164,8 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     # the options a policy loss divides by or cannot do without (dro_beta has no default)
     for key in LOSS_OPTIONS_ABOVE_ZERO.get(actor.policy_loss.loss_mode, ()):
         p.positive(OmegaConf.select(actor, key), f"actor_rollout_ref.actor.{key}")
-    p.require(actor.kl_loss_coef >= 0, "actor_rollout_ref.actor.kl_loss_coef", f"must be >= 0, got {actor.kl_loss_coef}")
+    p.require(actor.kl_loss_coef >= 0, "actor_rollout_ref.actor.kl_loss_coef",
+              f"must be >= 0, got {actor.kl_loss_coef}")
     _check_optim(p, actor.optim, "actor_rollout_ref.actor.optim")
     _check_megatron(p, cfg, actor.megatron, "actor_rollout_ref.actor.megatron")
     p.choice(ref.megatron.dtype, "actor_rollout_ref.ref.megatron.dtype", MEGATRON_DTYPES)

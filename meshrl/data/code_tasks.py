@@ -82,7 +82,8 @@ def build_rows(split: str) -> list[dict[str, Any]]:
     """HumanEval's rows of ``split`` ('train' or 'test', module docstring), in task order."""
     if split not in SPLITS:
         raise ValueError(f"HumanEval has splits {SPLITS} (made here), not {split!r}")
-    chosen = [p for p in humaneval_problems() if (int(p["task_id"].split("/")[1]) % TEST_EVERY == 0) == (split == "test")]
+    chosen = [p for p in humaneval_problems()
+              if (int(p["task_id"].split("/")[1]) % TEST_EVERY == 0) == (split == "test")]
     return [humaneval_row(p, split, i) for i, p in enumerate(chosen)]
 
 

@@ -267,7 +267,8 @@ class RLDataset(torch.utils.data.Dataset):
         more = f"\n  ... and {len(problems) - _MAX_LISTED_ERRORS} more" if len(problems) > _MAX_LISTED_ERRORS else ""
         raise DataFormatError(
             f"{len(problems)} malformed row(s) in {path} (rows are 0-based; expected verl's layout: "
-            f"{reward_fn_key}, {prompt_key}=[{{role, content}}], reward_model.ground_truth, extra_info):\n{listed}{more}"
+            f"{reward_fn_key}, {prompt_key}=[{{role, content}}], reward_model.ground_truth, extra_info):\n"
+            f"{listed}{more}"
         )
 
     @staticmethod

@@ -34,7 +34,8 @@ def apply_overrides(config: Any, overrides: Mapping[str, Any], prefix: str = KEY
     ``config`` does not have."""
     for key, value in overrides.items():
         if not hasattr(config, key):
-            raise ValueError(f"{prefix}.{key}: the model's config ({getattr(config, 'model_type', type(config).__name__)}) "
+            raise ValueError(f"{prefix}.{key}: the model's config "
+                             f"({getattr(config, 'model_type', type(config).__name__)}) "
                              f"has no field {key!r}; check its config.json for the name")
         current = getattr(config, key)
         if isinstance(value, Mapping) and isinstance(current, Mapping):

@@ -211,7 +211,8 @@ class FusedHFReader:
                 first += shapes[part][0]
             expected = (first, *shapes[fusion.parts[0]][1:])
             if fusion.name in reader and reader.shape(fusion.name) != expected:
-                problems.append(f"{fusion.name} has shape {reader.shape(fusion.name)} but the config implies {expected} "
+                problems.append(f"{fusion.name} has shape {reader.shape(fusion.name)} "
+                                f"but the config implies {expected} "
                                 f"(its parts {', '.join(p.rsplit('.', 2)[-2] for p in fusion.parts)} stacked)")
         if problems:
             raise ValueError("HF checkpoint does not match its config: " + "; ".join(problems[:5]))
@@ -418,8 +419,8 @@ def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | 
 
     Collective over the model-parallel group (see ``iter_hf_weights``); its first rank writes. With
     DP > 1 let one replica call it (the replicas hold identical weights); with expert parallelism, the replicas
-    of one expert-parallel group (the one whose expert-parallel rank 0 has model-parallel rank 0 writes). Shards are flushed as soon
-    as they reach ``max_shard_bytes``, so the writer holds at most one shard. The folder appears
+    of one expert-parallel group (the one whose expert-parallel rank 0 has model-parallel rank 0 writes). Shards are
+    flushed as soon as they reach ``max_shard_bytes``, so the writer holds at most one shard. The folder appears
     atomically (written beside it, then ``meshrl.atomic_io.publish_dir``); an existing one is replaced.
     ``weights``: the HF-named stream to write (every rank iterates it, as ``iter_hf_weights(chunks, hf_config)``,
     the default); a LoRA policy passes ``peft_io.iter_merged_weights``'s, ``W + (alpha/r)·B·A`` for each adapted

@@ -200,8 +200,9 @@ def local_rope_self_attention_class():
         def __init__(self, config, submodules, layer_number: int, *args, local_rope_theta: float, **kwargs):
             super().__init__(config, submodules, layer_number, *args, **kwargs)
             windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number)
-            self.local_rope = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=local_rope_theta,
-                                              use_cpu_initialization=config.use_cpu_initialization) if windowed else None
+            self.local_rope = (RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=local_rope_theta,
+                                               use_cpu_initialization=config.use_cpu_initialization)
+                               if windowed else None)
 
         def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
             if self.local_rope is not None and rotary_pos_emb is not None:

@@ -80,7 +80,8 @@ def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
         if spec.num_experts % parallel.expert_parallel:
             problems.append(f"EP={parallel.expert_parallel} does not divide num_experts={spec.num_experts}")
         if spec.moe_ffn_hidden_size % etp:
-            problems.append(f"expert TP={etp} does not divide the experts' intermediate size {spec.moe_ffn_hidden_size}")
+            problems.append(f"expert TP={etp} does not divide the experts' intermediate size "
+                            f"{spec.moe_ffn_hidden_size}")
         if spec.shared_expert_ffn_hidden_size and spec.shared_expert_ffn_hidden_size % tp:
             problems.append(f"TP={tp} does not divide shared_expert_intermediate_size="
                             f"{spec.shared_expert_ffn_hidden_size}")
@@ -146,7 +147,8 @@ def fused_kernels_run(switch: str) -> bool:
     if switch == "apply_rope_fusion":
         from megatron.core.models.common.embeddings import rope_utils
 
-        return rope_utils.fused_apply_rotary_pos_emb is not None or rope_utils.fused_apply_rotary_pos_emb_thd is not None
+        return (rope_utils.fused_apply_rotary_pos_emb is not None
+                or rope_utils.fused_apply_rotary_pos_emb_thd is not None)
     if switch in ("persist_layer_norm", "gradient_accumulation_fusion"):
         return True  # with Transformer Engine the layers are its own (model_builder._layer_spec), which take them
     raise ValueError(f"not a fused-kernel switch: {switch}")
@@ -236,7 +238,8 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
     )
     dropped = sorted(key for key in overrides if key.startswith("moe_"))
     if dropped and not spec.moe:
-        raise ValueError(f"{', '.join(dropped)}: mixture-of-experts settings, but {spec.model_type} is dense; drop them")
+        raise ValueError(f"{', '.join(dropped)}: mixture-of-experts settings, but {spec.model_type} is dense; "
+                         "drop them")
     if "moe_router_bias_update_rate" in overrides and not spec.moe_expert_bias:
         raise ValueError(f"moe_router_bias_update_rate: {spec.model_type}'s router has no expert bias to move "
                          "(DeepSeek-V3's e_score_correction_bias); drop it")

@@ -4,7 +4,8 @@
 torch's AdamW (the CPU case), switched to torch's fused kernel (``fused_adam``, on by default: one pass over
 each parameter's weight, gradient and moments, as TE/apex's kernel on GPU; torch's default on CPU is a Python
 loop of eight elementwise ops per parameter). The fused kernel computes the same update, rounded otherwise
-(weights within 1 ulp after a step, ``tests/parallel/test_compiled_optimizer.py``). Precision follows the model: fp32 params -> ``FP32Optimizer``; bf16 params
+(weights within 1 ulp after a step, ``tests/parallel/test_compiled_optimizer.py``). Precision follows the model:
+fp32 params -> ``FP32Optimizer``; bf16 params
 -> megatron's mixed precision on CPU as on GPU (``Float16OptimizerWithFloat16Params``, or the
 distributed optimizer): fp32 main params, gradients and Adam state, the updated weights copied back
 into the bf16 params. fp16 params are not supported: they need a loss scale wired into the schedule.

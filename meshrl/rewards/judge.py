@@ -170,7 +170,8 @@ def _healthy(address: str) -> bool:
 @contextlib.contextmanager
 def serve_judge(server: JudgeServer, log_file: Path, start_timeout_s: float = START_TIMEOUT_S,
                 say: Callable[[str], None] = print, port: int = 0) -> Iterator[str]:
-    """Start the judge's server (its output in ``log_file``; on ``port``, 0: a free one), yield its ``host:port`` once ``/health`` answers,
+    """Start the judge's server (its output in ``log_file``; on ``port``, 0: a free one), yield its ``host:port``
+    once ``/health`` answers,
     and stop it on leaving, whatever ends the block: SIGTERM, then SIGKILL of its whole process group (vLLM's
     engine processes) after 30 s, then the shared memory vLLM's force-killed processes left (message queues,
     semaphores), so nothing is left behind. A server that exits or stays silent past
@@ -184,7 +185,8 @@ def serve_judge(server: JudgeServer, log_file: Path, start_timeout_s: float = ST
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as log:
         proc = subprocess.Popen(server.command(port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
+                                env={**os.environ,
+                                     "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
     try:
         start, deadline = time.monotonic(), time.monotonic() + start_timeout_s
         while not _healthy(address):

@@ -57,7 +57,8 @@ rollout's.
 
 **Async** (``rollout.mode=async``, ``meshrl.rollout.async_engine``). One coroutine per sample runs the loop
 above on its own: each turn is one engine request, its tools run on a thread (``asyncio.to_thread`` around
-the runner) and its interaction on the interactions' loop while the other samples keep generating, and its next turn joins the engine's running batch
+the runner) and its interaction on the interactions' loop while the other samples keep generating, and its next turn
+joins the engine's running batch
 as soon as they answer. Turn k of sample j of prompt i is seeded ``turn_seed(seed_i + j, k)``, so the
 first turn draws what a single-turn rollout's sample j would.
 
@@ -322,7 +323,8 @@ class AgentLoop:
 
     @staticmethod
     def _invocations(calling: list) -> list[Invocation]:
-        return [Invocation(call.name, call.arguments, sample.tools_kwargs) for sample, calls in calling for call in calls]
+        return [Invocation(call.name, call.arguments, sample.tools_kwargs)
+                for sample, calls in calling for call in calls]
 
     def _append_tool_outputs(self, sample: _Sample, calls: list, results: Sequence[CallResult]) -> None:
         """Count the calls and append their tool messages' tokens (loss mask 0), or end the sample at "length"."""

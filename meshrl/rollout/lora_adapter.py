@@ -141,7 +141,8 @@ class AdapterSlot:
 
 
 def install_adapter(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
-    """(Runs in vLLM's worker: ``vllm_worker.WeightUpdateExtension.meshrl_install_adapter``.) Build adapter ``lora_id`` from ``tensors``, then replace
+    """(Runs in vLLM's worker: ``vllm_worker.WeightUpdateExtension.meshrl_install_adapter``.) Build adapter ``lora_id``
+    from ``tensors``, then replace
     every loaded adapter with it and activate it; returns the number of adapted modules. The adapter is built
     (and vLLM's checks of it run) before the old one is removed, so a failure leaves the old one served."""
     from vllm.lora.lora_model import LoRAModel

@@ -79,7 +79,8 @@ def compute_advantages(batch: Batch, algo: DictConfig, estimator_name: str) -> d
         gdpo_reward_keys=keys,
         gdpo_reward_weights=weights,
     )
-    # every sampled token, rejected ones too (algorithm.rollout_correction.rollout_rs: meshrl.trainer.rollout_correction)
+    # every sampled token, rejected ones too
+    # (algorithm.rollout_correction.rollout_rs: meshrl.trainer.rollout_correction)
     out = call_with_available(estimator, batch["token_level_rewards"], sampled(batch), **available)
     batch.set("advantages", out.advantages)
     batch.set("returns", out.returns if out.returns is not None else out.advantages)

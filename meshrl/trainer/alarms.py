@@ -64,7 +64,8 @@ def mismatch_verdict(mean: float, history: Sequence[float], tolerance: float, fi
     if len(history) >= MIN_HISTORY:
         median = statistics.median(history[-HISTORY:])
         if mean > JUMP_FACTOR * median and mean > tolerance / JUMP_FACTOR:
-            return (f"it jumped above {JUMP_FACTOR:g}x the median {median:.3g} of the last {min(len(history), HISTORY)} "
+            return (f"it jumped above {JUMP_FACTOR:g}x the median {median:.3g} of the last "
+                    f"{min(len(history), HISTORY)} "
                     f"steps (and above the floor {tolerance / JUMP_FACTOR:.3g})")
     return None
 

@@ -33,7 +33,8 @@ the samples finished are queued, the others keep their tokens and go on at the n
 ``training/off_policy/trajectory_spans``). Otherwise the samples are those the serial schedule draws (same prompts,
 weights and seeds, one engine call per sync); only when they are made differs. Where the two would share something
 (``why_serial``: an inference replica across ranks, offloaded trainer state, ReMax's greedy pass, multi-turn tools)
-generation and training take turns instead, and the run says why. The engine and the trainer then hold their memory at once (on a
+generation and training take turns instead, and the run says why. The engine and the trainer then hold their memory
+at once (on a
 GPU: the KV cache beside the training state). The standalone rollout pool is not built; the run says so once. With
 ``staleness_threshold=0`` and one step per version the run is the synchronous one, metric for metric
 (``tests/e2e/test_async_e2e.py``).

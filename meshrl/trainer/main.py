@@ -101,7 +101,8 @@ def load_inputs(cfg) -> RunInputs:
         folder = Path(tokenizer_path or model_dir)
         why = str(exc).splitlines()[0].strip() if any((folder / name).is_file() for name in TOKENIZER_FILES) else \
             "it has none of " + ", ".join(TOKENIZER_FILES)
-        raise ConfigError(f"{key}: no tokenizer loads from {folder} ({why}); copy the model's tokenizer files (tokenizer.json, "
+        raise ConfigError(f"{key}: no tokenizer loads from {folder} ({why}); "
+                          "copy the model's tokenizer files (tokenizer.json, "
                           "tokenizer_config.json) into it, or set actor_rollout_ref.model.tokenizer_path to a folder "
                           "that has them", [key]) from None
     try:

@@ -15,7 +15,8 @@
         policy.update(advantages)   if step > critic_warmup      (ppo_epochs × mini-batches, each in micro-batches;
                                                                   one LR-schedule step per RL step)
         engine ← sync(policy weights)
-        alarm if old_log_probs ≠ rollout_log_probs               (trainer.on_mismatch: a stale sync, a broken conversion)
+        alarm if old_log_probs ≠ rollout_log_probs               (trainer.on_mismatch: a stale sync,
+                                                                  a broken conversion)
         dump generations                                         (trainer.rollout_data_dir)
         validate every test_freq; checkpoint every save_freq
         stop when asked (SIGTERM with trainer.save_on_preempt): checkpoint this step first

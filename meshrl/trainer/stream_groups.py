@@ -27,7 +27,8 @@ class StreamGroups:
         self.groups: dict[int, StreamGroup] = {}
         self._next_key = 0
 
-    def add(self, rows: list[int], tag: int, replicas: list[int] | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    def add(self, rows: list[int], tag: int,
+            replicas: list[int] | None = None) -> tuple[list[list[int]], list[list[int]]]:
         """Book one group per dataset row, ``replicas[i]`` holding row i's (default: consecutive equal shares, as a
         batch's rows are split over the replicas); the new keys and their rows, per replica."""
         if replicas is None:

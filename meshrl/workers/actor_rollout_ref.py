@@ -95,7 +95,8 @@ class ActorRolloutRefWorker(RankWorker):
             self.policy, optimizer_config(actor.optim, distributed_opt))
         self.train_engine = TrainingEngine(
             "actor", self.policy, self.optimizer, self.scheduler, self.pad_id,
-            min_micro=actor.megatron.pipeline_model_parallel_size, nonfinite=NonFinitePolicy.from_settings(self.plan.workers),
+            min_micro=actor.megatron.pipeline_model_parallel_size,
+            nonfinite=NonFinitePolicy.from_settings(self.plan.workers),
             hint="check the rewards and advantages, or lower actor_rollout_ref.actor.optim.lr")
         self.ref = self.ref_offloaded = None
         # Pinned host memory for offloads, allocated once and reused every step (pinning is the slow part).
@@ -444,7 +445,8 @@ class ActorRolloutRefWorker(RankWorker):
             return {"sync/seconds": seconds + stats.seconds, "sync/gigabytes": gigabytes + stats.bytes / 1e9,
                     "sync/buckets": buckets + stats.buckets}
         stats = self.engine.load_weights(self.hf_weights(), bucket_bytes=self.bucket_bytes)
-        return {"sync/seconds": stats.seconds, "sync/gigabytes": stats.bytes / 1e9, "sync/buckets": float(stats.buckets)}
+        return {"sync/seconds": stats.seconds, "sync/gigabytes": stats.bytes / 1e9,
+                "sync/buckets": float(stats.buckets)}
 
     def save_checkpoint(self, folder: str, step: int) -> None:
         from meshrl.parallel.checkpoint import save_checkpoint

@@ -173,7 +173,8 @@ class TrainingEngine:
             metrics.update({f"{self.role}/loss": result["loss"], f"{self.role}/lr": result["lr"],
                             f"{self.role}/grad_norm": grad_norm})
             # The actor's micro-batching keeps verl's metric names; other roles' carry their role.
-            metrics.update(split.plan.metrics("dynamic_batch/" if self.role == "actor" else f"{self.role}/dynamic_batch/"))
+            metrics.update(split.plan.metrics("dynamic_batch/" if self.role == "actor"
+                                              else f"{self.role}/dynamic_batch/"))
             per_step.append(metrics)
             splits.append(split)
         advance_schedule(self.scheduler)

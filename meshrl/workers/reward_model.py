@@ -150,7 +150,8 @@ class RewardModelGroup(DispatchGroup):
         from transformers import AutoTokenizer
 
         super().__init__(RewardModelWorker, cfg, plan, model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.reward_model.model.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir,
+                                                       trust_remote_code=cfg.reward_model.model.trust_remote_code)
         self.max_length = cfg.reward_model.max_length
 
     def compute_scores(self, batch: Batch, policy_tokenizer) -> torch.Tensor:

@@ -1295,7 +1295,8 @@ def ref_variance_proxy(old: Matrix, sum_pi2: Matrix, adv: Matrix, mask: list[lis
     signal = grad_norm ** 2 if grad_norm is not None else None
     noise = max(0.0, (power - signal) / (len(adv) - 1)) if signal is not None else 0.0
     return {"variance_proxy/proxy1_signal_strength": signal or 0.0, "variance_proxy/proxy2_total_power": power,
-            "variance_proxy/proxy3_pure_noise": noise, "variance_proxy/expected_a_squared": mean([a * a for a in a_bar]),
+            "variance_proxy/proxy3_pure_noise": noise,
+            "variance_proxy/expected_a_squared": mean([a * a for a in a_bar]),
             "variance_proxy/expected_w": mean(w_tau)}
 
 

@@ -109,7 +109,8 @@ def test_meshrl_overrides_load_as_a_valid_config(tmp_path):
     from meshrl.config.validate import validate_config
 
     s = vs_trl.Settings(prompts=8, n=4, response_length=128, steps=3)
-    cfg = load_config(vs_trl.meshrl_overrides(s, tmp_path / "p.jsonl", tmp_path / "run", 2048), recipe="cpu_smollm2_grpo")
+    cfg = load_config(vs_trl.meshrl_overrides(s, tmp_path / "p.jsonl", tmp_path / "run", 2048),
+                      recipe="cpu_smollm2_grpo")
     validate_config(cfg)
     actor = cfg.actor_rollout_ref.actor
     assert (actor.ppo_mini_batch_size, actor.ppo_epochs, actor.use_kl_loss) == (8, 1, False)
@@ -124,7 +125,8 @@ def test_bf16_reaches_the_actor_and_the_engine(tmp_path):
     from meshrl.config import load_config
 
     s = vs_trl.Settings(prompts=8, n=4, response_length=128, steps=3, dtype="bf16")
-    cfg = load_config(vs_trl.meshrl_overrides(s, tmp_path / "p.jsonl", tmp_path / "run", 2048), recipe="cpu_smollm2_grpo")
+    cfg = load_config(vs_trl.meshrl_overrides(s, tmp_path / "p.jsonl", tmp_path / "run", 2048),
+                      recipe="cpu_smollm2_grpo")
     assert cfg.actor_rollout_ref.actor.megatron.dtype == cfg.actor_rollout_ref.rollout.dtype == "bfloat16"
 
 

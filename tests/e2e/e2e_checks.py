@@ -1,4 +1,5 @@
-"""Checks shared by the end-to-end tests (import as ``from e2e_checks import ...``: pytest puts this folder on sys.path)."""
+"""Checks shared by the end-to-end tests (import as ``from e2e_checks import ...``: pytest puts this folder on
+sys.path)."""
 
 import math
 from collections.abc import Iterable

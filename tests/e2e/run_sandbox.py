@@ -1,11 +1,12 @@
 """Run ``python -m meshrl.trainer.main`` as a user does, and find everything the run left behind.
 
-Each run gets its own temporary folder as ``TMPDIR`` and ``RAY_TMPDIR`` (Ray's session goes there): the run's processes are
-the ones whose environment carries that ``TMPDIR`` or a folder in it (every process it starts inherits it, and
-a daemon that outlives a killed driver still has it), its temporary files are that folder's contents, and its shared-memory
-segments are the entries of ``/dev/shm`` that appeared while it ran, less those a live process outside the sandbox
-leads or has mapped (``make test`` runs another test file beside this one: its engines, its spawn semaphores). Ray keeps a folder per session under
-``RAY_TMPDIR`` on purpose (logs, the post-mortem of a failed run; ``meshrl.runtime`` prunes old ones): not counted.
+Each run gets its own temporary folder as ``TMPDIR`` and ``RAY_TMPDIR`` (Ray's session goes there): the run's processes
+are the ones whose environment carries that ``TMPDIR`` or a folder in it (every process it starts inherits it, and a
+daemon that outlives a killed driver still has it), its temporary files are that folder's contents, and its
+shared-memory segments are the entries of ``/dev/shm`` that appeared while it ran, less those a live process outside the
+sandbox leads or has mapped (``make test`` runs another test file beside this one: its engines, its spawn semaphores).
+Ray keeps a folder per session under ``RAY_TMPDIR`` on purpose (logs, the post-mortem of a failed run;
+``meshrl.runtime`` prunes old ones): not counted.
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ def _describe(process: psutil.Process) -> str:
     try:
         with process.oneshot():
             parent = process.ppid()
-            wchan = Path(f"/proc/{process.pid}/wchan").read_text() if Path(f"/proc/{process.pid}/wchan").exists() else ""
+            wchan = (Path(f"/proc/{process.pid}/wchan").read_text()
+                     if Path(f"/proc/{process.pid}/wchan").exists() else "")
             return (f"{' '.join(process.cmdline()).strip()[:80]} (pid {process.pid}, parent {parent}"
-                    f"{'' if psutil.pid_exists(parent) else ' gone'}, started {time.time() - process.create_time():.0f} s "
+                    f"{'' if psutil.pid_exists(parent) else ' gone'}, "
+                    f"started {time.time() - process.create_time():.0f} s "
                     f"ago, TMPDIR {process.environ().get('TMPDIR')}, {process.status()}, waiting in {wchan or '?'}, "
                     f"{process.num_threads()} threads)")
     except psutil.Error as error:

@@ -66,7 +66,8 @@ def verl_trainer_keys(tmp_path):
     tests/trainer; here the real workers save, export and dump)."""
     contents = "[model,optimizer,extra,hf_model]"
     return ["trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=1",
-            f"actor_rollout_ref.actor.checkpoint.save_contents={contents}", f"critic.checkpoint.save_contents={contents}",
+            f"actor_rollout_ref.actor.checkpoint.save_contents={contents}",
+            f"critic.checkpoint.save_contents={contents}",
             f"trainer.rollout_data_dir={tmp_path / 'rollouts'}", f"trainer.validation_data_dir={tmp_path / 'val'}",
             "trainer.log_val_generations=2", "data.train_max_samples=8", "data.reward_fn_key=ability",
             "+data.apply_chat_template_kwargs.enable_thinking=false"]

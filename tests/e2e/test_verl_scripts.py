@@ -1,10 +1,11 @@
 """verl's own example scripts train one CPU step with only paths and sizes swapped.
 
 The argument lines are vendored (``tests/verl_scripts/arguments.json``, extracted from both verl mirrors by
-``extract.py``). Swapped: the model and data paths (the tiny Llama, the packaged GSM8K), the hardware sizes
-(one CPU process, parallel sizes 1; the process count also where a script leaves it at verl's default), the batch sizes, lengths and token budgets the script sets (CPU-sized),
-the run length (one step, no validation, no checkpoint; 16 training prompts loaded), where the run writes, and the logger (``wandb``
-is not installed here; console and jsonl instead). Everything else is the script's.
+``extract.py``). Swapped: the model and data paths (the tiny Llama, the packaged GSM8K), the hardware sizes (one CPU
+process, parallel sizes 1; the process count also where a script leaves it at verl's default), the batch sizes, lengths
+and token budgets the script sets (CPU-sized), the run length (one step, no validation, no checkpoint; 16 training
+prompts loaded), where the run writes, and the logger (``wandb`` is not installed here; console and jsonl instead).
+Everything else is the script's.
 """
 
 import json
@@ -77,10 +78,11 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
                                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]}
 # `make test-extended` (see the Makefile); every script's arguments load and validate in the unit tests
 # (tests/foundation/test_verl_features.py, test_verl_invocation.py for --config-path / --config-name). Qwen3's
-# layers match HF at TP2 and PP2 (tests/parallel/test_parallel_multiproc.py) and reach vLLM (test_family_vllm.py); LoRA with verl's FSDP keys trains the adapters as
-# lora_megatron does (the two key sets are mapped in tests/parallel/test_lora_keys.py); Megatron PPO's critic path
-# is gemma2_ppo's and test_algorithms_e2e.py's PPO case's; CISPO's step is GRPO's with the loss checked against
-# verl's in tests/algorithms/test_verl_reference.py, and the FSDP keys' warnings are the key-policy unit tests'.
+# layers match HF at TP2 and PP2 (tests/parallel/test_parallel_multiproc.py) and reach vLLM (test_family_vllm.py); LoRA
+# with verl's FSDP keys trains the adapters as lora_megatron does (the two key sets are mapped in
+# tests/parallel/test_lora_keys.py); Megatron PPO's critic path is gemma2_ppo's and test_algorithms_e2e.py's PPO case's;
+# CISPO's step is GRPO's with the loss checked against verl's in tests/algorithms/test_verl_reference.py, and the FSDP
+# keys' warnings are the key-policy unit tests'.
 # The adapters at inference TP2 take lora_megatron's path to the engine; only vLLM's slicing per TP rank is new.
 # The one-step-off trainer trains in tests/e2e/test_async_e2e.py (three steps, each batch one version late), and its
 # script's keys load and validate in the unit tests; one_step_off_dapo_ris runs an asynchronous trainer from a verl

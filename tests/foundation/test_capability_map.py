@@ -102,7 +102,8 @@ def collect(files: set[str]) -> Collected:
         def pytest_collection_modifyitems(self, items):
             found.markers.update({item.nodeid: {m.name for m in item.iter_markers()} for item in items})
 
-    args = [*(str(ROOT / f) for f in sorted(files)), "--collect-only", "-qq", "-o", "addopts=", "-p", "no:cacheprovider",
+    args = [*(str(ROOT / f) for f in sorted(files)), "--collect-only", "-qq", "-o", "addopts=",
+            "-p", "no:cacheprovider",
             "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")]
     pytest.main(args, plugins=[Recorder()])
     return found

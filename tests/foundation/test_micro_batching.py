@@ -37,7 +37,8 @@ def test_fixed_sizes_and_their_fallbacks():
 
 def test_global_size_is_divided_over_data_parallel_ranks():
     """verl's deprecated ppo_micro_batch_size is the micro-batch over all DP ranks."""
-    assert rule("actor_update", f"{A}.use_dynamic_bsz=False", f"{A}.ppo_micro_batch_size=16", dp=4).micro_batch_size == 4
+    assert rule("actor_update", f"{A}.use_dynamic_bsz=False", f"{A}.ppo_micro_batch_size=16",
+                dp=4).micro_batch_size == 4
     with pytest.raises(ValueError, match="both set"):
         rule("actor_update", *FIXED, f"{A}.ppo_micro_batch_size=16")
     with pytest.raises(ValueError, match="less than one sequence per data-parallel rank"):

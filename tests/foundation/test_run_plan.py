@@ -92,8 +92,10 @@ def test_the_critic_has_its_own_mini_batches_epochs_and_shuffle():
     plan = plan_of("algorithm.adv_estimator=gae", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=1",
                    "critic.ppo_mini_batch_size=1", "critic.ppo_epochs=3", "critic.shuffle=True")
-    assert (plan.actor_update.mini_batch_responses, plan.actor_update.epochs, plan.actor_update.shuffle) == (8, 1, False)
-    assert (plan.critic_update.mini_batch_responses, plan.critic_update.epochs, plan.critic_update.shuffle) == (2, 3, True)
+    assert (plan.actor_update.mini_batch_responses, plan.actor_update.epochs,
+            plan.actor_update.shuffle) == (8, 1, False)
+    assert (plan.critic_update.mini_batch_responses, plan.critic_update.epochs,
+            plan.critic_update.shuffle) == (2, 3, True)
     batch = _batch(8)
     actor = mini_batches(batch, plan.actor_update, seed=[1, 1])
     critic = mini_batches(batch, plan.critic_update, seed=[1, 1], stream=1)

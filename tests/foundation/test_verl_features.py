@@ -109,9 +109,11 @@ def test_keys_without_effect_are_named_in_one_warning_per_reason():
 
 
 def test_verl_defaults_of_refused_keys_load_silently():
-    cfg = load_config(["data.image_key=images", "actor_rollout_ref.model.lora_rank=0", "reward_model.use_reward_loop=True",
+    cfg = load_config(["data.image_key=images", "actor_rollout_ref.model.lora_rank=0",
+                       "reward_model.use_reward_loop=True",
                        "algorithm.rollout_correction.rollout_is_threshold=2.0", "reward.reward_manager.name=naive",
-                       "actor_rollout_ref.rollout.expert_parallel_size=1", "critic.enable=null"], recipe="cpu_tiny_grpo")
+                       "actor_rollout_ref.rollout.expert_parallel_size=1", "critic.enable=null"],
+                      recipe="cpu_tiny_grpo")
     assert validate_config(cfg).warnings == ()
 
 
@@ -175,7 +177,8 @@ def test_the_expert_layers_speed_switches_load_and_are_named_once():
              "actor_rollout_ref.model.path=tiny:qwen3_moe"]
     assert validate_config(load_config(quiet, recipe="cpu_tiny_grpo")).warnings == ()
     with pytest.raises(ConfigError, match="moe_token_dispatcher_type: 'fancy' is not one of allgather, alltoall, flex"):
-        validate_config(load_config([*base[:1], f"{overrides}.moe_token_dispatcher_type=fancy"], recipe="cpu_tiny_grpo"))
+        validate_config(load_config([*base[:1], f"{overrides}.moe_token_dispatcher_type=fancy"],
+                                    recipe="cpu_tiny_grpo"))
     with pytest.raises(ConfigError, match="actor_rollout_ref.actor.model_engine=dp: verl's copy of model_engine"):
         validate_config(load_config(["actor_rollout_ref.actor.model_engine=dp"], recipe="cpu_tiny_grpo"))
 

@@ -28,8 +28,10 @@ PUBLISHED_B = {
     "moonshotai/Moonlight-16B-A3B": 16.0,  # its card's "16B" (meshrl counts 15.96 B; 2.91 B active, the card's "3B")
     "deepseek-ai/DeepSeek-V3": 671,  # the paper's count, without the MTP layer (the hub's 685 B)
 }
-# ... and the parameters one token uses, as the cards publish them ("A2.7B", "A3B", Mistral's 12.9 B, DeepSeek-V3's 37 B)
-PUBLISHED_ACTIVE_B = {"Qwen/Qwen1.5-MoE-A2.7B": 2.7, "Qwen/Qwen3-30B-A3B": 3.3, "mistralai/Mixtral-8x7B-Instruct-v0.1": 12.9,
+# ... and the parameters one token uses, as the cards publish them ("A2.7B", "A3B", Mistral's 12.9 B,
+# DeepSeek-V3's 37 B)
+PUBLISHED_ACTIVE_B = {"Qwen/Qwen1.5-MoE-A2.7B": 2.7, "Qwen/Qwen3-30B-A3B": 3.3,
+                      "mistralai/Mixtral-8x7B-Instruct-v0.1": 12.9,
                       "deepseek-ai/DeepSeek-V3": 37}
 
 
@@ -140,7 +142,8 @@ def phase(result, name):
 
 def test_memory_scales_with_the_knobs():
     base = estimate(load("remax_qwen2.5-7b_seq_balance"))
-    half_budget = estimate(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12000"))
+    half_budget = estimate(load("remax_qwen2.5-7b_seq_balance",
+                                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12000"))
     update, update_half = phase(base, "actor update").items, phase(half_budget, "actor update").items
     # the fused output layer (the default) holds one chunk of logits whatever the budget (test_fused_output.py)
     assert update_half["actor logits"] == update["actor logits"]
@@ -149,7 +152,8 @@ def test_memory_scales_with_the_knobs():
     dp = base.layout["dp"]
     assert phase(no_distopt, "actor optimizer").items["actor optimizer"] == pytest.approx(
         dp * phase(base, "actor optimizer").items["actor optimizer"])
-    tp4 = estimate(load("remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"))
+    tp4 = estimate(load("remax_qwen2.5-7b_seq_balance",
+                        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"))
     assert phase(tp4, "actor update").items["actor logits"] == pytest.approx(update["actor logits"] / 2)
     no_recompute = estimate(load("remax_qwen2.5-7b_seq_balance",
                              "actor_rollout_ref.model.enable_gradient_checkpointing=False"))

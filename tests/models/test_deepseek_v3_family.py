@@ -32,7 +32,8 @@ def test_router_attention_and_dense_layers_map_onto_megatrons_options() -> None:
                                                                                    hf_config.topk_group)
     assert options["moe_router_topk_scaling_factor"] == hf_config.routed_scaling_factor
     assert options["moe_layer_freq"] == [0, 1]  # first_k_dense_replace = 1 of 2 layers
-    assert options["moe_shared_expert_intermediate_size"] == hf_config.n_shared_experts * hf_config.moe_intermediate_size
+    assert (options["moe_shared_expert_intermediate_size"]
+            == hf_config.n_shared_experts * hf_config.moe_intermediate_size)
     assert not options["moe_shared_expert_gate"]
     assert (options["q_lora_rank"], options["kv_lora_rank"], options["qk_head_dim"], options["qk_pos_emb_head_dim"],
             options["v_head_dim"]) == (32, 512, 64, 64, 64)
@@ -75,7 +76,8 @@ def test_dense_first_layer_and_moe_layers_name_the_checkpoints_tensors() -> None
     assert not any(".experts." in name or "mlp.gate.weight" in name for name in dense)
     bias = moe["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.buffer and bias.mcore.endswith("mlp.router.expert_bias") and bias.shape == (8,)
-    assert {"model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.1.mlp.experts.7.up_proj.weight"} <= set(moe)
+    assert {"model.layers.1.mlp.shared_experts.down_proj.weight",
+            "model.layers.1.mlp.experts.7.up_proj.weight"} <= set(moe)
     # Moonlight: queries straight from the hidden state
     moonlight = {p.hf_name for p in hf_layout(model_spec(config(q_lora_rank=None))) if p.layer == 0}
     assert "model.layers.0.self_attn.q_proj.weight" in moonlight and not any("q_a_" in n for n in moonlight)

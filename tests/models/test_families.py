@@ -92,7 +92,8 @@ def changed(model_type: str, **fields):
     ("gemma", dict(attention_bias=True), "attention_bias=True: Gemma with q/k/v/o biases"),
     ("gemma2", dict(hidden_activation="silu"), "hidden_activation='silu'"),
     ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True: bidirectional"),
-    ("gemma3_text", dict(layer_types=["chunked_attention", "full_attention"]), "layer_types=.*builds sliding_attention"),
+    ("gemma3_text", dict(layer_types=["chunked_attention", "full_attention"]),
+     "layer_types=.*builds sliding_attention"),
     ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
      "rope_parameters=.*'linear'.*only 'default' RoPE is implemented for each layer type"),
@@ -117,8 +118,8 @@ def test_an_unregistered_family_names_the_supported_ones() -> None:
     config = tiny_config(tiny_spec("llama"))
     config.model_type = "deepseek_v2"
     with pytest.raises(ValueError, match="model_type 'deepseek_v2' is not supported; supported: llama, qwen2, qwen3, "
-                                         "mistral, gemma, gemma2, gemma3_text, qwen2_moe, qwen3_moe, mixtral, phi3, glm4, "
-                                         "deepseek_v3"):
+                                         "mistral, gemma, gemma2, gemma3_text, qwen2_moe, qwen3_moe, mixtral, phi3, "
+                                         "glm4, deepseek_v3"):
         model_spec(config)
 
 

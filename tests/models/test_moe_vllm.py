@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 # Qwen3-MoE (top-k softmax routing, no shared expert) and Mixtral (block_sparse_moe names) in `make test-extended`:
 # their experts take the same resharding path as Qwen2-MoE's routed ones, under other HF names.
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3",
-                                        *(pytest.param(m, marks=pytest.mark.extended) for m in ("qwen3_moe", "mixtral"))])
+                                        *(pytest.param(m, marks=pytest.mark.extended)
+                                          for m in ("qwen3_moe", "mixtral"))])
 def test_engine_serves_the_resharded_experts(tp1, tmp_path, model_type: str) -> None:  # noqa: F811
     from transformers import AutoModelForCausalLM
 

@@ -20,7 +20,8 @@ def test_a_part_reads_its_rows_of_the_fused_tensor_and_its_tp_shard():
     qkv = raw.read("model.layers.1.self_attn.qkv_proj.weight")
     q_rows, kv_rows = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     k = reader.read("model.layers.1.self_attn.k_proj.weight")
-    assert torch.equal(k, qkv[q_rows:q_rows + kv_rows]) and reader.shape("model.layers.1.self_attn.k_proj.weight") == k.shape
+    assert (torch.equal(k, qkv[q_rows:q_rows + kv_rows])
+            and reader.shape("model.layers.1.self_attn.k_proj.weight") == k.shape)
     # TP rank 1 of 2 of v: the second half of v's rows only
     v1 = reader.read("model.layers.1.self_attn.v_proj.weight", 0, 1, 2)
     assert torch.equal(v1, qkv[q_rows + kv_rows + kv_rows // 2:])

@@ -218,7 +218,8 @@ def planned_parameters(path: Path) -> int:
     from meshrl.memory_plan import stage_parameters
 
     return stage_parameters(model_builder.model_spec(AutoConfig.from_pretrained(path)),
-                            tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                            tp=ps.get_tensor_model_parallel_world_size(),
+                            pp=ps.get_pipeline_model_parallel_world_size(),
                             stage=ps.get_pipeline_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
                             etp=ps.get_expert_tensor_parallel_world_size())
 

@@ -268,7 +268,8 @@ def check_parity(path: Path, critic: bool, temperature: float = 1.0) -> dict:
         grads = hf_tensors(chunks, path, grads=True)
         result[prefix + "grad_names_mismatch"] = len(set(ref_grads) ^ set(grads))
         result[prefix + "grads"] = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads if k in grads)
-        result.update({prefix + key: value for key, value in check_selected(chunks, path, mine, critic, request).items()})
+        result.update({prefix + key: value
+                       for key, value in check_selected(chunks, path, mine, critic, request).items()})
     result["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values())
     return result
 

@@ -246,7 +246,8 @@ def test_the_planner_counts_one_chunk_of_logits_with_the_fused_layer() -> None:
         validate_config(cfg)
         return {p.name: p for p in estimate(cfg).phases}
 
-    unfused, budget = "actor_rollout_ref.model.use_fused_kernels=False", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    unfused, budget = ("actor_rollout_ref.model.use_fused_kernels=False",
+                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     before, after = phases(unfused), phases()
     half = phases(unfused, f"{budget}=12000")
     logits = {name: run["actor update"].items["actor logits"] for name, run in (("before", before), ("after", after),

@@ -23,11 +23,13 @@ def peft_tensors(path, settings: LoraSettings) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                           LoraConfig(r=settings.rank, lora_alpha=settings.alpha, target_modules=list(settings.targets)))
+                           LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
+                                      target_modules=list(settings.targets)))
     return {name.replace(".default", ""): tensor for name, tensor in model.state_dict().items() if ".lora_" in name}
 
 
-@pytest.mark.parametrize("fixture,targets", [("tiny_llama_dir", ALL), ("tiny_qwen2_dir", ("k_proj", "v_proj", "up_proj"))],
+@pytest.mark.parametrize("fixture,targets", [("tiny_llama_dir", ALL),
+                                             ("tiny_qwen2_dir", ("k_proj", "v_proj", "up_proj"))],
                          ids=["llama-all-linear", "qwen2-subset"])
 def test_expected_adapter_is_pefts(request, fixture, targets) -> None:
     path = request.getfixturevalue(fixture)

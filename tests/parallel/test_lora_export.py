@@ -1,6 +1,7 @@
 """The merged HF export of a LoRA policy (``hf_model`` in the actor's ``checkpoint.save_contents``): the folder
 ``save_hf_checkpoint`` writes from the merged stream is a plain HF checkpoint that transformers loads without PEFT,
-and it computes what PEFT's ``merge_and_unload()`` of the adapter saved beside it computes (the independent reference)."""
+and it computes what PEFT's ``merge_and_unload()`` of the adapter saved beside it computes (the independent
+reference)."""
 
 from __future__ import annotations
 

@@ -90,7 +90,8 @@ def test_an_adapter_folder_gives_the_lora_as_in_verl(tmp_path) -> None:
     lora = plan_of(f"{M}lora_adapter_path={folder}").lora
     assert (lora.rank, lora.alpha, lora.targets, lora.dropout, lora.adapter_path) == \
         (16, 32.0, ("q_proj", "v_proj"), 0.05, str(folder))
-    for overrides, named in (([f"{M}lora_rank=8"], "has rank 16"), ([f"{M}lora_alpha=64"], f"{M}lora_alpha: the adapter")):
+    for overrides, named in (([f"{M}lora_rank=8"], "has rank 16"),
+                             ([f"{M}lora_alpha=64"], f"{M}lora_alpha: the adapter")):
         with pytest.raises(ConfigError, match=named):
             plan_of(f"{M}lora_adapter_path={folder}", *overrides)
     with pytest.raises(ConfigError, match="adapter_config.json is missing"):

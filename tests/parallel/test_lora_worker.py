@@ -1,5 +1,5 @@
-"""The policy worker with LoRA, in process (``lora_worker_checks.py`` in a fresh process, 25–50 s on 2 shared cores): asserts on
-its measurements."""
+"""The policy worker with LoRA, in process (``lora_worker_checks.py`` in a fresh process, 25–50 s on 2 shared cores):
+asserts on its measurements."""
 
 import json
 import os

@@ -134,7 +134,8 @@ def test_the_server_command_follows_verl_keys_in_either_home(tmp_path):
 def test_judge_settings_meshrl_cannot_serve_are_refused(tmp_path):
     cfg = _cfg(tmp_path, "reward_model.model.path=embedded:smollm2", "reward_model.rollout.name=sglang",
                "reward_model.rollout.skip_tokenizer_init=True", "reward_model.rollout.load_format=dummy",
-               "reward_model.rollout.tensor_model_parallel_size=1", "reward.reward_model.rollout.tensor_model_parallel_size=4")
+               "reward_model.rollout.tensor_model_parallel_size=1",
+               "reward.reward_model.rollout.tensor_model_parallel_size=4")
     problems = "\n".join(judge_problems(cfg))
     for expected in ("name=sglang", "skip_tokenizer_init=True", "load_format=dummy",
                      "reward_model.rollout.tensor_model_parallel_size=1, reward.reward_model.rollout."):

@@ -12,7 +12,8 @@ from meshrl.rewards.overlong import OverlongBuffer, overlong_buffer
 
 # verl's DAPO scripts' form, at a small size
 DAPO = ["reward.reward_manager.name=dapo", "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
-        "+reward.reward_kwargs.overlong_buffer_cfg.len=4", "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+        "+reward.reward_kwargs.overlong_buffer_cfg.len=4",
+        "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
         "+reward.reward_kwargs.overlong_buffer_cfg.log=True", "+reward.reward_kwargs.max_resp_len=16"]
 
 

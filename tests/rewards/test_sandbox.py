@@ -181,7 +181,8 @@ def test_bad_requests_are_refused_with_what_to_do():
         parse_request(json.dumps({"code": "x", "fetch_files": ["a"]}).encode(), 1024)
     with pytest.raises(BadRequest, match="memory_limit_MB must be >= 64"):
         parse_request(json.dumps({"code": "x", "memory_limit_MB": 1}).encode(), 1024)
-    code, limits, _, _ = parse_request(json.dumps({"code": "x", "memory_limit_MB": -1, "run_timeout": 2.5}).encode(), 300)
+    code, limits, _, _ = parse_request(json.dumps({"code": "x", "memory_limit_MB": -1, "run_timeout": 2.5}).encode(),
+                                       300)
     assert (code, limits.memory_mb, limits.run_timeout_s) == ("x", 300, 2.5)
 
 
@@ -191,7 +192,8 @@ def test_function_call_cases_run_the_named_function_or_solution_method(sandbox_u
     function = ("```python\ndef twoSum(nums, target):\n    seen = {}\n    for i, x in enumerate(nums):\n"
                 "        if target - x in seen:\n            return [seen[target - x], i]\n        seen[x] = i\n```")
     method = ("```python\nclass Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
-              "        return next([j, i] for i in range(len(nums)) for j in range(i) if nums[i] + nums[j] == target)\n```")
+              "        return next([j, i] for i in range(len(nums)) for j in range(i) "
+              "if nums[i] + nums[j] == target)\n```")
     assert compute_score(sandbox_url, function, cases)[0] == 1.0
     assert compute_score(sandbox_url, method, cases)[0] == 1.0  # List comes from the harness's typing import
     score, meta = compute_score(sandbox_url, function.replace("[seen[target - x], i]", "[i, seen[target - x]]"), cases)

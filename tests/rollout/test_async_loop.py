@@ -89,7 +89,8 @@ def test_a_slow_tool_holds_up_only_its_own_conversation(tiny_llama_dir, tokenize
     scripts = [["Wait " + call_wait(), "Done."], ["First " + call("1 + 1"), "Then " + call("2 + 2"), "Done."]]
     results = {}
     for (engine, loop), mode in zip(loops(tiny_llama_dir, tokenizer, scripts,
-                                              lambda asynchronous: [calculator(), wait_tool(60.0 if asynchronous else 1.0)]),
+                                              lambda asynchronous: [calculator(),
+                                                                    wait_tool(60.0 if asynchronous else 1.0)]),
                                     ("sync", "async")):
         WaitTool.released.clear()
         requests = engine.requests

@@ -151,7 +151,8 @@ ROLLOUT = "actor_rollout_ref.rollout."
 def rollout_section(*overrides: str):
     from meshrl.config import load_config
 
-    return load_config([f"{'+' if '.engine_kwargs.' in o else ''}{ROLLOUT}{o}" for o in overrides]).actor_rollout_ref.rollout
+    return load_config([f"{'+' if '.engine_kwargs.' in o else ''}{ROLLOUT}{o}"
+                        for o in overrides]).actor_rollout_ref.rollout
 
 
 def test_verl_engine_keys_reach_the_engine_config():
@@ -205,7 +206,8 @@ def test_every_argument_the_vllm_engine_sets_is_owned():
 
 @needs_vllm
 def test_engine_arguments_vllm_lacks_are_refused_with_a_suggestion():
-    with pytest.raises(ValueError, match=r"engine_kwargs\.vllm\.max_logprob: not an argument .* did you mean max_logprobs"):
+    with pytest.raises(ValueError,
+                       match=r"engine_kwargs\.vllm\.max_logprob: not an argument .* did you mean max_logprobs"):
         EngineConfig(vllm_kwargs={"max_logprob": 7})
     with pytest.raises(ValueError, match=r"disable_mm_preprocessor_cache: .*did you mean mm_processor_cache_gb"):
         EngineConfig(vllm_kwargs={"disable_mm_preprocessor_cache": True})

@@ -198,7 +198,8 @@ def test_python_tool_runs_code_in_the_local_sandbox(tmp_path):
     from meshrl.rewards.sandbox import local_sandbox
 
     with local_sandbox(max_concurrent=2) as url:
-        (tmp_path / "t.yaml").write_text(VERL_SANDBOX.format(url=url).replace("default_timeout: 5", "default_timeout: 2"))
+        (tmp_path / "t.yaml").write_text(
+            VERL_SANDBOX.format(url=url).replace("default_timeout: 5", "default_timeout: 2"))
         tool, = load_tools(tmp_path / "t.yaml")
         runner = ToolRunner([tool], max_response_chars=200)
         try:

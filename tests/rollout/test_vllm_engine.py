@@ -360,8 +360,10 @@ def test_engine_arg_names_are_vllms_engine_args_fields():
 
 def test_verl_rollout_keys_reach_vllm(configured_engine, engine):
     configured, default = configured_engine.llm.llm_engine, engine.llm.llm_engine
-    assert (configured.vllm_config.cache_config.enable_prefix_caching, default.vllm_config.cache_config.enable_prefix_caching) == (False, True)
-    assert (configured.vllm_config.load_config.load_format, default.vllm_config.load_config.load_format) == ("dummy", "auto")
+    assert (configured.vllm_config.cache_config.enable_prefix_caching,
+            default.vllm_config.cache_config.enable_prefix_caching) == (False, True)
+    assert (configured.vllm_config.load_config.load_format,
+            default.vllm_config.load_config.load_format) == ("dummy", "auto")
     assert (configured.log_stats, default.log_stats) == (True, False)
     assert (configured.vllm_config.model_config.max_logprobs, default.vllm_config.model_config.max_logprobs) == (7, 20)
 

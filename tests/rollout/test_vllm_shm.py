@@ -62,8 +62,8 @@ def test_stale_check_removes_only_names_of_dead_pids(cleanup_names):
 
 
 def test_orphaned_message_queues_go_and_held_or_other_names_stay(cleanup_names):
-    """What a killed vLLM process tree leaves (``psm_*`` segments, ``sem.mp-*`` semaphores no process holds) is removed; a segment a live process has
-    mapped, one it only holds open, and a name of another kind are not."""
+    """What a killed vLLM process tree leaves (``psm_*`` segments, ``sem.mp-*`` semaphores no process holds) is removed;
+    a segment a live process has mapped, one it only holds open, and a name of another kind are not."""
     import mmap
 
     nonce = secrets.token_hex(4)

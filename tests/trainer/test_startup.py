@@ -18,7 +18,8 @@ def test_phases_add_up_to_the_elapsed_time_and_the_groups_split_the_workers_phas
     phases, inner = clock.phases, clock.inside["actor_rollout_ref"]
     # lower bounds only: a loaded machine oversleeps
     assert phases["python"] == 1.5 and phases["checks"] >= 0.05 and phases["workers"] >= 0.1
-    assert inner["start"] == 0.1 - 0.05 and list(inner) == ["start", "imports", "engine"] and "critic" not in clock.inside
+    assert (inner["start"] == 0.1 - 0.05 and list(inner) == ["start", "imports", "engine"]
+            and "critic" not in clock.inside)
     assert clock.elapsed_s() >= 1.5 + phases["checks"] + 0.05 + phases["workers"]
     metrics = clock.metrics()
     assert metrics["startup/checks_s"] == phases["checks"] and metrics["startup/actor_rollout_ref/engine_s"] == 0.02

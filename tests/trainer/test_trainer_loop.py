@@ -483,7 +483,8 @@ def test_the_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(run, t
                   "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
                   "+reward.reward_kwargs.overlong_buffer_cfg.len=4",
                   "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
-                  "+reward.reward_kwargs.overlong_buffer_cfg.log=True", f"+reward.reward_kwargs.max_resp_len={length + 1}")
+                  "+reward.reward_kwargs.overlong_buffer_cfg.log=True",
+                  f"+reward.reward_kwargs.max_resp_len={length + 1}")
     penalised = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
     penalty = -(length - (length + 1 - 4)) / 4 * 0.5
     assert penalty < 0

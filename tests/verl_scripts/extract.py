@@ -40,7 +40,8 @@ FOLDERS = ("remax_trainer", "gpg_trainer", "grpo_trainer", "ppo_trainer", "rloo_
            "reinforce_plus_plus_trainer", "cispo_trainer", "dppo_trainer", "gdpo_trainer", "gmpo_trainer",
            "gspo_trainer", "otb_trainer", "sapo_trainer", "rollout_correction")
 # verl's MoE scripts outside those folders: router replay, LoRA on experts (the MoE issue's scripts)
-MOE_SCRIPTS = ("examples/router_replay/run_qwen3_30b_a3b_megatron.sh", "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh")
+MOE_SCRIPTS = ("examples/router_replay/run_qwen3_30b_a3b_megatron.sh",
+               "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh")
 # the asynchronous trainers' scripts (each folder's shell/*.sh)
 ASYNC_SHELLS = ("verl/experimental/one_step_off_policy/shell/", "verl/experimental/fully_async_policy/shell/")
 # verl's trainer entry modules (main_ppo*: the synchronous trainer; then the one-step-off and fully async ones)

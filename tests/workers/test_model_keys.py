@@ -33,7 +33,8 @@ def test_override_transformer_config_reaches_megatron_and_wins(one_rank, tiny_ll
     arr = actor_cfg("actor_rollout_ref.model.enable_gradient_checkpointing=True",
                     f"+{MEGATRON}.override_transformer_config.recompute_granularity=selective",
                     f"+{MEGATRON}.override_transformer_config.recompute_modules=[core_attn]")
-    chunks = build_model(AutoConfig.from_pretrained(tiny_llama_dir), **transformer_overrides(arr.model, arr.actor.megatron))
+    chunks = build_model(AutoConfig.from_pretrained(tiny_llama_dir),
+                         **transformer_overrides(arr.model, arr.actor.megatron))
     config = model_config(chunks)
     assert config.recompute_granularity == "selective" and config.recompute_modules == ["core_attn"]
     plain = actor_cfg("actor_rollout_ref.model.enable_gradient_checkpointing=True")
@@ -179,7 +180,8 @@ def test_a_dist_checkpoint_the_run_cannot_start_from_stops_it_naming_the_command
 
     (missing,) = problems(tmp_path / "nothing", hf_to_mcore(tiny_llama_dir, hf_config, tmp_path / "lm"))
     assert missing.startswith("actor_rollout_ref.actor.megatron.dist_checkpointing_path=") and \
-        "no meshrl checkpoint there" in missing and f"`meshrl convert hf-to-mcore --hf {tiny_llama_dir} --out " in missing
+        "no meshrl checkpoint there" in missing and \
+        f"`meshrl convert hf-to-mcore --hf {tiny_llama_dir} --out " in missing
     critic = hf_to_mcore(tiny_llama_dir, hf_config, tmp_path / "critic", critic=True)
     (wrong,) = problems(critic, tmp_path / "lm")
     assert "is a critic's checkpoint" in wrong and "(without --critic)" in wrong

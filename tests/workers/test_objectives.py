@@ -31,7 +31,8 @@ def take(mb, idx):
     ["actor_rollout_ref.actor.loss_agg_mode=token-mean", "actor_rollout_ref.actor.entropy_coeff=0.01",
      "actor_rollout_ref.actor.use_kl_loss=True"],
     ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
-    ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "actor_rollout_ref.actor.policy_loss.loss_mode=gpg"],
+    ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+     "actor_rollout_ref.actor.policy_loss.loss_mode=gpg"],
     ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
     ["actor_rollout_ref.actor.loss_agg_mode=token-sum", "actor_rollout_ref.actor.entropy_coeff=0.01",
      "actor_rollout_ref.actor.use_kl_loss=True"],
@@ -129,7 +130,8 @@ def test_actor_objective_applies_rollout_correction():
     assert torch.allclose(loss, aggregate_loss(vanilla.loss * weights, mb["response_mask"], "token-mean", norm))
 
     cfg = load_config([f"algorithm.rollout_correction.{key}" for key in (
-        "bypass_mode=True", "loss_type=reinforce", "rollout_is=token", "rollout_rs=token_k2", "rollout_rs_threshold=0.02")])
+        "bypass_mode=True", "loss_type=reinforce", "rollout_is=token", "rollout_rs=token_k2",
+        "rollout_rs_threshold=0.02")])
     objective = ActorObjective.from_config(cfg.actor_rollout_ref.actor, build_run_plan(cfg))
     assert objective.loss_mode == "bypass_mode"
 

@@ -46,7 +46,8 @@ def make_batch(rows: int = 6, seed: int = 0):
     from meshrl.protocol import Batch
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(10, 5000, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (rows,), generator=g)]
+    prompts = [torch.randint(10, 5000, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 9, (rows,), generator=g)]
     lengths = torch.randint(2, WIDTH + 1, (rows,), generator=g)
     mask = (torch.arange(WIDTH) < lengths[:, None]).float()
     return Batch(tensors={"responses": torch.randint(10, 5000, (rows, WIDTH), generator=g), "response_mask": mask,
@@ -290,7 +291,8 @@ def check_lr_schedule(worker, rl_steps: int = 4) -> dict:
 
     worker.optimizer.step_with_ready_grads = recording_step
     batch = make_batch(rows=8, seed=5)
-    batch = batch.union(worker.compute_log_probs(batch, model="actor")).union(worker.compute_log_probs(batch, model="ref"))
+    batch = batch.union(worker.compute_log_probs(batch, model="actor")).union(
+        worker.compute_log_probs(batch, model="ref"))
     halves = [batch.take(list(range(0, 4))), batch.take(list(range(4, 8)))]
     logged = []
     for _ in range(rl_steps):
@@ -327,7 +329,8 @@ def check_checkpoint(worker, folder: Path) -> dict:
     worker.load_checkpoint(str(folder))
     loaded_main = main_params()
     return {"weights": max_diff(saved, weights(worker)),
-            "main_params": max(float((a - b).abs().max()) for a, b in zip(saved_main, loaded_main)) if saved_main else 0.0}
+            "main_params": (max(float((a - b).abs().max()) for a, b in zip(saved_main, loaded_main))
+                            if saved_main else 0.0)}
 
 
 def main() -> None:

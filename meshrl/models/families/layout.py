@@ -120,7 +120,8 @@ def _mla_pieces(spec: ModelSpec, piece: Callable[..., Piece], attn: str) -> list
         ql = spec.q_lora_rank
         pieces = [piece("self_attn.q_a_proj.weight", attn + "linear_q_down_proj.weight", 0, None, (ql, h),
                         "q_lora_rank, hidden_size"),
-                  piece("self_attn.q_a_layernorm.weight", attn + "q_layernorm.weight", None, None, (ql,), "q_lora_rank"),
+                  piece("self_attn.q_a_layernorm.weight", attn + "q_layernorm.weight", None, None, (ql,),
+                        "q_lora_rank"),
                   piece("self_attn.q_b_proj.weight", attn + "linear_q_up_proj.weight", 0, None, (nq * q_head, ql),
                         f"{qk}, q_lora_rank")]
     return pieces + [
@@ -148,17 +149,22 @@ def _moe_pieces(spec: ModelSpec, piece: Callable[..., Piece], mlp: str) -> list[
                                     (n,), "num_experts"), buffer=True))
     for e in range(n):
         expert = f"{block}.experts.{e}."
-        pieces += [replace(piece(expert + f"{gate}.weight", local + "linear_fc1.weight", 0, "gate", (f, h), ffn), expert=e),
+        pieces += [replace(piece(expert + f"{gate}.weight", local + "linear_fc1.weight", 0, "gate", (f, h), ffn),
+                           expert=e),
                    replace(piece(expert + f"{up}.weight", local + "linear_fc1.weight", 0, "up", (f, h), ffn), expert=e),
                    replace(piece(expert + f"{down}.weight", local + "linear_fc2.weight", 1, None, (h, f),
                                  f"hidden_size, {width}"), expert=e)]
     if spec.shared_expert_ffn_hidden_size:
-        fs, shared, hf = spec.shared_expert_ffn_hidden_size, mlp + "shared_experts.", SHARED_EXPERT_NAMES[spec.expert_names]
+        fs, shared, hf = (spec.shared_expert_ffn_hidden_size, mlp + "shared_experts.",
+                          SHARED_EXPERT_NAMES[spec.expert_names])
         width = ("n_shared_experts*moe_intermediate_size" if spec.expert_names == "deepseek"
                  else "shared_expert_intermediate_size")
-        pieces += [piece(f"{hf}.gate_proj.weight", shared + "linear_fc1.weight", 0, "gate", (fs, h), f"{width}, hidden_size"),
-                   piece(f"{hf}.up_proj.weight", shared + "linear_fc1.weight", 0, "up", (fs, h), f"{width}, hidden_size"),
-                   piece(f"{hf}.down_proj.weight", shared + "linear_fc2.weight", 1, None, (h, fs), f"hidden_size, {width}")]
+        pieces += [piece(f"{hf}.gate_proj.weight", shared + "linear_fc1.weight", 0, "gate", (fs, h),
+                         f"{width}, hidden_size"),
+                   piece(f"{hf}.up_proj.weight", shared + "linear_fc1.weight", 0, "up", (fs, h),
+                         f"{width}, hidden_size"),
+                   piece(f"{hf}.down_proj.weight", shared + "linear_fc2.weight", 1, None, (h, fs),
+                         f"hidden_size, {width}")]
         if spec.shared_expert_gate:
             pieces.append(piece("mlp.shared_expert_gate.weight", shared + "gate_weight", None, None, (1, h),
                                 "hidden_size"))

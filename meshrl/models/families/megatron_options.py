@@ -39,7 +39,8 @@ def transformer_options(spec: ModelSpec) -> dict[str, Any]:
                        moe_router_topk=spec.moe_topk, moe_router_score_function=spec.moe_score,
                        moe_router_pre_softmax=not spec.moe_norm_topk,
                        moe_router_enable_expert_bias=spec.moe_expert_bias, moe_router_num_groups=spec.moe_groups,
-                       moe_router_group_topk=spec.moe_group_topk, moe_router_topk_scaling_factor=spec.moe_scaling_factor,
+                       moe_router_group_topk=spec.moe_group_topk,
+                       moe_router_topk_scaling_factor=spec.moe_scaling_factor,
                        moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
                        moe_shared_expert_gate=spec.shared_expert_gate, moe_grouped_gemm=False)
         if spec.dense_layers:  # megatron's per-layer pattern: 0 dense, 1 MoE

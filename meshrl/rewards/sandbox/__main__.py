@@ -14,7 +14,8 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed)")
     p.add_argument("--max-concurrent", type=int, default=4, help="programs running at once")
     p.add_argument("--memory-limit-mb", type=int, default=1024, help="for requests with memory_limit_MB -1 or absent")
-    p.add_argument("--python", default=None, help="interpreter for the programs (default: see limits.program_interpreter)")
+    p.add_argument("--python", default=None,
+                   help="interpreter for the programs (default: see limits.program_interpreter)")
     args = parser.parse_args(argv)
     serve(args.host, args.port, args.max_concurrent, args.memory_limit_mb, args.python)
 

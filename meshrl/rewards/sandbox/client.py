@@ -79,7 +79,8 @@ def run_code(url: str, code: str, *, run_timeout: float = 10, memory_limit_mb: i
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             last = exc
     raise SandboxUnreachable(f"sandbox at {url} is unreachable after {retries + 1} tries ({last}); start one with "
-                             "`python -m meshrl.rewards.sandbox serve --port 0` or check reward_model.sandbox_fusion.url")
+                             "`python -m meshrl.rewards.sandbox serve --port 0` or check "
+                             "reward_model.sandbox_fusion.url")
 
 
 def extract_code(completion: str) -> str | None:
@@ -168,7 +169,8 @@ def compute_score(url: str, completion: str, test_cases, *, continuous: bool = F
     inputs, outputs = cases.get("inputs"), cases.get("outputs")
     if inputs is None or outputs is None or not len(inputs) == len(outputs) == len(asserts):
         raise ValueError(f"test_cases need inputs and outputs of one length (and assert_case, if given, too); got "
-                         f"keys {sorted(cases)} with lengths {[len(v) for v in (inputs or [], outputs or [], asserts)]}")
+                         f"keys {sorted(cases)} with lengths "
+                         f"{[len(v) for v in (inputs or [], outputs or [], asserts)]}")
     if not inputs:
         return 0.0, []
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(inputs), MAX_CASE_THREADS)) as pool:

@@ -74,7 +74,8 @@ class Limits:
         if not self.run_timeout_s > 0:
             raise ValueError(f"run_timeout must be > 0 seconds, got {self.run_timeout_s}")
         if self.memory_mb < 64:
-            raise ValueError(f"memory_limit_MB must be >= 64 (the interpreter alone needs ~30 MB), got {self.memory_mb}")
+            raise ValueError("memory_limit_MB must be >= 64 (the interpreter alone needs ~30 MB), "
+                             f"got {self.memory_mb}")
         if self.nproc < 1 or self.max_output_bytes < 1 or self.max_file_bytes < 1:
             raise ValueError(f"nproc, max_output_bytes and max_file_bytes must be >= 1: {self}")
 
@@ -162,7 +163,8 @@ class Jail:
     def close(self):
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def run(self, code: str, limits: Limits, stdin: str | None = None, files: dict[str, bytes] | None = None) -> RunResult:
+    def run(self, code: str, limits: Limits, stdin: str | None = None,
+            files: dict[str, bytes] | None = None) -> RunResult:
         """Run ``code`` as ``main.py`` with ``files`` (relative paths) beside it and ``stdin``."""
         uid = self._slots.get()
         try:

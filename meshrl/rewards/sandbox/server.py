@@ -81,7 +81,8 @@ def response_for(result: RunResult) -> dict:
         status = "SandboxError"
     else:
         status = "Success" if result.status == "Finished" and result.return_code == 0 else "Failed"
-    message = "" if result.reason is None else f"{result.reason}: {_REASON_TEXT.get(result.reason, 'the program failed')}"
+    message = ("" if result.reason is None
+               else f"{result.reason}: {_REASON_TEXT.get(result.reason, 'the program failed')}")
     return {"status": status, "message": message, "compile_result": None,
             "run_result": {"status": result.status, "execution_time": result.execution_time,
                            "return_code": result.return_code, "stdout": result.stdout, "stderr": result.stderr},
