@@ -108,6 +108,21 @@ def test_remove_padding_packs_micro_batches_with_the_row_layouts_results(results
         assert r["grad_diff"] <= 2e-2 * r["grad_max_abs"]
 
 
+def test_shared_prompts_are_on_by_default_and_give_the_unshared_results_for_fewer_tokens(results):
+    """actor.use_prefix_grouper unset: the worker shares a prompt between its responses (3 per prompt here): fewer
+    tokens computed, the same log-probs, loss and gradient (fp32), up to bf16 rounding of other matmul shapes."""
+    r = results["shared_prompts"]
+    assert r["configured"] is True and 0 < r["tokens_shared"] < r["tokens_unshared"]
+    if results["dtype"] == "float32":
+        assert r["log_prob_diff"] <= 1e-5
+        assert r["loss_diff"] <= 1e-6 * abs(r["loss"]) + 1e-7
+        assert r["grad_diff"] <= 1e-5 * r["grad_max_abs"]
+    else:
+        assert r["log_prob_diff"] <= 0.05
+        assert r["loss_diff"] <= 1e-3 * abs(r["loss"])
+        assert r["grad_diff"] <= 2e-2 * r["grad_max_abs"]
+
+
 def verl_cosine_lr(step: int, lr: float, min_lr_ratio: float, warmup_ratio: float, total: int) -> float:
     """verl's learning rate at RL step ``step`` (0-based) for ``warmup_style=cosine``, written from its
     definition: linear warm-up from 0 over int(ratio·total) steps, then a half cosine to lr·min_lr_ratio."""

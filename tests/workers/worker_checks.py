@@ -225,13 +225,14 @@ def check_remove_padding(worker) -> dict:
     batch = batch.union(worker.compute_log_probs(batch, model="ref"))
     real, packed = schedule.model_inputs, []
 
-    def spy(*args):
-        inputs = real(*args)
+    def spy(*args, **kwargs):
+        inputs = real(*args, **kwargs)
         packed.append(inputs.packed_seq_params is not None)
         return inputs
 
-    configured = worker.remove_padding
+    configured, shared = worker.remove_padding, worker.shared_prompts
     schedule.model_inputs = spy
+    worker.shared_prompts = False  # the shared-prompt layout is packed whatever remove_padding says
     runs = {}
     try:
         for remove_padding in (configured, False):
@@ -242,12 +243,47 @@ def check_remove_padding(worker) -> dict:
             packed.clear()
     finally:
         schedule.model_inputs = real
-        worker.remove_padding = configured
+        worker.remove_padding, worker.shared_prompts = configured, shared
     (lp_p, loss_p, g_p, layout_p), (lp_r, loss_r, g_r, layout_r) = runs[True], runs[False]
     return {"configured": configured, "packed_forwards": sum(layout_p), "forwards": len(layout_p),
             "row_forwards_packed": sum(layout_r),
             "log_prob_diff": float((lp_p - lp_r).abs().max()), "loss_diff": abs(loss_p - loss_r), "loss": loss_r,
             "grad_diff": max_diff(g_p, g_r), "grad_max_abs": max_abs(g_r)}
+
+
+def check_shared_prompts(worker) -> dict:
+    """``actor.use_prefix_grouper`` unset: on for this model; on a GRPO-like batch (3 responses per prompt) the
+    old-log-prob and reference passes and the update compute fewer tokens, with the log-probs, loss and gradient of
+    every row with its own prompt."""
+    from meshrl.parallel import schedule
+
+    batch = make_batch(rows=9, seed=5)
+    batch.set("prompt_ids", [batch["prompt_ids"][3 * (row // 3)] for row in range(9)])
+    batch = batch.union(worker.compute_log_probs(batch, model="ref"))
+    real, tokens = schedule.model_inputs, []
+
+    def spy(*args, **kwargs):
+        inputs = real(*args, **kwargs)
+        tokens.append(int(inputs.input_ids.numel()))
+        return inputs
+
+    configured = worker.shared_prompts
+    schedule.model_inputs = spy
+    runs = {}
+    try:
+        for shared in (True, False):
+            worker.shared_prompts = shared
+            log_probs = worker.compute_log_probs(batch, model="actor")["old_log_probs"]
+            metrics, _, grad = update(worker, batch, on_policy=True)
+            runs[shared] = (log_probs, metrics["actor/loss"], grad, sum(tokens))
+            tokens.clear()
+    finally:
+        schedule.model_inputs = real
+        worker.shared_prompts = configured
+    (lp_s, loss_s, g_s, t_s), (lp_u, loss_u, g_u, t_u) = runs[True], runs[False]
+    return {"configured": configured, "tokens_shared": t_s, "tokens_unshared": t_u,
+            "log_prob_diff": float((lp_s - lp_u).abs().max()), "loss_diff": abs(loss_s - loss_u), "loss": loss_u,
+            "grad_diff": max_diff(g_s, g_u), "grad_max_abs": max_abs(g_u)}
 
 
 def with_plan(call):
@@ -347,6 +383,7 @@ def main() -> None:
                "precision": check_precision(worker),
                "fixed_micro_batches": check_fixed_micro_batches(worker),
                "remove_padding": check_remove_padding(worker),
+               "shared_prompts": check_shared_prompts(worker),
                "lr_schedule": check_lr_schedule(worker),
                "checkpoint": check_checkpoint(worker, args.out.parent / f"ckpt-{args.dtype}")}
     worker.shutdown_engine()
