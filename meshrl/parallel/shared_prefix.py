@@ -62,7 +62,6 @@ class SharedLayout:
         packed_index: ``(N,)`` packed position of each real source token (prompt tokens of a group: shared).
         source_index: ``(N,)`` flat ``[B, S]`` index of that token, row-major.
         predictor: ``(N,)`` packed position whose output predicts the token; -1 for a row's first token.
-        shared_rows: rows whose prompt was computed once for several rows.
     """
 
     input_ids: torch.Tensor
@@ -74,7 +73,6 @@ class SharedLayout:
     packed_index: torch.Tensor
     source_index: torch.Tensor
     predictor: torch.Tensor
-    shared_rows: int
 
     def params(self) -> Any:
         """The ``shared_prefix_params_class`` instance the model runs with."""
@@ -141,14 +139,14 @@ def pack_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     predictor = torch.cat([torch.cat([torch.tensor([-1]), w[:-1]]) if len(w) else w for w in where])
     zero = torch.zeros(1, dtype=torch.int64)
     padded_lengths = torch.tensor([len(t) for t in tokens], dtype=torch.int64)
+    position_ids = torch.cat(positions)
     device = input_ids.device
     return SharedLayout(
-        input_ids=torch.cat(tokens).unsqueeze(0).to(device), position_ids=torch.cat(positions).unsqueeze(0).to(device),
+        input_ids=torch.cat(tokens).unsqueeze(0).to(device), position_ids=position_ids.unsqueeze(0).to(device),
         cu_seqlens=torch.cat([zero, torch.tensor(real).cumsum(0)]).to(torch.int32).to(device),
         cu_seqlens_padded=torch.cat([zero, padded_lengths.cumsum(0)]).to(torch.int32).to(device),
-        prefixes=tuple(prefixes), max_position=int(torch.cat(positions).max()) + 1,
-        packed_index=packed_index.to(device), source_index=source_index.to(device), predictor=predictor.to(device),
-        shared_rows=sum(len(rows) for prompt, rows in groups.items() if len(rows) > 1 and prompt))
+        prefixes=tuple(prefixes), max_position=int(position_ids.max()) + 1,
+        packed_index=packed_index.to(device), source_index=source_index.to(device), predictor=predictor.to(device))
 
 
 def prefix_mask(prefix: int, length: int, window: int | None, device) -> torch.Tensor:

@@ -250,8 +250,10 @@ class AsyncRLTrainer(RLTrainer):
         """verl's cadence: ``trainer.save_freq`` counts parameter versions (a checkpoint at every ``save_freq``-th
         sync; with one step per version, every ``save_freq`` steps), and a stop request or the last step saves too."""
         freq = self.cfg.trainer.save_freq
-        at_sync = not self.queue.mid_version and self.queue.param_version % freq == 0 if freq > 0 else False
-        return stop or freq > 0 and (at_sync or self.step == self.total_steps)
+        if stop or freq <= 0:
+            return stop
+        at_sync = not self.queue.mid_version and self.queue.param_version % freq == 0
+        return at_sync or self.step == self.total_steps
 
     def save(self):
         if self.queue.mid_version:  # a stop request or the last step between two syncs: the version ends here

@@ -216,74 +216,70 @@ def check_fixed_micro_batches(worker) -> dict:
     }
 
 
-def check_remove_padding(worker) -> dict:
-    """``actor_rollout_ref.model.use_remove_padding`` (default True) reaches the forward, which then runs
-    packed THD micro-batches; their log-probs, loss and gradient against the row layout's."""
+def runs_with(worker, batch, attribute: str, values: tuple, record, **held) -> dict:
+    """For each of ``values`` of the worker's ``attribute`` in turn (the ``held`` attributes set meanwhile; all put
+    back after): the old log-probs of ``batch``, the loss and gradient of an on-policy update on it, and ``record``
+    of every model input built meanwhile (``schedule.model_inputs``), by value."""
     from meshrl.parallel import schedule
 
-    batch = make_batch(rows=8, seed=4)
-    batch = batch.union(worker.compute_log_probs(batch, model="ref"))
-    real, packed = schedule.model_inputs, []
+    real, recorded = schedule.model_inputs, []
 
     def spy(*args, **kwargs):
         inputs = real(*args, **kwargs)
-        packed.append(inputs.packed_seq_params is not None)
+        recorded.append(record(inputs))
         return inputs
 
-    configured, shared = worker.remove_padding, worker.shared_prompts
+    saved = {name: getattr(worker, name) for name in (attribute, *held)}
     schedule.model_inputs = spy
-    worker.shared_prompts = False  # the shared-prompt layout is packed whatever remove_padding says
     runs = {}
     try:
-        for remove_padding in (configured, False):
-            worker.remove_padding = remove_padding
+        for name, value in held.items():
+            setattr(worker, name, value)
+        for value in values:
+            setattr(worker, attribute, value)
             log_probs = worker.compute_log_probs(batch, model="actor")["old_log_probs"]
             metrics, _, grad = update(worker, batch, on_policy=True)
-            runs[remove_padding] = (log_probs, metrics["actor/loss"], grad, list(packed))
-            packed.clear()
+            runs[value] = (log_probs, metrics["actor/loss"], grad, list(recorded))
+            recorded.clear()
     finally:
         schedule.model_inputs = real
-        worker.remove_padding, worker.shared_prompts = configured, shared
-    (lp_p, loss_p, g_p, layout_p), (lp_r, loss_r, g_r, layout_r) = runs[True], runs[False]
+        for name, value in saved.items():
+            setattr(worker, name, value)
+    return runs
+
+
+def differences(run, reference) -> dict:
+    """How two of ``runs_with``'s runs differ: log-probs, loss and gradient (and the reference's scales)."""
+    (lp, loss, grad, _), (lp_ref, loss_ref, grad_ref, _) = run, reference
+    return {"log_prob_diff": float((lp - lp_ref).abs().max()), "loss_diff": abs(loss - loss_ref), "loss": loss_ref,
+            "grad_diff": max_diff(grad, grad_ref), "grad_max_abs": max_abs(grad_ref)}
+
+
+def check_remove_padding(worker) -> dict:
+    """``actor_rollout_ref.model.use_remove_padding`` (default True) reaches the forward, which then runs
+    packed THD micro-batches; their log-probs, loss and gradient against the row layout's."""
+    batch = make_batch(rows=8, seed=4)
+    batch = batch.union(worker.compute_log_probs(batch, model="ref"))
+    configured = worker.remove_padding
+    # the shared-prompt layout is packed whatever remove_padding says: held off
+    runs = runs_with(worker, batch, "remove_padding", (configured, False),
+                     lambda inputs: inputs.packed_seq_params is not None, shared_prompts=False)
+    layout_p, layout_r = runs[True][3], runs[False][3]
     return {"configured": configured, "packed_forwards": sum(layout_p), "forwards": len(layout_p),
-            "row_forwards_packed": sum(layout_r),
-            "log_prob_diff": float((lp_p - lp_r).abs().max()), "loss_diff": abs(loss_p - loss_r), "loss": loss_r,
-            "grad_diff": max_diff(g_p, g_r), "grad_max_abs": max_abs(g_r)}
+            "row_forwards_packed": sum(layout_r), **differences(runs[True], runs[False])}
 
 
 def check_shared_prompts(worker) -> dict:
     """``actor.use_prefix_grouper`` unset: on for this model; on a GRPO-like batch (3 responses per prompt) the
     old-log-prob and reference passes and the update compute fewer tokens, with the log-probs, loss and gradient of
     every row with its own prompt."""
-    from meshrl.parallel import schedule
-
     batch = make_batch(rows=9, seed=5)
     batch.set("prompt_ids", [batch["prompt_ids"][3 * (row // 3)] for row in range(9)])
     batch = batch.union(worker.compute_log_probs(batch, model="ref"))
-    real, tokens = schedule.model_inputs, []
-
-    def spy(*args, **kwargs):
-        inputs = real(*args, **kwargs)
-        tokens.append(int(inputs.input_ids.numel()))
-        return inputs
-
     configured = worker.shared_prompts
-    schedule.model_inputs = spy
-    runs = {}
-    try:
-        for shared in (True, False):
-            worker.shared_prompts = shared
-            log_probs = worker.compute_log_probs(batch, model="actor")["old_log_probs"]
-            metrics, _, grad = update(worker, batch, on_policy=True)
-            runs[shared] = (log_probs, metrics["actor/loss"], grad, sum(tokens))
-            tokens.clear()
-    finally:
-        schedule.model_inputs = real
-        worker.shared_prompts = configured
-    (lp_s, loss_s, g_s, t_s), (lp_u, loss_u, g_u, t_u) = runs[True], runs[False]
-    return {"configured": configured, "tokens_shared": t_s, "tokens_unshared": t_u,
-            "log_prob_diff": float((lp_s - lp_u).abs().max()), "loss_diff": abs(loss_s - loss_u), "loss": loss_u,
-            "grad_diff": max_diff(g_s, g_u), "grad_max_abs": max_abs(g_u)}
+    runs = runs_with(worker, batch, "shared_prompts", (True, False), lambda inputs: int(inputs.input_ids.numel()))
+    return {"configured": configured, "tokens_shared": sum(runs[True][3]), "tokens_unshared": sum(runs[False][3]),
+            **differences(runs[True], runs[False])}
 
 
 def with_plan(call):
