@@ -35,27 +35,15 @@ TP = 3
 SETTINGS = {"sp_off": False, "sp_on": True}
 
 
-def rank_main(args: argparse.Namespace) -> None:
-    """One rank of a launch: build, one forward + backward with its saved tensors counted, write its figures."""
-    import torch.distributed as dist
-    from transformers import AutoConfig
-
-    from bench.packing import rl_micro_batch
+def measure_update(chunks: list, micro: dict) -> dict:
+    """One forward + backward of ``micro`` with the workers' request (response-only outputs, fused output layer,
+    entropy): ``saved_activation_bytes`` (distinct storages autograd saves, the model's weights aside),
+    ``update_peak_bytes`` (peak RSS during the pass above the RSS before it), ``rss_before_bytes``, ``seconds``."""
     from meshrl import process_memory
-    from meshrl.models.embedded import smollm2_hf_dir
-    from meshrl.parallel import hf_conversion, model_builder, schedule, state
+    from meshrl.parallel import schedule
     from meshrl.parallel.forward import OutputRequest
-    from meshrl.memory_plan.activations import activation_bytes_per_token
     from meshrl.workers.sequences import response_part
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=1800))
-    state.initialize(state.ParallelConfig(tensor_parallel=TP, timeout_s=1800))
-    model_dir = smollm2_hf_dir()
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    chunks = model_builder.build_model(hf_config, sequence_parallel=args.sequence_parallel)
-    hf_conversion.load_hf_weights(chunks, model_dir)
-    micro = rl_micro_batch(1, prompt=(args.prompt, args.prompt), response=(args.response, args.response))
     request = OutputRequest(entropy=True, remove_padding=True, fused_chunk_size=512)
 
     def loss_fn(outputs, mb):
@@ -76,19 +64,54 @@ def rank_main(args: argparse.Namespace) -> None:
     before = process_memory.rss_bytes()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         seconds = timed(lambda: schedule.forward_backward(chunks, [micro], loss_fn, request))
+    return {"saved_activation_bytes": sum(storages.values()),
+            "update_peak_bytes": process_memory.peak_rss_bytes() - before, "rss_before_bytes": before,
+            "seconds": seconds}
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank of a launch: build, one forward + backward with its saved tensors counted, write its figures."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from bench.packing import rl_micro_batch
+    from meshrl.memory_plan.activations import activation_bytes_per_token
+    from meshrl.models.embedded import smollm2_hf_dir
+    from meshrl.parallel import hf_conversion, model_builder, state
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=1800))
+    state.initialize(state.ParallelConfig(tensor_parallel=TP, timeout_s=1800))
+    model_dir = smollm2_hf_dir()
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    chunks = model_builder.build_model(hf_config, sequence_parallel=args.sequence_parallel)
+    hf_conversion.load_hf_weights(chunks, model_dir)
+    micro = rl_micro_batch(1, prompt=(args.prompt, args.prompt), response=(args.response, args.response))
+    figures = measure_update(chunks, micro)
     spec = model_builder.model_spec(hf_config)
     tokens = args.prompt + args.response
-    figures = {"saved_activation_bytes": sum(storages.values()),
-               "update_peak_bytes": process_memory.peak_rss_bytes() - before, "rss_before_bytes": before,
-               "seconds": seconds,
-               "planned_activation_bytes": activation_bytes_per_token(spec, TP, 4, args.sequence_parallel)
-               * spec.num_layers * tokens}
+    figures["planned_activation_bytes"] = activation_bytes_per_token(spec, TP, 4, args.sequence_parallel) \
+        * spec.num_layers * tokens
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, figures)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(ranks))
     state.destroy()
     dist.destroy_process_group()
+
+
+def memory_bars(axis, result: dict, settings) -> None:
+    """Per setting, the largest rank's saved activations, peak RSS above the model and planned activations (GiB)."""
+    keys = [("saved_activation_gib", "saved for backward"), ("update_peak_gib", "peak RSS above the model"),
+            ("planned_activation_gib", "meshrl plan's activations")]
+    width = 0.25
+    for index, (key, label) in enumerate(keys):
+        values = [max(rank[key] for rank in result["settings"][name]["ranks"]) for name in settings]
+        bars = axis.bar([i + index * width for i in range(len(settings))], values, width, label=label)
+        axis.bar_label(bars, fmt="%.2f", fontsize=8)
+    axis.set_xticks([i + width for i in range(len(settings))], list(settings))
+    axis.set_ylabel("GiB per rank (largest rank)")
+    axis.legend(fontsize=8)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -98,16 +121,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axis = plt.subplots(figsize=(7, 3.8))
-    keys = [("saved_activation_gib", "saved for backward"), ("update_peak_gib", "peak RSS above the model"),
-            ("planned_activation_gib", "meshrl plan's activations")]
-    width = 0.25
-    for index, (key, label) in enumerate(keys):
-        values = [max(rank[key] for rank in result["settings"][name]["ranks"]) for name in SETTINGS]
-        bars = axis.bar([i + index * width for i in range(len(SETTINGS))], values, width, label=label)
-        axis.bar_label(bars, fmt="%.2f", fontsize=8)
-    axis.set_xticks([i + width for i in range(len(SETTINGS))], list(SETTINGS))
-    axis.set_ylabel("GiB per rank (largest rank)")
-    axis.legend(fontsize=8)
+    memory_bars(axis, result, SETTINGS)
     axis.set_title(f"SmolLM2-135M update, fp32, TP{TP} (gloo), one packed sequence of {result['tokens']} tokens",
                    fontsize=10)
     fig.tight_layout()

@@ -26,6 +26,9 @@ Keys per phase (dynamic? / token budget / sequences per micro-batch; ``a ?? b``:
   critic_values'`` (verl interpolates the critic's keys the same way).
 
 A forward-only pass falls back on the training pass's micro-batch size: it needs less memory per sequence.
+
+Under context parallelism (the role's ``megatron.context_parallel_size`` = CP) a token budget is per CP group, as
+verl's: ``*_max_token_len_per_gpu × CP`` tokens per micro-batch, each of the CP ranks holding 1/CP of them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 PHASES = ("actor_update", "actor_log_prob", "ref_log_prob", "critic_update", "critic_values", "reward_model")
+# The role whose layout runs each phase.
+PHASE_ROLES = {"actor_update": "actor", "actor_log_prob": "actor", "ref_log_prob": "actor", "critic_update": "critic",
+               "critic_values": "critic", "reward_model": "reward_model"}
 # The config section holding each role's megatron layout.
 ROLE_SECTIONS = {"actor": "actor_rollout_ref.actor", "critic": "critic", "reward_model": "reward_model"}
 
@@ -124,7 +130,8 @@ def micro_batching(cfg: DictConfig, phase: str, dp_size: int) -> MicroBatching:
     if dynamic:
         if not budget or budget <= 0:
             raise ValueError(f"{phase}: use_dynamic_bsz=True needs a token budget > 0 ({budget_key}), got {budget}")
-        return MicroBatching(max_token_len=int(budget))
+        context = OmegaConf.select(cfg, ROLE_SECTIONS[PHASE_ROLES[phase]]).megatron.context_parallel_size
+        return MicroBatching(max_token_len=int(budget) * max(1, context))
     if size is None or size <= 0:
         raise ValueError(f"{phase}: use_dynamic_bsz=False needs sequences per micro-batch > 0 (got {size}) from "
                          f"the first set of {', '.join(sources)}; or set use_dynamic_bsz=True with a token budget")

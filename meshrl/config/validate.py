@@ -167,7 +167,7 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.require(actor.kl_loss_coef >= 0, "actor_rollout_ref.actor.kl_loss_coef",
               f"must be >= 0, got {actor.kl_loss_coef}")
     _check_optim(p, actor.optim, "actor_rollout_ref.actor.optim")
-    _check_megatron(p, cfg, actor.megatron, "actor_rollout_ref.actor.megatron")
+    _check_megatron(p, cfg, actor.megatron, "actor_rollout_ref.actor.megatron", arr.model)
     p.choice(ref.megatron.dtype, "actor_rollout_ref.ref.megatron.dtype", MEGATRON_DTYPES)
 
     # critic (when the estimator takes values: PPO's gae)
@@ -179,10 +179,10 @@ def validate_config(cfg: DictConfig) -> RunPlan:
         if critic.ppo_epochs is not None:
             p.positive(critic.ppo_epochs, "critic.ppo_epochs")
         _check_optim(p, critic.optim, "critic.optim")
-        _check_megatron(p, cfg, critic.megatron, "critic.megatron")
+        _check_megatron(p, cfg, critic.megatron, "critic.megatron", critic.model)
         p.require(critic.cliprange_value > 0, "critic.cliprange_value", f"must be > 0, got {critic.cliprange_value}")
     if cfg.reward_model.enable:  # the learned reward model's own layout (meshrl.workers.reward_model)
-        _check_megatron(p, cfg, cfg.reward_model.megatron, "reward_model.megatron")
+        _check_megatron(p, cfg, cfg.reward_model.megatron, "reward_model.megatron", cfg.reward_model.model)
         p.choice(cfg.reward_model.megatron.dtype, "reward_model.megatron.dtype", MEGATRON_DTYPES)
 
     # algorithm
@@ -429,14 +429,17 @@ def _check_fields(p: _Problems, overrides, dataclass_type, key: str) -> None:
                   + (f"; did you mean {' or '.join(close)}?" if close else ""))
 
 
-def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> None:
+def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str, model: DictConfig) -> None:
+    """The role's megatron section ``mg`` (at ``key``) against the process count; ``model``: the role's model
+    section."""
     for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
         p.positive(mg[size], f"{key}.{size}")
+    model_key = key.replace("actor.megatron", "model").replace("megatron", "model")
     # Refused here rather than when the workers build their models, after Ray and a rollout started.
-    p.require(mg.context_parallel_size <= 1, f"{key}.context_parallel_size",
-              f"context parallelism is not supported yet (got {mg.context_parallel_size}); set 1 and shorten "
-              "ppo_max_token_len_per_gpu, or raise tensor_model_parallel_size, to fit long sequences")
+    p.require(mg.context_parallel_size <= 1 or model.use_remove_padding, f"{model_key}.use_remove_padding",
+              f"False, but {key}.context_parallel_size={mg.context_parallel_size} splits packed sequences over its "
+              "ranks: set use_remove_padding=True (verl's Megatron default) or context_parallel_size=1")
     model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
     ws = world_size(cfg)
     if model_parallel > 0:
@@ -496,11 +499,12 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str) -> 
 
 def validate_against_model(cfg: DictConfig, plan: RunPlan, hf_config) -> None:
     """Checks that need the model: parallel sizes of each role ``plan`` has must divide its heads, KV heads and
-    layers."""
+    layers; context parallelism on a dense model without multi-latent attention."""
     p = _Problems()
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     layers = hf_config.num_hidden_layers
+    moe = any(getattr(hf_config, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
     sections = [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron)]
     if plan.use_critic:
         sections.append(("critic.megatron", cfg.critic.megatron))
@@ -513,11 +517,18 @@ def validate_against_model(cfg: DictConfig, plan: RunPlan, hf_config) -> None:
         vpp = mg.virtual_pipeline_model_parallel_size or 1
         p.require(layers % (pp * vpp) == 0, f"{key}.pipeline_model_parallel_size",
                   f"PP×VPP = {pp * vpp} does not divide the model's {layers} layers")
+        if mg.context_parallel_size > 1:
+            p.require(not moe, f"{key}.context_parallel_size",
+                      f"{mg.context_parallel_size}: context parallelism on a mixture-of-experts model is not built "
+                      "yet (its routers' load-balancing statistics would be per sequence chunk); set 1 and raise "
+                      "tensor_model_parallel_size or shorten ppo_max_token_len_per_gpu to fit long sequences")
+            p.require(getattr(hf_config, "kv_lora_rank", None) is None, f"{key}.context_parallel_size",
+                      f"{mg.context_parallel_size}: context parallelism with multi-latent attention is not built yet; "
+                      "set 1")
     rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     p.require(heads % rtp == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",
               f"{rtp} does not divide the model's {heads} attention heads")
     replay = cfg.actor_rollout_ref.actor.megatron.router_replay.mode
-    moe = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     p.require(replay == "disabled" or bool(moe), "actor_rollout_ref.actor.megatron.router_replay.mode",
               f"{replay} replays expert routing, but {hf_config.model_type} is dense: set disabled")
     p.raise_if_any("configuration for this model")

@@ -84,7 +84,11 @@ Phases: rollout, reward model (when there is one), log-prob (old / reference log
 only), actor update (forward + backward), actor optimizer step, and for PPO critic update and critic optimizer
 step.
 
-Not modelled: context parallelism, padding inside a micro-batch (meshrl pads each micro-batch
+Context parallelism (``megatron.context_parallel_size`` = CP) splits each micro-batch's tokens (the token budget is
+per CP group, ``micro_batching``) and so its activations and logits over CP ranks, and the distributed optimizer
+shards over DP x CP; DP is ``world / (TP x PP x CP)``.
+
+Not modelled: padding inside a micro-batch (meshrl pads each micro-batch
 to its longest row, so a skewed batch can exceed the budget's estimate), checkpoint saving, and the
 attention FLOPs (quadratic in length; small next to 6·N per token at these lengths).
 

@@ -101,10 +101,10 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
         except ValueError as exc:
             name = "critic" if is_critic else "actor_rollout_ref.actor"
             raise PlanError(f"{name}.megatron: {exc}") from None
-        tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+        tp, pp, cp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size
         # verl's FSDP sections whose offload flags the workers read (the critic's has three places)
         fsdp = (section.fsdp_config,) + ((section.model.fsdp_config, section.fsdp) if is_critic else ())
-        return RoleMemory(spec=model_spec_, tp=tp, pp=pp, vpp=vpp or 1, dp=world // (tp * pp),
+        return RoleMemory(spec=model_spec_, tp=tp, pp=pp, vpp=vpp or 1, dp=world // (tp * pp * cp), cp=cp,
                           distributed_optimizer=mg.use_distributed_optimizer,
                         # full-layer recompute, as the workers build it (selective recompute is counted as none)
                           recompute=transformer_overrides(model_section, mg).get("recompute_granularity") == "full",
@@ -125,10 +125,11 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
     rm_dtype = precision(cfg.reward_model.megatron.dtype)
     judge_bytes = reward_judge_bytes(cfg, precision, device, limit) if run.reward_judge else 0.0
 
-    # tokens of one micro-batch: the phase's token budget, or its sequences × the longest sequence
+    # tokens of one micro-batch on one rank: the phase's token budget, or its sequences × the longest sequence, split
+    # over the context-parallel ranks
     def budget(phase: str, trained: RoleMemory) -> int:
         rule = micro_batching(cfg, phase, trained.dp)
-        return rule.max_token_len if rule.dynamic else rule.micro_batch_size * seq_len
+        return (rule.max_token_len if rule.dynamic else rule.micro_batch_size * seq_len) // trained.cp
 
     train_tokens, logprob_tokens = budget("actor_update", policy), budget("actor_log_prob", policy)
     ref_tokens = budget("ref_log_prob", policy) if use_ref else 0
@@ -234,7 +235,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
     # shared prompts (actor.use_prefix_grouper, unset: where the passes are packed and the model allows it): the
     # policy's passes run each prompt once per group of rollout.n responses
     shared = (run.shared_prompts if run.shared_prompts is not None else bool(arr.model.use_remove_padding)) \
-        and rollout.n > 1 and not spec.mla
+        and rollout.n > 1 and not spec.mla and policy.cp == 1
     policy_tokens = prompts * data.max_prompt_length + samples * run.response_length if shared else tokens
     n_policy = matmul_parameters(spec)
     flops = {
@@ -272,7 +273,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
                "active_parameters": active_parameters(spec), "matmul_parameters": n_policy},
         layout={"device": device, "actor_dtype": "bfloat16" if actor_dtype is BYTES_GPU else "float32",
                 "nnodes": trainer.nnodes, "gpus_per_node": trainer.n_gpus_per_node, "world": world,
-                "tp": policy.tp, "pp": policy.pp, "vpp": policy.vpp, "dp": policy.dp,
+                "tp": policy.tp, "pp": policy.pp, "vpp": policy.vpp, "cp": policy.cp, "dp": policy.dp,
                 "distributed_optimizer": policy.distributed_optimizer, "recompute": policy.recompute,
                 "sequence_parallel": policy.sequence_parallel,
                 "offload": {"param": policy.param_offload, "grad": policy.grad_offload,
@@ -282,8 +283,8 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
                 "fused_output_chunk": chunk, "reference": use_ref, "experts": experts, "shared_prompts": shared,
                 "lora": None if run.lora is None else {"rank": run.lora.rank, "targets": list(run.lora.targets),
                                                        "trained_parameters": lora_parameters(spec, run.lora)},
-                "critic": None if critic is None else {"tp": critic.tp, "pp": critic.pp, "dp": critic.dp,
-                                                       "tokens_per_micro_batch": critic_tokens},
+                "critic": None if critic is None else {"tp": critic.tp, "pp": critic.pp, "cp": critic.cp,
+                                                       "dp": critic.dp, "tokens_per_micro_batch": critic_tokens},
                 "reward_model": None if reward_model is None else {
                     "path": cfg.reward_model.model.path, "parameters": stage_parameters(reward_model.spec, critic=True),
                     "tp": reward_model.tp, "pp": reward_model.pp, "dp": reward_model.dp,

@@ -24,7 +24,7 @@ def render(result: MemoryPlan, recipe: str | None) -> str:
     m, lay, ro = result.model, result.layout, result.rollout
     unit = "GiB per GPU" if lay["device"] == "cuda" else f"GiB per training process (CPU, {lay['actor_dtype']})"
     flags = [f"TP {lay['tp']} x PP {lay['pp']}" + (f" (VPP {lay['vpp']})" if lay["vpp"] > 1 else "")
-             + f" -> DP {lay['dp']}"]
+             + (f" x CP {lay['cp']}" if lay["cp"] > 1 else "") + f" -> DP {lay['dp']}"]
     flags.append("distributed optimizer" if lay["distributed_optimizer"] else "optimizer replicated over DP")
     flags.append("recompute" if lay["recompute"] else "no recompute")
     if lay["sequence_parallel"]:
@@ -60,7 +60,8 @@ def render(result: MemoryPlan, recipe: str | None) -> str:
         lines.append(f"  host     {gib(lay['host_offload_bytes_per_node'])} GiB per node for offloaded state")
     if lay["critic"]:
         c = lay["critic"]
-        lines.append(f"  critic   TP {c['tp']} x PP {c['pp']} -> DP {c['dp']}; "
+        lines.append(f"  critic   TP {c['tp']} x PP {c['pp']}" + (f" x CP {c['cp']}" if c["cp"] > 1 else "")
+                     + f" -> DP {c['dp']}; "
                      f"{c['tokens_per_micro_batch']} tokens per micro-batch")
     if lay["reward_model"]:
         r = lay["reward_model"]

@@ -29,6 +29,7 @@ class RoleMemory:
     ep: int = 1  # expert parallelism (MoE)
     etp: int | None = None  # expert TP, None: TP
     sequence_parallel: bool = False  # megatron.sequence_parallel at TP > 1 (off at TP 1, as the workers build it)
+    cp: int = 1  # context parallelism: each micro-batch's tokens split over CP ranks, which also shard the optimizer
 
     def params(self, stage: int) -> int:
         return stage_parameters(self.spec, tp=self.tp, pp=self.pp, stage=stage, critic=self.critic, ep=self.ep,
@@ -47,13 +48,14 @@ class RoleMemory:
         n = self.params(stage)
         # with LoRA only the adapters have gradients and optimizer state; the frozen base keeps its parameters
         trained = n if self.lora is None else lora_parameters(self.spec, self.lora, self.tp, self.pp)
-        optim = trained * dtype["optim"] / (self.dp if self.distributed_optimizer else 1)
+        # megatron's distributed optimizer shards over the data- and context-parallel ranks
+        optim = trained * dtype["optim"] / (self.dp * self.cp if self.distributed_optimizer else 1)
         if self.distributed_optimizer and self.lora is None and self.spec.moe:
             # the experts' state is sharded over the expert-data-parallel ranks (world / (ETP x EP x PP)), not DP
             experts = self.expert_params()
             etp = self.tp if self.etp is None else self.etp
             expert_dp = self.dp * self.tp // (etp * self.ep)
-            optim = (trained - experts) * dtype["optim"] / self.dp + experts * dtype["optim"] / expert_dp
+            optim = (trained - experts) * dtype["optim"] / (self.dp * self.cp) + experts * dtype["optim"] / expert_dp
         return {"params": (n + (trained if self.lora is not None else 0)) * dtype["param"],
                 "grads": trained * dtype["grad"], "optimizer": optim}
 
@@ -90,12 +92,12 @@ def reward_model_memory(cfg, world: int) -> RoleMemory:
 
     rm, mg = cfg.reward_model, cfg.reward_model.megatron
     spec = model_spec(load_hf_config(rm.model.path))
-    tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+    tp, pp, cp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size
     try:
-        check_layout(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+        check_layout(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp))
     except ValueError as exc:
         raise PlanError(f"reward_model.megatron: {exc}") from None
-    return RoleMemory(spec=spec, tp=tp, pp=pp, vpp=1, dp=world // (tp * pp), distributed_optimizer=False,
+    return RoleMemory(spec=spec, tp=tp, pp=pp, vpp=1, dp=world // (tp * pp * cp), cp=cp, distributed_optimizer=False,
                       recompute=False, param_offload=any_flag(mg, rm.model.fsdp_config, key="param_offload"),
                       grad_offload=False, optimizer_offload=False, critic=True,
                       sequence_parallel=runs_sequence_parallel(mg))

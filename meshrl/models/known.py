@@ -74,7 +74,8 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                              max_position_embeddings=4096),
     # Qwen3 (verl's run_qwen3-8b.sh and its 32B NPU twin)
     "Qwen/Qwen3-8B": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, num_attention_heads=32,
-                          num_key_value_heads=8, intermediate_size=12288, tie_word_embeddings=False),
+                          num_key_value_heads=8, intermediate_size=12288, tie_word_embeddings=False,
+                          max_position_embeddings=40960),
     "Qwen/Qwen3-32B": dict(model_type="qwen3", num_hidden_layers=64, hidden_size=5120, num_attention_heads=64,
                            num_key_value_heads=8, intermediate_size=25600, tie_word_embeddings=False),
     # Gemma 2 (verl's run_gemma.sh trains gemma-2-2b-it)

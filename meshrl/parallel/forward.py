@@ -31,6 +31,10 @@ response). The model sees them in one of two layouts (:func:`model_inputs`), bot
 
 Either way outputs are scattered back to the micro-batch's ``[batch, seq]`` positions (:func:`unpack`).
 
+Under context parallelism (CP > 1) the micro-batch is packed whatever ``use_remove_padding`` says, and each CP rank
+runs its 2 of the 2·CP chunks of every slot (:func:`split_over_context`, ``meshrl.parallel.context_parallel``); its
+selected outputs are summed over the CP group, so every CP rank returns the whole ``[batch, seq]`` outputs.
+
 Selected outputs: a micro-batch may carry ``output_mask`` (``[batch, seq]``, 1 = an output is wanted for
 this token). The last stage then runs its output layer (the vocabulary projection, or the critic's
 value head) on the hidden states that predict those tokens only (:func:`select_outputs`), and every
@@ -58,6 +62,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from meshrl.parallel import context_parallel
 from meshrl.parallel.fused_output import OutputHead, fused_log_probs_entropy
 from meshrl.parallel.packing import pad_multiple_for, pack_padded
 from meshrl.parallel.shared_prefix import pack_shared_prefix
@@ -148,6 +153,9 @@ class ModelInputs:
     # packed_index - 1 (every layout but the shared-prompt one, where a response's first token is predicted by its
     # group's shared prompt)
     predictor: torch.Tensor | None = None
+    # context parallelism (split_over_context): the CP group over which the selected outputs are summed; the index
+    # fields above then hold this rank's positions only
+    context_group: Any = None
 
     def predictors(self) -> torch.Tensor:
         return self.packed_index - 1 if self.predictor is None else self.predictor
@@ -215,6 +223,22 @@ def select_outputs(inputs: ModelInputs, output_mask: torch.Tensor) -> None:
     inputs.selected_source = inputs.source_index[wanted]
 
 
+def split_over_context(inputs: ModelInputs, group) -> ModelInputs:
+    """This CP rank's share of a packed micro-batch with selected outputs (``meshrl.parallel.context_parallel``): its
+    chunks of every slot, the selected outputs whose predictor it holds, the global ``PackedSeqParams``."""
+    part = context_parallel.shard(inputs.packed_seq_params.cu_seqlens_q_padded, group.rank(), group.size())
+    selected = part.local[inputs.selected]
+    mine = selected >= 0
+    held = part.local[inputs.packed_index]
+    kept = held >= 0
+    return ModelInputs(input_ids=inputs.input_ids[:, part.positions],
+                       position_ids=inputs.position_ids[:, part.positions],
+                       packed_seq_params=inputs.packed_seq_params, packed_index=held[kept],
+                       source_index=inputs.source_index[kept], first=inputs.first[kept], shape=inputs.shape,
+                       selected=selected[mine], selected_tokens=inputs.selected_tokens[mine],
+                       selected_source=inputs.selected_source[mine], context_group=group)
+
+
 def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, remove_padding: bool,
                  output_mask: torch.Tensor | None = None, sequence_parallel: bool = False,
                  shared_prefix_columns: int | None = None) -> ModelInputs:
@@ -222,11 +246,21 @@ def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, remove_p
     into TP equal sequence shards) or :func:`trim_rows` (its width a multiple of the TP size under
     ``sequence_parallel``), with the :func:`select_outputs` of ``output_mask`` when one is given. With
     ``shared_prefix_columns`` (the prompts' end), :func:`pack_shared` whatever ``remove_padding`` says (the shared
-    layout is packed), its outputs selected (``output_mask``, else every token)."""
+    layout is packed), its outputs selected (``output_mask``, else every token). Under context parallelism,
+    :func:`pack_thd` whatever ``remove_padding`` says (CP splits packed slots), its outputs selected, then
+    :func:`split_over_context`."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    multiple = pad_multiple_for(tp, parallel_state.get_context_parallel_world_size())
+    cp = parallel_state.get_context_parallel_world_size()
+    multiple = pad_multiple_for(tp, cp)
+    if cp > 1:
+        if shared_prefix_columns is not None:
+            raise ValueError("the shared-prompt layout does not run under context parallelism "
+                             "(shared_prefix.unsupported)")
+        inputs = pack_thd(input_ids, attention_mask, multiple)
+        select_outputs(inputs, attention_mask if output_mask is None else output_mask)
+        return split_over_context(inputs, parallel_state.get_context_parallel_group())
     if shared_prefix_columns is not None:
         inputs = pack_shared(input_ids, attention_mask, shared_prefix_columns, multiple)
         output_mask = attention_mask if output_mask is None else output_mask
@@ -252,7 +286,10 @@ def unpack(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
     batch, seq_len = inputs.shape
     out = flat.new_zeros(batch * seq_len)
     if inputs.selected is not None:
-        return out.index_put((inputs.selected_source,), flat).view(batch, seq_len)
+        out = out.index_put((inputs.selected_source,), flat)
+        if inputs.context_group is not None:
+            out = context_parallel.sum_over_context(out, inputs.context_group)
+        return out.view(batch, seq_len)
     previous = flat[inputs.predictors().clamp(min=0)]
     real = torch.where(inputs.first, torch.zeros_like(previous), previous)
     return out.index_put((inputs.source_index,), real).view(batch, seq_len)

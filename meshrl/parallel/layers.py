@@ -23,11 +23,13 @@ need that megatron-core 0.16.1 has no option for (``meshrl.parallel.model_builde
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
 import torch.nn.functional as F
 
+from meshrl.parallel import context_parallel
 from meshrl.parallel.shared_prefix import prefix_mask
 
 
@@ -56,15 +58,21 @@ def sdpa_core_attention_class():
     mask and an fp32 softmax — SDPA has no such option, so those layers run the explicit product. Anything
     else falls back to megatron. Multi-latent attention builds it with ``k_channels`` (query / key head width) and
     ``v_channels`` (value head width, the config's ``kv_channels``, by which the output is sized): SDPA takes
-    keys and values of different widths as they come.
+    keys and values of different widths as they come. Under context parallelism (packed sequences only, which
+    megatron's local class refuses) each rank's chunks of a slot attend to the slot's keys gathered over the CP
+    group (``meshrl.parallel.context_parallel``).
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     class SDPACoreAttention(DotProductAttention):
-        def __init__(self, *args, logit_softcap: float | None = None, k_channels: int | None = None,
+        def __init__(self, config, *args, logit_softcap: float | None = None, k_channels: int | None = None,
                      v_channels: int | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
+            # megatron's class asserts CP == 1 (its CP attention is Transformer Engine's); _packed_context runs it
+            single = copy.copy(config)
+            single.context_parallel_size = 1
+            super().__init__(single, *args, **kwargs)
+            self.config = config
             if v_channels is not None and v_channels != self.hidden_size_per_attention_head:
                 raise ValueError(f"value heads of {v_channels} need kv_channels={v_channels} in the config")
             self.logit_softcap = logit_softcap
@@ -100,6 +108,8 @@ def sdpa_core_attention_class():
             keeps every slot's ``[heads, s, s]`` probabilities for the backward (SmolLM2 at TP3, one 2,048-token
             slot: 1.36 GiB more saved over 30 layers, ``bench/sequence_parallel.py``)."""
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+            if self.config.context_parallel_size > 1:
+                return self._packed_context(query, key, value, cu)
             bounds = cu.tolist()
             prefixes = getattr(params, "segments", None) or [None] * (len(bounds) - 1)
             slots = [self._slot(query, key, value, start, end, prefix)
@@ -117,6 +127,31 @@ def sdpa_core_attention_class():
             k, v = (torch.cat([t[begin:begin + length], t[start:end]]).transpose(0, 1)[None] for t in (key, value))
             mask = prefix_mask(length, end - start, self.window, query.device)
             return self._masked(q, k, v, mask)[0].transpose(0, 1)
+
+        def _packed_context(self, query, key, value, cu):
+            """``[t, heads, d]`` -> ``[t, heads * d]`` for this CP rank's chunks of every slot of ``cu`` (global slot
+            offsets, ``meshrl.parallel.context_parallel``): keys and values gathered over the CP group, each chunk's
+            queries causal over the slot's keys up to their own position."""
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_context_parallel_group()
+            size, rank, width = group.size(), group.rank(), key.shape[-1]
+            gathered = context_parallel.gather_over_context(torch.cat([key, value], dim=-1), group)
+            bounds = (cu // size).tolist()
+            out = []
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                half = (end - start) // 2
+                if not half:
+                    continue
+                for local_start, first, keys in context_parallel.chunk_keys(gathered, start, end - start, rank, size):
+                    q = query[local_start:local_start + half].transpose(0, 1)[None]
+                    k, v = (t.transpose(0, 1)[None] for t in (keys[..., :width], keys[..., width:]))
+                    if first == 0:
+                        out.append(self._causal(q, k, v)[0].transpose(0, 1))
+                    else:
+                        mask = prefix_mask(first, half, self.window, query.device)
+                        out.append(self._masked(q, k, v, mask)[0].transpose(0, 1))
+            return torch.cat(out).reshape(query.shape[0], self.hidden_size_per_partition)
 
         def _causal(self, q, k, v):
             """Causal (windowed, soft-capped) attention on ``[..., heads, s, d]`` (GQA: fewer key/value heads)."""
@@ -208,7 +243,10 @@ def local_rope_self_attention_class():
             if self.local_rope is not None and rotary_pos_emb is not None:
                 if not isinstance(rotary_pos_emb, torch.Tensor):
                     raise ValueError("a local RoPE base needs GPTModel's single rotary embedding tensor")
-                rotary_pos_emb = self.local_rope(rotary_pos_emb.shape[0])
+                # packed (THD): the whole table, which megatron's THD rotary splits per CP rank itself
+                packed = kwargs.get("packed_seq_params")
+                rotary_pos_emb = self.local_rope(rotary_pos_emb.shape[0],
+                                                 packed_seq=packed is not None and packed.qkv_format == "thd")
             return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
     return LocalRopeSelfAttention

@@ -70,8 +70,9 @@ def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
                         "vocabulary, because padded logits would change every softmax and log-prob")
     if spec.num_layers % (pp * vpp):
         problems.append(f"PP={pp} x virtual PP={vpp} does not divide num_hidden_layers={spec.num_layers}")
-    if parallel.context_parallel != 1:
-        problems.append("context parallelism is not supported yet (context_parallel must be 1)")
+    if parallel.context_parallel > 1 and (spec.moe or spec.mla):
+        what = "a mixture-of-experts model" if spec.moe else "multi-latent attention"
+        problems.append(f"context parallelism on {what} is not built yet (context_parallel must be 1)")
     etp = parallel.expert_tensor_parallel_size
     if not spec.moe and (parallel.expert_parallel != 1 or etp != tp):
         problems.append(f"expert parallelism needs an MoE model; {spec.model_type} is dense (leave "

@@ -453,7 +453,7 @@ class ActorRolloutRefWorker(RankWorker):
 
         save_checkpoint(Path(folder) / "actor", step, self.policy, self.optimizer, self.scheduler,
                         extra={"engine": self.engine.state_dict()})
-        if self.plan.lora is not None and self.layout.dp_rank == 0:
+        if self.plan.lora is not None and self.layout.writer:
             from meshrl.parallel.peft_io import save_adapter
 
             # verl's place for it: PeftModel.from_pretrained(base, global_step_N/actor/lora_adapter)
@@ -477,7 +477,7 @@ class ActorRolloutRefWorker(RankWorker):
     def export_hf(self, out_dir: str) -> None:
         from meshrl.parallel.hf_conversion import save_hf_checkpoint
 
-        if self.layout.dp_rank == 0:  # the replicas hold the same weights; two writers would race on the folder
+        if self.layout.writer:  # the replicas hold the same weights; two writers would race on the folder
             save_hf_checkpoint(self.policy, self.hf_config, out_dir, tokenizer_dir=self.model_dir,
                                weights=self.hf_weights())
 

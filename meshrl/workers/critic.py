@@ -134,7 +134,7 @@ class CriticWorker(RankWorker):
         from meshrl.parallel.hf_conversion import save_hf_checkpoint
 
         with self._on_device(training=False):
-            if self.layout.dp_rank == 0:  # the replicas hold the same weights; two writers would race on the folder
+            if self.layout.writer:  # the replicas hold the same weights; two writers would race on the folder
                 save_hf_checkpoint(self.model, self.hf_config, out_dir, tokenizer_dir=self.model_dir)
 
 

@@ -36,7 +36,10 @@ class RankLayout:
     rank: int
     dp_rank: int
     dp_size: int
-    collect: bool  # TP rank 0 of the last pipeline stage: its results represent the replica
+    collect: bool  # TP and CP rank 0 of the last pipeline stage: its results represent the replica
+    # the rank that writes the replica's files (HF export, adapters): DP and CP rank 0 (CP ranks hold the same weights
+    # and, megatron's dp_rank excluding CP, the same DP rank)
+    writer: bool
 
 
 class RankWorker:
@@ -126,9 +129,12 @@ class RankWorker:
         state.initialize(parallel)
         from megatron.core import parallel_state
 
+        first_cp = parallel_state.get_context_parallel_rank() == 0
         self.layout = RankLayout(
             rank=self.rank, dp_rank=state.dp_rank(), dp_size=state.dp_size(),
-            collect=parallel_state.get_tensor_model_parallel_rank() == 0 and state.is_pipeline_last_stage(),
+            collect=(parallel_state.get_tensor_model_parallel_rank() == 0 and state.is_pipeline_last_stage()
+                     and first_cp),
+            writer=state.dp_rank() == 0 and first_cp,
         )
         return self.layout
 

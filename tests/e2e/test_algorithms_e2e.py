@@ -42,6 +42,10 @@ CASES = {
             *(f"algorithm.rollout_correction.{key}" for key in (
                 "bypass_mode=True", "loss_type=ppo_clip", "rollout_rs=seq_mean_k3", "rollout_rs_threshold=0.01"))],
 }
+# test_two_steps' layouts: GRPO's policy and reference under context parallelism (two processes, each sequence split
+# over them, their outputs summed), synced into two engines
+LAYOUTS = {"grpo": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+                    "actor_rollout_ref.ref.megatron.context_parallel_size=2"]}
 # Rollout correction in bypass mode: no trainer log-probs of the policy before the update (old_log_probs are the
 # engine's); the actor compares the policy it trains with the engine (rollout_corr/kl, ...) instead.
 BYPASS = {"ppo"}
@@ -94,7 +98,8 @@ def check_verl_trainer_keys(tmp_path):
 
 @pytest.mark.parametrize("name", with_extended(CASES, EXTENDED))
 def test_two_steps(train, tmp_path, name):
-    _, steps = train(*ONE_MINI_BATCH, *CASES[name], *(verl_trainer_keys(tmp_path) if name == "ppo" else []))
+    _, steps = train(*ONE_MINI_BATCH, *CASES[name], *LAYOUTS.get(name, []),
+                     *(verl_trainer_keys(tmp_path) if name == "ppo" else []))
     first, second = steps[1], steps[2]
     # step-1 invariants (bypass mode: "old" is the engine's, a rounding away from the reference)
     if name not in BYPASS:

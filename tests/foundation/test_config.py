@@ -234,6 +234,17 @@ def test_tp_must_divide_model_heads():
     validate_against_model(cfg, build_run_plan(cfg), hf)
 
 
+@pytest.mark.parametrize("model_type, reason", [("qwen2_moe", "mixture-of-experts"),
+                                                ("deepseek_v3", "multi-latent attention")])
+def test_context_parallelism_on_a_model_it_does_not_split_yet_is_refused(model_type, reason):
+    from meshrl.models.tiny import tiny_config, tiny_spec
+
+    cfg = load_config(["actor_rollout_ref.actor.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError, match=f"context_parallel_size.*{reason}"):
+        validate_against_model(cfg, build_run_plan(cfg), tiny_config(tiny_spec(model_type)))
+    validate_against_model(cfg, build_run_plan(cfg), tiny_config(tiny_spec("qwen2")))
+
+
 def test_unknown_recipe_suggests(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(recipe="no_such_recipe_anywhere")

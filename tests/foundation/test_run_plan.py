@@ -55,14 +55,25 @@ def test_an_estimator_needing_inputs_meshrl_cannot_give_is_refused(tmp_path, mon
         plan_of("algorithm.adv_estimator=my_estimators:needs_oracle")
 
 
-@pytest.mark.parametrize("override, key", [
-    ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "context_parallel_size"),
+@pytest.mark.parametrize("overrides, key", [
+    # context parallelism splits packed sequences (it runs: tests/parallel/test_parallel_multiproc.py, cp2 phases)
+    (("actor_rollout_ref.actor.megatron.context_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=False"),
+     "actor_rollout_ref.model.use_remove_padding"),
+    (("algorithm.adv_estimator=gae", "critic.megatron.context_parallel_size=2",
+      "critic.model.use_remove_padding=False"), "critic.model.use_remove_padding"),
+    # 3 x 1 does not divide the 2 training processes
+    (("actor_rollout_ref.actor.megatron.context_parallel_size=3",), "TP×PP×CP = 3 must divide"),
     # experts over 3 of the 2 training processes (expert parallelism itself runs: tests/e2e/test_moe_e2e.py)
-    ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=3", "expert_model_parallel_size"),
+    (("actor_rollout_ref.actor.megatron.expert_model_parallel_size=3",), "expert_model_parallel_size"),
 ])
-def test_unsupported_parallel_sizes_fail_at_config_time(override, key):
+def test_unsupported_parallel_sizes_fail_at_config_time(overrides, key):
     with pytest.raises(ConfigError, match=key):
-        plan_of(override, "trainer.n_gpus_per_node=2")
+        plan_of(*overrides, "trainer.n_gpus_per_node=2")
+
+
+def test_context_parallelism_is_planned_with_packed_sequences():
+    plan = plan_of("actor_rollout_ref.actor.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=4")
+    assert plan.actor_layout.context == 2
 
 
 def test_training_temperature_zero_is_refused():

@@ -35,7 +35,9 @@ PROMISED = (["remax_qwen2.5-3b_seq_balance", "remax_qwen2.5-7b_seq_balance", "gr
             + ["ppo_qwen1.5-moe-a2.7b_megatron", "grpo_qwen3-30b-a3b", "grpo_mixtral-8x7b",
                "grpo_moonlight-16b-a3b_megatron"]
             # issue 20: LoRA, the seed's 3B script and the sizes LoRA brings to one node
-            + [f"grpo_qwen2.5-{size}_lora" for size in ("3b", "7b", "32b", "72b")] + ["cpu_smollm2_lora_grpo"])
+            + [f"grpo_qwen2.5-{size}_lora" for size in ("3b", "7b", "32b", "72b")] + ["cpu_smollm2_lora_grpo"]
+            # issue 38: 32k-token responses that fit because of context parallelism
+            + ["grpo_qwen3-8b_32k_cp4"])
 
 
 def test_promised_recipes_exist():
@@ -75,6 +77,23 @@ def test_recipe_validates_and_fits(path):
     assert result.fits, f"{path.stem}: {result.problems}; {result.advice}"
     assert result.layout["world"] == world_size(cfg)
     assert result.rollout["full_length_sequences"] >= 1
+
+
+def test_the_32k_recipe_fits_because_of_context_parallelism():
+    """The same micro-batch (one 34,816-token sequence) split over fewer CP ranks does not fit its 80 GB GPUs: the
+    update's activations per rank grow by the factor CP shrinks."""
+    updates = {}
+    for cp in (4, 2, 1):
+        budget = 8704 * 4 // cp  # ppo_max_token_len_per_gpu x CP: the same tokens per micro-batch
+        cfg = load_config([f"actor_rollout_ref.actor.megatron.context_parallel_size={cp}",
+                           f"actor_rollout_ref.ref.megatron.context_parallel_size={cp}",
+                           f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}"],
+                          recipe=RECIPES_DIR / "grpo_qwen3-8b_32k_cp4.yaml")
+        result = estimate(cfg, gpu_memory_gib=80)
+        assert result.layout["cp"] == cp and result.layout["train_tokens_per_micro_batch"] == 34816 // cp
+        assert result.fits == (cp == 4), (cp, result.problems)
+        updates[cp] = next(p.items["actor activations"] for p in result.phases if p.name == "actor update")
+    assert updates[1] == pytest.approx(2 * updates[2]) and updates[2] == pytest.approx(2 * updates[4])
 
 
 @pytest.mark.parametrize("path", FULL, ids=lambda p: p.stem)

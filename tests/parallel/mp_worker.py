@@ -58,9 +58,10 @@ OTHER_CRITICS = tuple(tag for tag in FAMILIES if tag not in REPRESENTATIVE)
 SUITES = {
     "w1": [("tp1", {})],
     "w2": [("tp2", dict(tensor_parallel=2)), ("pp2", dict(pipeline_parallel=2)),
-           ("vpp2", dict(pipeline_parallel=2, virtual_pipeline=2)), ("dp2", {})],
+           ("vpp2", dict(pipeline_parallel=2, virtual_pipeline=2)), ("dp2", {}), ("cp2", dict(context_parallel=2))],
     "w2x": [("pp2_families", dict(pipeline_parallel=2)), ("tp2_critics", dict(tensor_parallel=2))],
-    "w4": [("tp2pp2", dict(tensor_parallel=2, pipeline_parallel=2))],
+    "w4": [("tp2pp2", dict(tensor_parallel=2, pipeline_parallel=2)),
+           ("cp2tp2", dict(context_parallel=2, tensor_parallel=2))],
 }
 # Adam's update g / (sqrt(v) + eps) turns fp32 rounding of near-zero gradients into O(lr) differences
 # when eps is tiny; eps=1e-3 keeps the comparison well conditioned. The gradient norm (~7) exceeds
@@ -244,21 +245,23 @@ def my_batches(items: list) -> list:
     return items[:2] if state.dp_rank() == 0 else items[2:]
 
 
-def check_parity(path: Path, critic: bool, temperature: float = 1.0) -> dict:
+def check_parity(path: Path, critic: bool, temperature: float = 1.0, packed_only: bool = False,
+                 **build_kwargs) -> dict:
     """Outputs, loss and grads against HF, in the row layout and packed (THD, ``packed.*`` keys), and the
-    packed outputs against the row layout's (``packed_vs_rows``); the policy's at ``temperature``."""
+    packed outputs against the row layout's (``packed_vs_rows``); the policy's at ``temperature``. ``packed_only``:
+    the packed layout alone (context parallelism packs whatever is asked)."""
     batches = make_micro_batches()
     ref_out, ref_loss, ref_grads = hf_reference(path, batches, critic, temperature)
     mine, mine_ref = my_batches(batches), my_batches(ref_out)
-    chunks = build(path, critic)
+    chunks = build(path, critic, **build_kwargs)
     result, rows_out = {}, None
-    for remove_padding in (False, True):
+    for remove_padding in (True,) if packed_only else (False, True):
         prefix = "packed." if remove_padding else ""
         request = OutputRequest(entropy=not critic, temperature=temperature, remove_padding=remove_padding)
         out = schedule.forward_only(chunks, mine, request)
         for key in mine_ref[0]:
             result[prefix + key] = max(float((o[key] - r[key]).abs().max()) for o, r in zip(out, mine_ref))
-        if remove_padding:
+        if remove_padding and rows_out is not None:
             result["packed_vs_rows"] = max_diff(out, rows_out)
         rows_out = out
         for chunk in chunks:
@@ -405,6 +408,26 @@ def check_shared_prompts(path: Path, critic: bool = False, temperature: float = 
                  for mb in batches)
     result["tokens_saved"] = packed - shared
     return result
+
+
+def check_context_split(path: Path) -> dict:
+    """Under context parallelism each rank runs its 1/CP of every packed micro-batch (``forward.model_inputs``), and
+    the ranks' selected outputs together are every wanted output once."""
+    from megatron.core import parallel_state
+
+    from meshrl.parallel import forward
+
+    cp = parallel_state.get_context_parallel_world_size()
+    uneven, outputs = 0, 0
+    for mb in make_micro_batches():
+        whole = forward.pack_thd(mb["input_ids"], mb["attention_mask"], forward.pad_multiple_for(
+            parallel_state.get_tensor_model_parallel_world_size(), cp))
+        mine = forward.model_inputs(mb["input_ids"], mb["attention_mask"], True)
+        uneven += int(mine.input_ids.shape[1] * cp != whole.input_ids.shape[1])
+        counts = torch.tensor([len(mine.selected)])
+        dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
+        outputs += abs(int(counts) - int((mb["attention_mask"].sum(1) - 1).clamp(min=0).sum()))
+    return {"uneven_shards": uneven, "outputs_missing_or_doubled": outputs, "cp": cp}
 
 
 def check_forward_only_model(path: Path) -> dict:
@@ -686,6 +709,22 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
             critic = workdir / f"critic-{tag}"
             rec.run(f"parity.{tag}_critic", lambda: check_parity(critic, True))
             rec.run(f"roundtrip.{tag}_critic", lambda: check_roundtrip(critic, workdir, f"{name}-{tag}c", True))
+    elif name in ("cp2", "cp2tp2"):
+        # Context parallelism: each packed sequence in 2·CP chunks over the CP ranks. At CP2 the families whose
+        # attention differs (Qwen2's untied output layer and QKV bias, Gemma 2's soft-capping and sliding windows,
+        # Gemma 3's local rotary bases), Llama's critic and the optimizer's step (gradients summed over CP); at
+        # CP2 x TP2 Llama's policy and critic with sequence parallelism.
+        tags = ("llama", "qwen2", "gemma2", "gemma3_text") if name == "cp2" else ("llama",)
+        options = {"sequence_parallel": True} if name == "cp2tp2" else {}
+        rec.run("context_split", lambda: check_context_split(llama))
+        for tag in tags:
+            path, temperature = tiny_model_dir(FAMILIES[tag]), TEMPERATURE[tag]
+            rec.run(f"parity.{tag}", lambda: check_parity(path, False, temperature, packed_only=True, **options))
+        rec.run("parity.llama_critic",
+                lambda: check_parity(workdir / "critic-llama", True, packed_only=True, **options))
+        rec.run("optimizer", lambda: check_optimizer(llama))
+        if name == "cp2":  # the optimizer state sharded over the data- and context-parallel ranks
+            rec.run("optimizer_distributed", lambda: check_optimizer(llama, distributed_optimizer=True))
     elif name == "vpp2":
         rec.run("parity.llama4", lambda: check_parity(llama4, False))
         rec.run("parity.llama4_critic", lambda: check_parity(workdir / "critic-llama4", True))

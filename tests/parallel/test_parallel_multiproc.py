@@ -85,6 +85,9 @@ EXPECT: dict[str, tuple[str, float]] = {
     "forward_only_model.trainable_grad_buffer_bytes": (">=", 1),
     "forward_only_model.grads": ("==", 0),
     "forward_only_model.plan_bytes_diff": ("==", 0),
+    "context_split.uneven_shards": ("==", 0),
+    "context_split.outputs_missing_or_doubled": ("==", 0),
+    "context_split.cp": ("==", 2),
 }
 
 GROUPS = {
@@ -97,6 +100,8 @@ GROUPS = {
             "optimizer_distributed", "checkpoint_roundtrip", "shared_prompts"],
     "tp2pp2": ["parity", "invariance", "forward_only_model", "roundtrip", "optimizer", "checkpoint_load",
                "sequence_parallel"],
+    "cp2": ["context_split", "parity", "optimizer", "optimizer_distributed"],
+    "cp2tp2": ["context_split", "parity", "optimizer"],
 }
 CASES = [(phase, group) for phase, groups in GROUPS.items() for group in groups]
 

@@ -1,0 +1,121 @@
+"""Context parallelism (``megatron.context_parallel_size`` = CP): every packed sequence split over the CP ranks.
+
+Layout (megatron's causal load balancing, Transformer Engine's ``thd_get_partitioned_indices``): a micro-batch is
+packed (``forward.pack_thd``) with slots of a multiple of 2·CP tokens (``packing.pad_multiple_for``); a slot of L
+tokens is cut into 2·CP chunks of c = L / (2·CP), and CP rank r holds chunks r and 2·CP-1-r, so that every rank has
+as many early (cheap) as late (expensive) causal queries. The rank's packed row is its two chunks of every slot, slot
+after slot (T / CP tokens), run with the micro-batch's global ``PackedSeqParams`` (TE's convention; megatron's THD
+rotary divides the slots by CP and gives each chunk its own positions' frequencies).
+
+Attention (``layers.sdpa_core_attention_class`` without TE; megatron's own CP attention is TE's): keys and values are
+all-gathered over the CP group (:func:`gather_over_context`: its backward sums each rank's key and value gradients
+over the ranks whose queries used them), and each chunk's queries attend causally to the slot's keys up to their
+own position (:func:`chunk_keys`).
+
+Outputs: each rank computes the outputs of the selected positions it holds (a token is predicted where its predictor
+sits, which may be the other rank's chunk), scatters them to ``[B, S]`` and sums them over the CP group
+(:func:`sum_over_context`, identity backward), so every CP rank holds every output and computes the same loss; the
+gradient each rank accumulates is that of its own positions, and megatron's DDP sums gradients over the data- and
+context-parallel ranks without averaging (``calculate_per_token_loss``): the sum is the loss's gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """This rank's share of a packed row: ``positions`` (``(T/CP,)``) the row positions it holds, in its row's
+    order; ``local`` (``(T,)``) each row position's index in this rank's row, -1 where another rank holds it."""
+
+    rank: int
+    size: int
+    positions: torch.Tensor
+    local: torch.Tensor
+
+
+def chunk_bounds(slot_start: int, slot_length: int, rank: int, size: int) -> list[tuple[int, int]]:
+    """The two ``[start, end)`` row spans of a slot that CP rank ``rank`` of ``size`` holds (chunks ``rank`` and
+    ``2·size-1-rank`` of the slot's 2·size chunks)."""
+    if slot_length % (2 * size):
+        raise ValueError(f"a slot of {slot_length} tokens does not split into 2*CP = {2 * size} chunks "
+                         "(pack with packing.pad_multiple_for(tp, cp))")
+    chunk = slot_length // (2 * size)
+    return [(slot_start + index * chunk, slot_start + (index + 1) * chunk) for index in (rank, 2 * size - 1 - rank)]
+
+
+def shard(cu_seqlens_padded: torch.Tensor, rank: int, size: int) -> ContextShard:
+    """The :class:`ContextShard` of CP rank ``rank`` for a packed row of slots ``cu_seqlens_padded``."""
+    bounds = cu_seqlens_padded.tolist()
+    spans = [span for start, end in zip(bounds[:-1], bounds[1:])
+             for span in chunk_bounds(start, end - start, rank, size)]
+    device = cu_seqlens_padded.device
+    positions = torch.cat([torch.arange(start, end, device=device) for start, end in spans] or
+                          [torch.zeros(0, dtype=torch.long, device=device)])
+    local = torch.full((bounds[-1],), -1, dtype=torch.long, device=positions.device)
+    local[positions] = torch.arange(len(positions), device=positions.device)
+    return ContextShard(rank=rank, size=size, positions=positions, local=local)
+
+
+class _GatherOverContext(torch.autograd.Function):
+    """Forward: ``[t, ...]`` from every CP rank stacked as ``[CP, t, ...]``. Backward: this rank's slice of the
+    gradient summed over the ranks (each used every rank's keys and values)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        gathered = local.new_empty((group.size() * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        return gathered.view(group.size(), *local.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce-scatter
+            dist.all_reduce(grad, group=ctx.group)
+            return grad[ctx.group.rank()], None
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.view(-1, *grad.shape[2:]), group=ctx.group)
+        return out, None
+
+
+def gather_over_context(local: torch.Tensor, group) -> torch.Tensor:
+    """``[t, ...]`` of every rank of the CP ``group`` -> ``[CP, t, ...]`` (differentiable)."""
+    return _GatherOverContext.apply(local, group)
+
+
+class _SumOverContext(torch.autograd.Function):
+    """Forward: the sum over the CP group. Backward: identity (every rank computes the same loss from the sum)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        total = local.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sum_over_context(local: torch.Tensor, group) -> torch.Tensor:
+    """Outputs each rank computed for its own positions (0 elsewhere), summed over the CP ``group``."""
+    return _SumOverContext.apply(local, group)
+
+
+def chunk_keys(gathered: torch.Tensor, slot_start: int, slot_length: int, rank: int,
+               size: int) -> list[tuple[int, int, torch.Tensor]]:
+    """For the slot at local row offset ``slot_start`` of local length ``slot_length``, given ``[CP, t, ...]`` (keys
+    and values of every CP rank, :func:`gather_over_context`): per local chunk of this rank, ``(local_start,
+    first_position, keys)``: the chunk's start in the local row, its first query's position in the slot, and the
+    slot's keys at positions ``0 .. first_position + c - 1`` (all its causal queries may see)."""
+    half = slot_length // 2
+    # chunk j of the slot: rank j's first local chunk for j < CP, rank 2·CP-1-j's second otherwise
+    chunks = [gathered[j, slot_start:slot_start + half] if j < size
+              else gathered[2 * size - 1 - j, slot_start + half:slot_start + slot_length] for j in range(2 * size)]
+    return [(local_start, index * half, torch.cat(chunks[:index + 1]))
+            for local_start, index in ((slot_start, rank), (slot_start + half, 2 * size - 1 - rank))]
