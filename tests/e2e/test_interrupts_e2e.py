@@ -40,6 +40,9 @@ def stop_line(output: str, signame: str) -> re.Match:
     return found[0]
 
 
+# `make test-extended` (68 test-seconds): the stop request and its one line are the SIGTERM case's below, the fully
+# async trainer's stop between syncs tests/trainer/test_trainer_loop.py's.
+@pytest.mark.extended
 def test_ctrl_c_stops_with_one_line_and_exit_code_130(tmp_path):
     """On the fully async trainer, its rollouter a batch ahead on the workers' threads (staleness 1): Ctrl-C lands
     while a generation is in flight, which the run leaves as cleanly as the synchronous one."""

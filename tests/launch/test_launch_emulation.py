@@ -124,6 +124,10 @@ def test_torchrun_two_nodes_on_loopback(started, tmp_path, tiny_llama_dir, tiny_
     assert sorted(r["layouts"]["tp1pp2"]["pp_rank"] for r in result["ranks"]) == [0, 1]
 
 
+# `make test-extended` (115 test-seconds): two nodes' processes rendezvous in test_torchrun_two_nodes_on_loopback, the
+# Slurm template's commands and keys are tests/launch/test_launch_scripts.py's, Ray's multi-node address
+# (workers.cluster) is unit-tested there too.
+@pytest.mark.extended
 @pytest.mark.timeout(480)
 def test_slurm_template_runs_ray_on_two_loopback_nodes(started, short_tmp, tiny_llama_dir):
     sys.path.insert(0, str(LAUNCH))
