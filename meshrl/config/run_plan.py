@@ -48,6 +48,7 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -64,10 +65,21 @@ ESTIMATOR_BATCH_INPUTS = {"uid": None, "values": "critic", "greedy_scores": "gre
                           "old_log_probs": "the old-log-prob pass (never skipped for an estimator taking them)",
                           "sum_pi_squared": "actor_rollout_ref.actor.calculate_sum_pi_squared",
                           "rollout_is_weights": "algorithm.rollout_correction"}
-# Config values the trainer hands every estimator that names them, and the reward function's extra outputs by
-# name (reward_extras: the entries of its returned dict other than "score").
-ESTIMATOR_CONFIG_INPUTS = ("gamma", "lam", "norm_adv_by_std_in_grpo", "norm_by_std", "gpg_alpha_mode",
-                           "gdpo_reward_keys", "gdpo_reward_weights", "reward_extras")
+# Config values the trainer hands every estimator that names them: the keyword, and how it reads the value from the
+# ``algorithm`` section (meshrl.trainer.advantage).
+ESTIMATOR_SETTINGS: dict[str, Callable[[DictConfig], Any]] = {
+    "gamma": lambda algo: algo.gamma,
+    "lam": lambda algo: algo.lam,
+    "norm_adv_by_std_in_grpo": lambda algo: algo.norm_adv_by_std_in_grpo,
+    "norm_by_std": lambda algo: algo.gpg.norm_by_std,
+    "gpg_alpha_mode": lambda algo: algo.gpg.alpha_mode,
+    "gdpo_reward_keys": lambda algo: None if algo.gdpo_reward_keys is None else [str(k) for k in algo.gdpo_reward_keys],
+    "gdpo_reward_weights": lambda algo: (None if algo.gdpo_reward_weights is None
+                                         else [float(w) for w in algo.gdpo_reward_weights]),
+}
+# ... and the reward function's extra outputs by name (reward_extras: the entries of its returned dict other than
+# "score").
+ESTIMATOR_CONFIG_INPUTS = (*ESTIMATOR_SETTINGS, "reward_extras")
 # trainer.mismatch_tolerance=None: the token-mean |old_log_probs - rollout_log_probs| a healthy run stays under,
 # by the lower precision of trainer and engine. float32, measured on CPU: tiny Llama with the HF engine 5e-7
 # (max 2e-6), SmolLM2-135M with vLLM at most 7e-5 over the main job's 16 steps (the maximum; the mean is

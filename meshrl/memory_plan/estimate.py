@@ -8,7 +8,8 @@ from typing import Any
 
 from meshrl.memory_plan.activations import all_to_all_bytes_per_token
 from meshrl.memory_plan.kv_cache import engine_memory, reward_judge_bytes
-from meshrl.memory_plan.roles import RoleMemory, any_flag, runs_sequence_parallel, reward_model_memory
+from meshrl.memory_plan.roles import (RoleMemory, any_flag, parallel_config, reward_model_memory,
+                                     runs_sequence_parallel)
 from meshrl.memory_plan.units import (BYTES_CPU, BYTES_GPU, FUSED_BYTES_FORWARD, FUSED_BYTES_TRAIN, GIB,
                                       LOGIT_BYTES_ENTROPY, LOGIT_BYTES_FORWARD, LOGIT_BYTES_TRAIN, OVERHEAD_GIB,
                                       PlanError, SUM_PI2_BYTES_FORWARD, gib)
@@ -60,7 +61,6 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
     from meshrl.config.run_plan import build_run_plan
     from meshrl.config.validate import validate_against_model, world_size
     from meshrl.parallel.model_builder import check_layout, model_spec
-    from meshrl.parallel.state import ParallelConfig
     from meshrl.workers.model_setup import transformer_overrides
 
     arr, actor, rollout, ref, critic_cfg = (cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor,
@@ -89,31 +89,25 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
     seq_len = data.max_prompt_length + run.response_length
 
     def trainer_of(section, model_section, model_spec_, is_critic: bool) -> RoleMemory:
+        """The role's memory in its run-plan layout (the one its workers initialise)."""
         mg = section.megatron
-        vpp = mg.virtual_pipeline_model_parallel_size
+        layout = run.critic_layout if is_critic else run.actor_layout
         try:
-            check_layout(model_spec_, ParallelConfig(tensor_parallel=mg.tensor_model_parallel_size,
-                                                     pipeline_parallel=mg.pipeline_model_parallel_size,
-                                                     virtual_pipeline=vpp,
-                                                     context_parallel=mg.context_parallel_size,
-                                                     expert_parallel=mg.expert_model_parallel_size,
-                                                     expert_tensor_parallel=mg.expert_tensor_parallel_size))
+            check_layout(model_spec_, parallel_config(layout))
         except ValueError as exc:
             name = "critic" if is_critic else "actor_rollout_ref.actor"
             raise PlanError(f"{name}.megatron: {exc}") from None
-        tp, pp, cp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size
         # verl's FSDP sections whose offload flags the workers read (the critic's has three places)
         fsdp = (section.fsdp_config,) + ((section.model.fsdp_config, section.fsdp) if is_critic else ())
-        return RoleMemory(spec=model_spec_, tp=tp, pp=pp, vpp=vpp or 1, dp=world // (tp * pp * cp), cp=cp,
-                          distributed_optimizer=mg.use_distributed_optimizer,
-                        # full-layer recompute, as the workers build it (selective recompute is counted as none)
+        return RoleMemory(spec=model_spec_, tp=layout.tensor, pp=layout.pipeline, vpp=layout.virtual_pipeline or 1,
+                          dp=layout.data, cp=layout.context, distributed_optimizer=mg.use_distributed_optimizer,
+                          # full-layer recompute, as the workers build it (selective recompute is counted as none)
                           recompute=transformer_overrides(model_section, mg).get("recompute_granularity") == "full",
                           param_offload=any_flag(mg, *fsdp, key="param_offload"),
                           grad_offload=any_flag(mg, key="grad_offload"),
                           optimizer_offload=any_flag(mg, *fsdp, key="optimizer_offload"),
                           critic=is_critic, lora=None if is_critic else run.lora,
-                          ep=mg.expert_model_parallel_size, etp=mg.expert_tensor_parallel_size,
-                          sequence_parallel=runs_sequence_parallel(mg))
+                          ep=layout.expert, etp=layout.expert_tensor, sequence_parallel=runs_sequence_parallel(mg))
 
     policy = trainer_of(actor, arr.model, spec, False)
     critic = None
@@ -121,7 +115,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
         critic_spec = spec if not critic_cfg.model.path else model_spec(load_hf_config(critic_cfg.model.path))
         critic = trainer_of(critic_cfg, critic_cfg.model, critic_spec, True)
     ref_offload = any_flag(ref.megatron, ref.fsdp_config, key="param_offload")
-    reward_model = reward_model_memory(cfg, world) if run.use_reward_model else None
+    reward_model = reward_model_memory(cfg, run.reward_model_layout) if run.use_reward_model else None
     rm_dtype = precision(cfg.reward_model.megatron.dtype)
     judge_bytes = reward_judge_bytes(cfg, precision, device, limit) if run.reward_judge else 0.0
 

@@ -85,19 +85,28 @@ def any_flag(*sections, key: str) -> bool:
     return any(bool(section.get(key, False)) for section in sections)
 
 
-def reward_model_memory(cfg, world: int) -> RoleMemory:
-    """The learned reward model's layout (``reward_model.enable``): forward-only, its own ``reward_model.megatron``."""
-    from meshrl.parallel.model_builder import check_layout, model_spec
+def parallel_config(layout) -> Any:
+    """``meshrl.parallel.state.ParallelConfig`` of a run-plan ``ParallelLayout`` (what ``check_layout`` takes)."""
     from meshrl.parallel.state import ParallelConfig
+
+    return ParallelConfig(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
+                          virtual_pipeline=layout.virtual_pipeline, context_parallel=layout.context,
+                          expert_parallel=layout.expert, expert_tensor_parallel=layout.expert_tensor)
+
+
+def reward_model_memory(cfg, layout) -> RoleMemory:
+    """The learned reward model's memory (``reward_model.enable``): forward-only, in its run-plan ``layout``
+    (``RunPlan.reward_model_layout``, from ``reward_model.megatron``)."""
+    from meshrl.parallel.model_builder import check_layout, model_spec
 
     rm, mg = cfg.reward_model, cfg.reward_model.megatron
     spec = model_spec(load_hf_config(rm.model.path))
-    tp, pp, cp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size
     try:
-        check_layout(spec, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp))
+        check_layout(spec, parallel_config(layout))
     except ValueError as exc:
         raise PlanError(f"reward_model.megatron: {exc}") from None
-    return RoleMemory(spec=spec, tp=tp, pp=pp, vpp=1, dp=world // (tp * pp * cp), cp=cp, distributed_optimizer=False,
-                      recompute=False, param_offload=any_flag(mg, rm.model.fsdp_config, key="param_offload"),
+    return RoleMemory(spec=spec, tp=layout.tensor, pp=layout.pipeline, vpp=1, dp=layout.data, cp=layout.context,
+                      distributed_optimizer=False, recompute=False,
+                      param_offload=any_flag(mg, rm.model.fsdp_config, key="param_offload"),
                       grad_offload=False, optimizer_offload=False, critic=True,
                       sequence_parallel=runs_sequence_parallel(mg))

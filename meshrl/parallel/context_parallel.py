@@ -32,8 +32,6 @@ class ContextShard:
     """This rank's share of a packed row: ``positions`` (``(T/CP,)``) the row positions it holds, in its row's
     order; ``local`` (``(T,)``) each row position's index in this rank's row, -1 where another rank holds it."""
 
-    rank: int
-    size: int
     positions: torch.Tensor
     local: torch.Tensor
 
@@ -58,7 +56,7 @@ def shard(cu_seqlens_padded: torch.Tensor, rank: int, size: int) -> ContextShard
                           [torch.zeros(0, dtype=torch.long, device=device)])
     local = torch.full((bounds[-1],), -1, dtype=torch.long, device=positions.device)
     local[positions] = torch.arange(len(positions), device=positions.device)
-    return ContextShard(rank=rank, size=size, positions=positions, local=local)
+    return ContextShard(positions=positions, local=local)
 
 
 class _GatherOverContext(torch.autograd.Function):

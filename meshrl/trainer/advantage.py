@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from meshrl.algorithms import ADVANTAGE_ESTIMATORS, KLController, apply_kl_penalty, call_with_available
 from meshrl.protocol import Batch
-from meshrl.config.run_plan import ESTIMATOR_BATCH_INPUTS
+from meshrl.config.run_plan import ESTIMATOR_BATCH_INPUTS, ESTIMATOR_SETTINGS
 from meshrl.trainer.dumps import REWARD_EXTRA_KEYS
 from meshrl.workers.sequences import sampled
 
@@ -67,18 +67,7 @@ def compute_advantages(batch: Batch, algo: DictConfig, estimator_name: str) -> d
     estimator = ADVANTAGE_ESTIMATORS.get(estimator_name)
     available = {name: batch[name] for name in ESTIMATOR_BATCH_INPUTS if name in batch}
     extras = {key: batch[key] for key in batch.meta.get(REWARD_EXTRA_KEYS, ())}
-    keys = None if algo.gdpo_reward_keys is None else [str(key) for key in algo.gdpo_reward_keys]
-    weights = None if algo.gdpo_reward_weights is None else [float(w) for w in algo.gdpo_reward_weights]
-    available.update(
-        reward_extras=extras,
-        gamma=algo.gamma,
-        lam=algo.lam,
-        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-        norm_by_std=algo.gpg.norm_by_std,
-        gpg_alpha_mode=algo.gpg.alpha_mode,
-        gdpo_reward_keys=keys,
-        gdpo_reward_weights=weights,
-    )
+    available.update(reward_extras=extras, **{name: read(algo) for name, read in ESTIMATOR_SETTINGS.items()})
     # every sampled token, rejected ones too
     # (algorithm.rollout_correction.rollout_rs: meshrl.trainer.rollout_correction)
     out = call_with_available(estimator, batch["token_level_rewards"], sampled(batch), **available)

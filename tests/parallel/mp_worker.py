@@ -196,6 +196,10 @@ def hf_reference(path: Path, batches: list[dict], critic: bool, temperature: flo
     return outputs, total, grads
 
 
+# check_parity's HF references by (model, critic, temperature): computed once per process, read by every phase
+REFERENCES: dict[tuple, tuple] = {}
+
+
 def max_diff(a: dict | list, b: dict | list) -> float:
     if isinstance(a, list):
         return max(max_diff(x, y) for x, y in zip(a, b))
@@ -251,7 +255,10 @@ def check_parity(path: Path, critic: bool, temperature: float = 1.0, packed_only
     packed outputs against the row layout's (``packed_vs_rows``); the policy's at ``temperature``. ``packed_only``:
     the packed layout alone (context parallelism packs whatever is asked)."""
     batches = make_micro_batches()
-    ref_out, ref_loss, ref_grads = hf_reference(path, batches, critic, temperature)
+    key = (str(path), critic, temperature)
+    if key not in REFERENCES:
+        REFERENCES[key] = hf_reference(path, batches, critic, temperature)
+    ref_out, ref_loss, ref_grads = REFERENCES[key]
     mine, mine_ref = my_batches(batches), my_batches(ref_out)
     chunks = build(path, critic, **build_kwargs)
     result, rows_out = {}, None
