@@ -730,8 +730,9 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
         rec.run("parity.llama_critic",
                 lambda: check_parity(workdir / "critic-llama", True, packed_only=True, **options))
         rec.run("optimizer", lambda: check_optimizer(llama))
-        if name == "cp2":  # the optimizer state sharded over the data- and context-parallel ranks
+        if name == "cp2":  # the optimizer state sharded over the data- and context-parallel ranks; TP2's checkpoint
             rec.run("optimizer_distributed", lambda: check_optimizer(llama, distributed_optimizer=True))
+            rec.run("checkpoint_load", lambda: check_checkpoint_load(llama, workdir))
     elif name == "vpp2":
         rec.run("parity.llama4", lambda: check_parity(llama4, False))
         rec.run("parity.llama4_critic", lambda: check_parity(workdir / "critic-llama4", True))

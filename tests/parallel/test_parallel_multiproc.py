@@ -100,7 +100,7 @@ GROUPS = {
             "optimizer_distributed", "checkpoint_roundtrip", "shared_prompts"],
     "tp2pp2": ["parity", "invariance", "forward_only_model", "roundtrip", "optimizer", "checkpoint_load",
                "sequence_parallel"],
-    "cp2": ["context_split", "parity", "optimizer", "optimizer_distributed"],
+    "cp2": ["context_split", "parity", "optimizer", "optimizer_distributed", "checkpoint_load"],
     "cp2tp2": ["context_split", "parity", "optimizer"],
 }
 CASES = [(phase, group) for phase, groups in GROUPS.items() for group in groups]
