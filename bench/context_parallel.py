@@ -52,7 +52,7 @@ def rank_main(args: argparse.Namespace) -> None:
     (old,) = schedule.forward_only(chunks, [micro], OutputRequest(remove_padding=True, fused_chunk_size=512))
     figures = measure_update(chunks, micro)
     spec = model_builder.model_spec(hf_config)
-    figures["planned_activation_bytes"] = activation_bytes_per_token(spec, 1, 4, False) * spec.num_layers \
+    figures["planned_activation_bytes"] = activation_bytes_per_token(spec, 1, 4, False, args.cp) * spec.num_layers \
         * (args.prompt + args.response) // args.cp
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, figures)

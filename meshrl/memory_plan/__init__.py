@@ -85,7 +85,8 @@ only), actor update (forward + backward), actor optimizer step, and for PPO crit
 step.
 
 Context parallelism (``megatron.context_parallel_size`` = CP) splits each micro-batch's tokens (the token budget is
-per CP group, ``micro_batching``) and so its activations and logits over CP ranks, and the distributed optimizer
+per CP group, ``micro_batching``) and so its activations (but each layer keeps the keys and values gathered over the
+CP group) and logits over CP ranks, and the distributed optimizer
 shards over DP x CP; DP is ``world / (TP x PP x CP)``.
 
 Not modelled: padding inside a micro-batch (meshrl pads each micro-batch

@@ -13,12 +13,13 @@ def all_to_all_bytes_per_token(spec, ep: int, act_bytes: int) -> float:
     return moe_layers * 2 * spec.moe_topk * spec.hidden_size * act_bytes * (ep - 1) / ep
 
 
-def activation_bytes_per_token(spec, tp: int, act_bytes: int, sequence_parallel: bool = False) -> int:
-    """Bytes one layer keeps for its backward, per token (see the module docstring); ``sequence_parallel``
-    splits the ``4h`` replicated part over TP as well."""
+def activation_bytes_per_token(spec, tp: int, act_bytes: int, sequence_parallel: bool = False, cp: int = 1) -> int:
+    """Bytes one layer keeps for its backward, per token of the rank (see the module docstring); ``sequence_parallel``
+    splits the ``4h`` replicated part over TP as well. Under context parallelism (``cp`` > 1) attention keeps the keys
+    and values gathered over the CP group: each rank's ``2·kv`` per token becomes ``2·kv·cp``."""
     h, f = spec.hidden_size, mlp_width(spec)
     q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    split = 2 * q + 2 * kv + 4 * f
+    split = 2 * q + 2 * kv * cp + 4 * f
     replicated = 4 * h
     if spec.qk_norm:  # the q/k layernorms' inputs
         split += q + kv

@@ -73,7 +73,7 @@ class RoleMemory:
 
     def activation_bytes_per_token(self, dtype: dict) -> int:
         """One layer's, in this layout (:func:`activation_bytes_per_token`)."""
-        return activation_bytes_per_token(self.spec, self.tp, dtype["act"], self.sequence_parallel)
+        return activation_bytes_per_token(self.spec, self.tp, dtype["act"], self.sequence_parallel, self.cp)
 
 
 def runs_sequence_parallel(mg) -> bool:

@@ -81,7 +81,7 @@ def test_recipe_validates_and_fits(path):
 
 def test_the_32k_recipe_fits_because_of_context_parallelism():
     """The same micro-batch (one 34,816-token sequence) split over fewer CP ranks does not fit its 80 GB GPUs: the
-    update's activations per rank grow by the factor CP shrinks."""
+    update's activations per rank grow by about the factor CP shrinks (less the keys and values each rank gathers)."""
     updates = {}
     for cp in (4, 2, 1):
         budget = 8704 * 4 // cp  # ppo_max_token_len_per_gpu x CP: the same tokens per micro-batch
@@ -93,7 +93,7 @@ def test_the_32k_recipe_fits_because_of_context_parallelism():
         assert result.layout["cp"] == cp and result.layout["train_tokens_per_micro_batch"] == 34816 // cp
         assert result.fits == (cp == 4), (cp, result.problems)
         updates[cp] = next(p.items["actor activations"] for p in result.phases if p.name == "actor update")
-    assert updates[1] == pytest.approx(2 * updates[2]) and updates[2] == pytest.approx(2 * updates[4])
+    assert 1.8 * updates[2] < updates[1] < 2 * updates[2] and 1.8 * updates[4] < updates[2] < 2 * updates[4]
 
 
 @pytest.mark.parametrize("path", FULL, ids=lambda p: p.stem)
