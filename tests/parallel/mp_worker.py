@@ -434,7 +434,20 @@ def check_context_split(path: Path) -> dict:
         counts = torch.tensor([len(mine.selected)])
         dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
         outputs += abs(int(counts) - int((mb["attention_mask"].sum(1) - 1).clamp(min=0).sum()))
-    return {"uneven_shards": uneven, "outputs_missing_or_doubled": outputs, "cp": cp}
+    # rows of 4 tokens at CP2 (TP1): chunks of one token, and the only output (the last token's, predicted by
+    # position 2) on one rank: the other runs its output layer on nothing, fused or not, and the sum is HF's
+    lonely = 0.0
+    if cp == 2 and parallel_state.get_tensor_model_parallel_world_size() == 1:
+        ids = torch.randint(0, 1000, (2, 4), generator=torch.Generator().manual_seed(5))
+        wanted = torch.zeros_like(ids)
+        wanted[:, 3] = 1
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "output_mask": wanted}
+        reference = hf_outputs(hf_model(path, critic=False), mb, critic=False)["log_probs"][:, 3]
+        chunks = build(path)
+        for fused in (None, 4):
+            (got,) = schedule.forward_only(chunks, [mb], OutputRequest(remove_padding=True, fused_chunk_size=fused))
+            lonely = max(lonely, float((got["log_probs"][:, 3] - reference).abs().max()))
+    return {"uneven_shards": uneven, "outputs_missing_or_doubled": outputs, "cp": cp, "lonely_rank_log_probs": lonely}
 
 
 def check_forward_only_model(path: Path) -> dict:

@@ -88,6 +88,7 @@ EXPECT: dict[str, tuple[str, float]] = {
     "context_split.uneven_shards": ("==", 0),
     "context_split.outputs_missing_or_doubled": ("==", 0),
     "context_split.cp": ("==", 2),
+    "context_split.lonely_rank_log_probs": ("<=", 1e-5),
 }
 
 GROUPS = {
