@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import load_average, write_result
-from bench.sequence_parallel import measure_update, memory_bars
+from bench.sequence_parallel import launch_setting, measure_update, memory_bars
 
 SETTINGS = {"cp1": 1, "cp2": 2}
 
@@ -95,18 +93,10 @@ def main() -> None:
     settings, log_probs = {}, {}
     for name, cp in SETTINGS.items():
         out = Path(f"/tmp/bench_context_parallel_{name}.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--standalone",
-                   "-m", "bench.context_parallel", "--rank", "--out", str(out), f"--cp={cp}",
-                   f"--prompt={args.prompt}", f"--response={args.response}"]
-        # 1 MiB and larger allocations mapped on their own, so RSS follows what is held (as bench.sequence_parallel)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
-        subprocess.run(command, cwd=Path(__file__).resolve().parents[1], env=env, check=True)
-        ranks = json.loads(out.read_text())
+        settings[name] = {"ranks": launch_setting("bench.context_parallel", cp, out, [
+            f"--cp={cp}", f"--prompt={args.prompt}", f"--response={args.response}"])}
         log_probs[name] = torch.load(out.with_suffix(".pt"))
-        out.unlink()
         out.with_suffix(".pt").unlink()
-        settings[name] = {"ranks": [{**rank, **{k.replace("_bytes", "_gib"): v / 2**30 for k, v in rank.items()
-                                                if k.endswith("_bytes")}} for rank in ranks]}
 
     def largest(name: str, key: str) -> float:
         return max(rank[key] for rank in settings[name]["ranks"])

@@ -100,6 +100,20 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def launch_setting(module: str, nproc: int, out: Path, arguments: list[str]) -> list[dict]:
+    """Run ``python -m module --rank --out out *arguments`` as a torchrun launch of ``nproc`` ranks and return the
+    per-rank figures it wrote to ``out`` (removed), each ``*_bytes`` also as ``*_gib``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+               "-m", module, "--rank", "--out", str(out), *arguments]
+    # 1 MiB and larger allocations mapped on their own, so RSS follows what is held (as bench.fused)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+    subprocess.run(command, cwd=Path(__file__).resolve().parents[1], env=env, check=True)
+    ranks = json.loads(out.read_text())
+    out.unlink()
+    return [{**rank, **{k.replace("_bytes", "_gib"): v / 2**30 for k, v in rank.items() if k.endswith("_bytes")}}
+            for rank in ranks]
+
+
 def memory_bars(axis, result: dict, settings) -> None:
     """Per setting, the largest rank's saved activations, peak RSS above the model and planned activations (GiB)."""
     keys = [("saved_activation_gib", "saved for backward"), ("update_peak_gib", "peak RSS above the model"),
@@ -142,17 +156,10 @@ def main() -> None:
     load_before = load_average()
     settings = {}
     for name, sequence_parallel in SETTINGS.items():
-        out = Path(f"/tmp/bench_sequence_parallel_{name}.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP), "--standalone",
-                   "-m", "bench.sequence_parallel", "--rank", "--out", str(out), f"--prompt={args.prompt}",
-                   f"--response={args.response}"] + (["--sequence-parallel"] if sequence_parallel else [])
-        # 1 MiB and larger allocations mapped on their own, so RSS follows what is held (as bench.fused)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
-        subprocess.run(command, cwd=Path(__file__).resolve().parents[1], env=env, check=True)
-        ranks = json.loads(out.read_text())
-        out.unlink()
-        settings[name] = {"ranks": [{**rank, **{k.replace("_bytes", "_gib"): v / 2**30 for k, v in rank.items()
-                                                if k.endswith("_bytes")}} for rank in ranks]}
+        arguments = [f"--prompt={args.prompt}", f"--response={args.response}"] + (
+            ["--sequence-parallel"] if sequence_parallel else [])
+        settings[name] = {"ranks": launch_setting("bench.sequence_parallel", TP, Path(
+            f"/tmp/bench_sequence_parallel_{name}.json"), arguments)}
     largest = {name: max(rank["saved_activation_bytes"] for rank in s["ranks"]) for name, s in settings.items()}
     peaks = {name: max(rank["update_peak_bytes"] for rank in s["ranks"]) for name, s in settings.items()}
     result = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "tp": TP, "tokens": args.prompt + args.response,

@@ -8,8 +8,7 @@ from typing import Any
 
 from meshrl.memory_plan.activations import all_to_all_bytes_per_token
 from meshrl.memory_plan.kv_cache import engine_memory, reward_judge_bytes
-from meshrl.memory_plan.roles import (RoleMemory, any_flag, parallel_config, reward_model_memory,
-                                     runs_sequence_parallel)
+from meshrl.memory_plan.roles import RoleMemory, any_flag, reward_model_memory, runs_sequence_parallel
 from meshrl.memory_plan.units import (BYTES_CPU, BYTES_GPU, FUSED_BYTES_FORWARD, FUSED_BYTES_TRAIN, GIB,
                                       LOGIT_BYTES_ENTROPY, LOGIT_BYTES_FORWARD, LOGIT_BYTES_TRAIN, OVERHEAD_GIB,
                                       PlanError, SUM_PI2_BYTES_FORWARD, gib)
@@ -61,6 +60,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
     from meshrl.config.run_plan import build_run_plan
     from meshrl.config.validate import validate_against_model, world_size
     from meshrl.parallel.model_builder import check_layout, model_spec
+    from meshrl.parallel.state import ParallelConfig
     from meshrl.workers.model_setup import transformer_overrides
 
     arr, actor, rollout, ref, critic_cfg = (cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor,
@@ -93,7 +93,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
         mg = section.megatron
         layout = run.critic_layout if is_critic else run.actor_layout
         try:
-            check_layout(model_spec_, parallel_config(layout))
+            check_layout(model_spec_, ParallelConfig.from_layout(layout))
         except ValueError as exc:
             name = "critic" if is_critic else "actor_rollout_ref.actor"
             raise PlanError(f"{name}.megatron: {exc}") from None

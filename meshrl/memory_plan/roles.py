@@ -85,24 +85,16 @@ def any_flag(*sections, key: str) -> bool:
     return any(bool(section.get(key, False)) for section in sections)
 
 
-def parallel_config(layout) -> Any:
-    """``meshrl.parallel.state.ParallelConfig`` of a run-plan ``ParallelLayout`` (what ``check_layout`` takes)."""
-    from meshrl.parallel.state import ParallelConfig
-
-    return ParallelConfig(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
-                          virtual_pipeline=layout.virtual_pipeline, context_parallel=layout.context,
-                          expert_parallel=layout.expert, expert_tensor_parallel=layout.expert_tensor)
-
-
 def reward_model_memory(cfg, layout) -> RoleMemory:
     """The learned reward model's memory (``reward_model.enable``): forward-only, in its run-plan ``layout``
     (``RunPlan.reward_model_layout``, from ``reward_model.megatron``)."""
     from meshrl.parallel.model_builder import check_layout, model_spec
+    from meshrl.parallel.state import ParallelConfig
 
     rm, mg = cfg.reward_model, cfg.reward_model.megatron
     spec = model_spec(load_hf_config(rm.model.path))
     try:
-        check_layout(spec, parallel_config(layout))
+        check_layout(spec, ParallelConfig.from_layout(layout))
     except ValueError as exc:
         raise PlanError(f"reward_model.megatron: {exc}") from None
     return RoleMemory(spec=spec, tp=layout.tensor, pp=layout.pipeline, vpp=1, dp=layout.data, cp=layout.context,

@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -59,50 +58,22 @@ def shard(cu_seqlens_padded: torch.Tensor, rank: int, size: int) -> ContextShard
     return ContextShard(positions=positions, local=local)
 
 
-class _GatherOverContext(torch.autograd.Function):
-    """Forward: ``[t, ...]`` from every CP rank stacked as ``[CP, t, ...]``. Backward: this rank's slice of the
-    gradient summed over the ranks (each used every rank's keys and values)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        gathered = local.new_empty((group.size() * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
-        return gathered.view(group.size(), *local.shape)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce-scatter
-            dist.all_reduce(grad, group=ctx.group)
-            return grad[ctx.group.rank()], None
-        out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.view(-1, *grad.shape[2:]), group=ctx.group)
-        return out, None
-
-
 def gather_over_context(local: torch.Tensor, group) -> torch.Tensor:
-    """``[t, ...]`` of every rank of the CP ``group`` -> ``[CP, t, ...]`` (differentiable)."""
-    return _GatherOverContext.apply(local, group)
+    """``[t, ...]`` of every rank of the CP ``group`` -> ``[CP, t, ...]``: megatron's sequence-parallel all-gather on
+    the CP group, whose backward gives each rank its rows' gradient summed over the ranks (each used every rank's keys
+    and values)."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-
-class _SumOverContext(torch.autograd.Function):
-    """Forward: the sum over the CP group. Backward: identity (every rank computes the same loss from the sum)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
-        total = local.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+    return gather_from_sequence_parallel_region(local, tensor_parallel_output_grad=True, group=group).view(
+        group.size(), *local.shape)
 
 
 def sum_over_context(local: torch.Tensor, group) -> torch.Tensor:
-    """Outputs each rank computed for its own positions (0 elsewhere), summed over the CP ``group``."""
-    return _SumOverContext.apply(local, group)
+    """Outputs each rank computed for its own positions (0 elsewhere), summed over the CP ``group``: megatron's
+    all-reduce whose backward is the identity (every rank computes the same loss from the sum)."""
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(local, group=group)
 
 
 def chunk_keys(gathered: torch.Tensor, slot_start: int, slot_length: int, rank: int,

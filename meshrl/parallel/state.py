@@ -56,6 +56,14 @@ class ParallelConfig:
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
 
+    @classmethod
+    def from_layout(cls, layout, **options) -> ParallelConfig:
+        """The config of a run plan's ``ParallelLayout`` (``meshrl.config.run_plan``: a role's TP, PP, VPP, CP, EP and
+        expert TP), with ``options`` (timeout, seed)."""
+        return cls(tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline,
+                   virtual_pipeline=layout.virtual_pipeline, context_parallel=layout.context,
+                   expert_parallel=layout.expert, expert_tensor_parallel=layout.expert_tensor, **options)
+
     @property
     def expert_tensor_parallel_size(self) -> int:
         """ETP as megatron resolves it: the TP size unless set."""

@@ -122,11 +122,8 @@ class RankWorker:
         timeout = timedelta(seconds=self.plan.workers.collective_timeout_s)
         dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size,
                                 timeout=timeout)
-        parallel = state.ParallelConfig(
-            tensor_parallel=layout.tensor, pipeline_parallel=layout.pipeline, virtual_pipeline=layout.virtual_pipeline,
-            context_parallel=layout.context, expert_parallel=layout.expert, expert_tensor_parallel=layout.expert_tensor,
-            timeout_s=self.plan.workers.collective_timeout_s, seed=seed)
-        state.initialize(parallel)
+        state.initialize(state.ParallelConfig.from_layout(layout, timeout_s=self.plan.workers.collective_timeout_s,
+                                                          seed=seed))
         from megatron.core import parallel_state
 
         first_cp = parallel_state.get_context_parallel_rank() == 0
