@@ -6,6 +6,7 @@
     meshrl plan RECIPE.yaml [key=value ...]      per-GPU memory and FLOPs of a recipe; refuses what cannot fit
     meshrl convert hf-to-mcore|mcore-to-hf ...   checkpoint conversion (see --help)
     meshrl preprocess gsm8k|math|math500 ...     write verl-layout parquet from the packaged data
+    meshrl refusals [KEY]                        every rule that refuses a configuration (about KEY), by stage
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-COMMANDS = ("train", "plot", "plan", "convert", "preprocess")
+COMMANDS = ("train", "plot", "plan", "convert", "preprocess", "refusals")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,6 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         preprocess_main(rest)
         return 0
+    if command == "refusals" and len(rest) <= 1:
+        from meshrl.config.refusals import catalogue, render
+        from meshrl.trainer.main import load_rules
+
+        load_rules()
+        rules = catalogue(rest[0] if rest else None)
+        print(render(rules) if rules else f"meshrl refusals: no rule concerns {rest[0]}")
+        return 0 if rules else 1
     import difflib
 
     close = difflib.get_close_matches(command, COMMANDS, n=1)

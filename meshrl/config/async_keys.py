@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from meshrl.config.refusals import Checked, refusal
+
 ASYNC_TRAINING = (
     "the asynchronous trainers' sections are read by those trainers only: async_training.* by the fully async "
     "trainer (--config-name=fully_async_ppo_trainer or fully_async_ppo_megatron_trainer, as verl's fully async "
@@ -57,6 +59,21 @@ OFF_POLICY_STRATEGIES = ("drop", "wait")
 def colocate_async(cfg: DictConfig) -> bool:
     """Whether ``cfg`` asks for verl V1's ``colocate_async`` trainer (``meshrl.trainer.colocate_async_trainer``)."""
     return bool(cfg.trainer.use_v1) and cfg.trainer.v1.trainer_mode == "colocate_async"
+
+
+@refusal("config", "data.train_batch_size", "trainer.v1.trainer_mode")
+def colocate_batch_split(c: Checked) -> list[str]:
+    """verl V1's colocate_async trainer has each inference replica (training processes ÷ rollout TP) generate its
+    share of every batch: the prompt groups must split evenly over them."""
+    cfg = c.cfg
+    processes = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if not colocate_async(cfg) or tp < 1 or processes % tp:  # a bad TP is the trainer rules' problem
+        return []
+    replicas, batch = processes // tp, cfg.data.train_batch_size
+    return [] if batch % replicas == 0 else [
+        f"data.train_batch_size: {batch} prompt groups must split evenly over the {replicas} inference replicas, "
+        "which each generate their share, with trainer.v1.trainer_mode=colocate_async"]
 
 
 def asks_for_async(key: str) -> bool:

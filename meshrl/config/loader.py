@@ -47,6 +47,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshrl.config.async_keys import (ASYNC_CONFIG_NAMES, ASYNC_TRAINING, asks_for_async, fill_fully_async_batch,
                                       section_read)
 from meshrl.config.schema import MODEL_ENGINES, MeshRLConfig
+from meshrl.config.refusals import ConfigError
 
 _ABSENT = object()
 # The recipes: an installed wheel's copy (meshrl/recipes, setup.py's package_dir), else the checkout's recipes/.
@@ -55,17 +56,6 @@ RECIPES_DIR = _PACKAGED_RECIPES if _PACKAGED_RECIPES.is_dir() else Path(__file__
 VERL_ASYNC_CONFIGS_DIR = Path(__file__).resolve().parent / "verl_async"
 # verl's --config-name values for its FSDP and Megatron trainers; both trees are the schema's.
 VERL_BASE_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with a message that says which key and how to fix it.
-
-    ``keys``: the config keys the problem is about (empty when it is not about given keys).
-    """
-
-    def __init__(self, message: str, keys: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.keys = tuple(keys)
 
 
 class _AsyncTrainingKey(ConfigError):

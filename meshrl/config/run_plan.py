@@ -54,7 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, POLICY_LOSSES, Registry
 from meshrl.algorithms.rollout_correction import RolloutCorrectionSettings
-from meshrl.config.loader import ConfigError
+from meshrl.config.refusals import refuse
 from meshrl.config.lora_keys import LoraPlan, lora_plan
 from meshrl.config.micro_batching import ROLE_SECTIONS, MicroBatching, data_parallel_size, micro_batching
 from meshrl.config.reward_model_kind import DISCRIMINATIVE, GENERATIVE, reward_model_kind, unused_judge_keys
@@ -239,9 +239,7 @@ def _layout(cfg: DictConfig, role: str) -> ParallelLayout:
 def build_run_plan(cfg: DictConfig) -> RunPlan:
     """The ``RunPlan`` of ``cfg``; raises ``ConfigError`` listing unknown method names and unbuildable phases."""
     plan, problems = check_run_plan(cfg)
-    if problems:
-        raise ConfigError("invalid configuration ({} problem(s)):\n  - {}".format(
-            len(problems), "\n  - ".join(problems)))
+    refuse(problems)
     return plan
 
 

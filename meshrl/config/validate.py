@@ -1,9 +1,10 @@
 """Semantic checks of a loaded configuration: ranges, choices and cross-key rules.
 
-``validate_config(cfg)`` collects every problem and raises one ``ConfigError`` listing them all, each
-naming the key and the fix, so a user fixes a recipe in one pass; a valid config gives its ``RunPlan``
-(``meshrl.config.run_plan``), the decisions every later part reads. ``validate_against_model`` adds the
-checks that need the model's HF config (parallel sizes must divide heads and layers).
+The rules of the ``config`` stage (``meshrl.config.refusals``) live here and in the config modules imported
+below. ``validate_config(cfg)`` runs them and raises one ``ConfigError`` listing every problem, each naming the
+key and the fix, so a user fixes a recipe in one pass; a valid config gives its ``RunPlan``
+(``meshrl.config.run_plan``), the decisions every later part reads. ``engine_and_routing_problems`` is a
+``model``-stage rule (it needs the model's HF config).
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import difflib
 
 from omegaconf import DictConfig, OmegaConf
 
+from meshrl.config import checkpoint_contents  # noqa: F401  (registers its config-stage rule)
 from meshrl.config.async_keys import async_problems, with_async_keys
 from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES, MOE_EXPERT_LAYER, ROLLOUT_ROUTING, key_policy
 from meshrl.config.reward_kwargs import reward_kwargs_problems
 from meshrl.config.schema import ROUTER_REPLAY_MODES
-from meshrl.config.loader import ConfigError, default_config
+from meshrl.config.loader import default_config
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS
+from meshrl.config.refusals import Checked, enforce, refusal, refuse
 from meshrl.config.run_plan import RunPlan, check_run_plan, estimator_inputs
 from meshrl.config.schema import (DEVICES, KL_CTRL_TYPES, LOGGERS, LOSS_AGG_MODES, LR_DECAY_STYLES, LR_SCHEDULES,
                                   MEGATRON_DTYPES, MOE_BALANCING, NONFINITE_ACTIONS, ROLLOUT_MODES, WD_INCR_STYLES,
@@ -47,11 +50,6 @@ class _Problems:
     def freq(self, value: int, key: str) -> None:
         self.require(value == -1 or value > 0, key, f"must be -1 (never) or a positive step count, got {value}")
 
-    def raise_if_any(self, what: str) -> None:
-        if self.items:
-            lines = "\n  - ".join(self.items)
-            raise ConfigError(f"invalid {what} ({len(self.items)} problem(s)):\n  - {lines}")
-
 
 # verl's names of its FSDP backend in *.strategy: accepted with a warning, like model_engine=fsdp
 FSDP_STRATEGIES = ("fsdp", "fsdp2", "fsdp_turbo", "dp")
@@ -65,22 +63,64 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def validate_config(cfg: DictConfig) -> RunPlan:
-    """``cfg``'s run plan; raises ``ConfigError`` listing every semantic problem (see module docstring)."""
-    p = _Problems()
-    refused, notes = key_policy(cfg)
-    # verl's asynchronous trainers' keys: ranges, and trainer.v1.trainer_mode joining the key policy's one refusal
-    async_ranges, async_notes, async_keys = async_problems(cfg)
-    p.items.extend(with_async_keys(refused, async_keys) + async_ranges)
-    notes += async_notes
-    p.items.extend(reward_kwargs_problems(cfg))  # the dapo reward manager's overlong buffer
-    data, arr, trainer, algo = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
-    actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
-    # Method names and each phase's micro-batching; the plan says which roles the checks below concern.
-    plan, plan_problems = check_run_plan(cfg)
-    p.items.extend(plan_problems)
-    use_critic = plan is not None and plan.use_critic
+    """``cfg``'s run plan with its start-up notes; raises ``ConfigError`` listing every problem the ``config`` stage's
+    rules find (``meshrl.config.refusals``; see module docstring)."""
+    checked = Checked(cfg)
+    enforce("config", checked)
+    plan = checked.once(check_run_plan)[0]
+    return dataclasses.replace(plan, warnings=plan.warnings + tuple(_config_notes(checked)))
 
-    # data
+
+def _config_notes(c: Checked) -> list[str]:
+    """The start-up notes of keys accepted but not taken as they say (verl's FSDP keys, settings off where their
+    kernels cannot run), and of what a setting means here."""
+    cfg, plan = c.cfg, c.once(check_run_plan)[0]
+    arr = cfg.actor_rollout_ref
+    notes = c.once(key_policy)[1] + c.once(async_problems)[1]
+    roles = (("actor", arr.actor), ("ref", arr.ref), ("critic", cfg.critic), ("reward_model", cfg.reward_model))
+    fsdp = [f"{key}.strategy={s.strategy}" for key, s in roles if s.strategy in FSDP_STRATEGIES]
+    if fsdp:
+        notes.append(f"{', '.join(fsdp)}: meshrl trains with its Megatron backend (fsdp_config's param_offload / "
+                     "optimizer_offload carry over to it)")
+    n = arr.rollout.n
+    if "uid" in estimator_inputs(plan.adv_estimator) and n < 2 and plan.adv_estimator in SOLO_GROUP_ADVANTAGE:
+        notes.append(f"actor_rollout_ref.rollout.n={n}: every response is a group of one, whose "
+                     f"{plan.adv_estimator} advantage is {SOLO_GROUP_ADVANTAGE[plan.adv_estimator]}")
+    notes += _sequence_parallel_notes(cfg, plan.use_critic)
+    notes += _fused_kernel_notes(cfg, plan.use_critic)
+    return notes + _moe_expert_layer_notes(cfg, plan.use_critic)
+
+
+@refusal("config", "actor_rollout_ref", "critic", "reward_model", "trainer", "async_training", "rollout")
+def refused_keys(c: Checked) -> list[str]:
+    """Keys meshrl does not build, each with what to use instead (``key_policy``), and every key that asks for an
+    asynchronous trainer meshrl does not run, as one problem (``async_keys``)."""
+    return with_async_keys(c.once(key_policy)[0], c.once(async_problems)[2])
+
+
+@refusal("config", "async_training", "rollout", "trainer.v1")
+def async_ranges(c: Checked) -> list[str]:
+    """The asynchronous trainers' keys out of their ranges (``async_keys.async_problems``)."""
+    return c.once(async_problems)[0]
+
+
+@refusal("config", "reward.reward_kwargs", "reward_model.reward_kwargs")
+def reward_manager_arguments(c: Checked) -> list[str]:
+    """The reward manager's arguments, as verl asserts them (``reward_kwargs.reward_kwargs_problems``)."""
+    return reward_kwargs_problems(c.cfg)
+
+
+@refusal("config", "algorithm", "actor_rollout_ref", "critic")
+def run_plan_problems(c: Checked) -> list[str]:
+    """Unknown method names (estimator, losses, KL penalties) and phases whose micro-batching cannot be built
+    (``run_plan.check_run_plan``)."""
+    return c.once(check_run_plan)[1]
+
+
+@refusal("config", "data")
+def data_problems(c: Checked) -> list[str]:
+    """The data section's sizes and choices."""
+    p, data = _Problems(), c.cfg.data
     p.require(bool(data.train_files), "data.train_files", "is empty; give a parquet/jsonl path or a list")
     p.positive(data.train_batch_size, "data.train_batch_size")
     p.positive(data.max_prompt_length, "data.max_prompt_length")
@@ -88,8 +128,14 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.choice(data.truncation, "data.truncation", TRUNCATION_MODES)
     if data.val_batch_size is not None:
         p.positive(data.val_batch_size, "data.val_batch_size")
+    return p.items
 
-    # rollout
+
+@refusal("config", "actor_rollout_ref.rollout", "data.apply_chat_template_kwargs", "data.return_raw_chat")
+def rollout_problems(c: Checked) -> list[str]:
+    """The rollout's sampling and engine settings, and what multi-turn rollouts and async mode need."""
+    p, cfg = _Problems(), c.cfg
+    rollout = cfg.actor_rollout_ref.rollout
     p.choice(rollout.name, "actor_rollout_ref.rollout.name", ROLLOUT_ENGINES)
     p.require(rollout.n >= 1, "actor_rollout_ref.rollout.n", f"must be >= 1 responses per prompt, got {rollout.n}")
     p.require(rollout.temperature > 0, "actor_rollout_ref.rollout.temperature",
@@ -132,19 +178,20 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.require(not (rollout.mode == "async" and rollout.name == "hf"), "actor_rollout_ref.rollout.mode",
               "async drives vLLM's engine request by request, and rollout.name=hf generates in batches only; set "
               "rollout.mode=sync with rollout.name=hf, or rollout.name=vllm")
+    return p.items
 
-    # actor
+
+@refusal("config", "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.strategy", "reward_model.strategy")
+def policy_problems(c: Checked) -> list[str]:
+    """The roles' backend, the actor's and the reference's batches, losses, optimizer and Megatron layout."""
+    p, cfg = _Problems(), c.cfg
+    data, arr = cfg.data, cfg.actor_rollout_ref
+    actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
     for key, section in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", ref), ("critic", critic),
                          ("reward_model", cfg.reward_model)):
         p.require(section.strategy in ("megatron", *FSDP_STRATEGIES), f"{key}.strategy",
                   f"meshrl trains with its Megatron backend; got '{section.strategy}'. Set megatron (verl's FSDP "
                   f"names {', '.join(FSDP_STRATEGIES)} load with a warning)")
-    fsdp = [f"{key}.strategy={s.strategy}" for key, s in (("actor", actor), ("ref", ref), ("critic", critic),
-                                                           ("reward_model", cfg.reward_model))
-            if s.strategy in FSDP_STRATEGIES]
-    if fsdp:
-        notes.append(f"{', '.join(fsdp)}: meshrl trains with its Megatron backend (fsdp_config's param_offload / "
-                     "optimizer_offload carry over to it)")
     _check_reference_layout(p, actor.megatron, ref.megatron)
     _check_mini_batch(p, actor.ppo_mini_batch_size, data.train_batch_size,
                       "actor_rollout_ref.actor.ppo_mini_batch_size")
@@ -169,8 +216,17 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     _check_optim(p, actor.optim, "actor_rollout_ref.actor.optim")
     _check_megatron(p, cfg, actor.megatron, "actor_rollout_ref.actor.megatron", arr.model)
     p.choice(ref.megatron.dtype, "actor_rollout_ref.ref.megatron.dtype", MEGATRON_DTYPES)
+    return p.items
 
-    # critic (when the estimator takes values: PPO's gae)
+
+@refusal("config", "critic", "reward_model.megatron")
+def critic_problems(c: Checked) -> list[str]:
+    """The critic's switch against the estimator, and its (and the learned reward model's) batches and layout."""
+    p, cfg = _Problems(), c.cfg
+    plan = c.once(check_run_plan)[0]
+    use_critic = plan is not None and plan.use_critic
+    data, critic, algo = cfg.data, cfg.critic, cfg.algorithm
+    # when the estimator takes values (PPO's gae)
     if plan is not None and critic.enable is not None and critic.enable != use_critic:
         p.items.append(_critic_switch_problem(critic.enable, algo.adv_estimator))
     if use_critic:
@@ -184,8 +240,15 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     if cfg.reward_model.enable:  # the learned reward model's own layout (meshrl.workers.reward_model)
         _check_megatron(p, cfg, cfg.reward_model.megatron, "reward_model.megatron", cfg.reward_model.model)
         p.choice(cfg.reward_model.megatron.dtype, "reward_model.megatron.dtype", MEGATRON_DTYPES)
+    return p.items
 
-    # algorithm
+
+@refusal("config", "algorithm", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.calculate_sum_pi_squared")
+def algorithm_problems(c: Checked) -> list[str]:
+    """The algorithm's ranges, and what the chosen estimator needs (group size, Σπ², reward components)."""
+    p, cfg = _Problems(), c.cfg
+    plan = c.once(check_run_plan)[0]
+    algo, actor, critic, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.critic, cfg.actor_rollout_ref.rollout
     p.require(0 <= algo.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {algo.gamma}")
     p.require(0 <= algo.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {algo.lam}")
     p.choice(algo.kl_ctrl.type, "algorithm.kl_ctrl.type", KL_CTRL_TYPES)
@@ -196,12 +259,9 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     for key, factor in (("actor_rollout_ref.actor", actor.loss_scale_factor), ("critic", critic.loss_scale_factor)):
         p.require(factor is None or factor > 0, f"{key}.loss_scale_factor",
                   f"seq-mean-token-sum-norm divides by it: must be > 0 or null (the response width), got {factor}")
-    if plan is not None and "uid" in estimator_inputs(plan.adv_estimator) and rollout.n < 2:
-        if plan.adv_estimator in SOLO_GROUP_ADVANTAGE:
-            notes.append(f"actor_rollout_ref.rollout.n={rollout.n}: every response is a group of one, whose "
-                         f"{plan.adv_estimator} advantage is {SOLO_GROUP_ADVANTAGE[plan.adv_estimator]}")
-        else:
-            p.require(False, "actor_rollout_ref.rollout.n", _group_size_problem(plan.adv_estimator, rollout.n))
+    if (plan is not None and "uid" in estimator_inputs(plan.adv_estimator) and rollout.n < 2
+            and plan.adv_estimator not in SOLO_GROUP_ADVANTAGE):  # those train on a group of one (a start-up note)
+        p.items.append(f"actor_rollout_ref.rollout.n: {_group_size_problem(plan.adv_estimator, rollout.n)}")
     if plan is not None and "sum_pi_squared" in estimator_inputs(plan.adv_estimator):
         p.require(actor.calculate_sum_pi_squared, "actor_rollout_ref.actor.calculate_sum_pi_squared",
                   f"{plan.adv_estimator} weighs each token by 1 - 2π + Σπ², whose Σπ² (sum_pi_squared) the "
@@ -213,8 +273,15 @@ def validate_config(cfg: DictConfig) -> RunPlan:
         p.require(len(algo.gdpo_reward_weights) == len(algo.gdpo_reward_keys), "algorithm.gdpo_reward_weights",
                   f"one weight per algorithm.gdpo_reward_keys entry: {len(algo.gdpo_reward_keys)} keys, "
                   f"{len(algo.gdpo_reward_weights)} weights")
+    return p.items
 
-    # trainer
+
+@refusal("config", "trainer", "reward_model.on_nonfinite_score", "reward_model.max_failed_batches",
+         "actor_rollout_ref.nccl_timeout")
+def trainer_problems(c: Checked) -> list[str]:
+    """The trainer's sizes, frequencies and choices, and the process count against the rollout's tensor parallelism."""
+    p, cfg = _Problems(), c.cfg
+    data, trainer, rollout = cfg.data, cfg.trainer, cfg.actor_rollout_ref.rollout
     p.choice(trainer.device, "trainer.device", DEVICES)
     p.positive(trainer.nnodes, "trainer.nnodes")
     p.positive(trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
@@ -237,16 +304,12 @@ def validate_config(cfg: DictConfig) -> RunPlan:
     p.choice(cfg.reward_model.on_nonfinite_score, "reward_model.on_nonfinite_score", NONFINITE_ACTIONS)
     p.require(cfg.reward_model.max_failed_batches >= 0, "reward_model.max_failed_batches",
               f"must be >= 0 (0: never stop), got {cfg.reward_model.max_failed_batches}")
-    p.positive(arr.nccl_timeout, "actor_rollout_ref.nccl_timeout")
+    p.positive(cfg.actor_rollout_ref.nccl_timeout, "actor_rollout_ref.nccl_timeout")
     ws = world_size(cfg)
     p.require(ws % rollout.tensor_model_parallel_size == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",
               f"{rollout.tensor_model_parallel_size} must divide the {ws} training processes "
               "(trainer.nnodes × trainer.n_gpus_per_node)")
-    notes += _sequence_parallel_notes(cfg, use_critic)
-    notes += _fused_kernel_notes(cfg, use_critic)
-    notes += _moe_expert_layer_notes(cfg, use_critic)
-    p.raise_if_any("configuration")
-    return dataclasses.replace(plan, warnings=plan.warnings + tuple(notes))
+    return p.items
 
 
 def _megatron_sections(cfg: DictConfig, use_critic: bool, with_reference: bool) -> dict[str, DictConfig]:
@@ -498,37 +561,23 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str, mod
 
 
 def validate_against_model(cfg: DictConfig, plan: RunPlan, hf_config) -> None:
-    """Checks that need the model: parallel sizes of each role ``plan`` has must divide its heads, KV heads and
-    layers; context parallelism on a dense model without multi-latent attention."""
-    p = _Problems()
+    """Raise ``ConfigError`` listing ``engine_and_routing_problems`` (for ``meshrl plan``, which checks each role's
+    layout itself with ``model_builder.check_layout``)."""
+    refuse(engine_and_routing_problems(Checked(cfg, plan, hf_config)), "configuration for this model")
+
+
+@refusal("model", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+         "actor_rollout_ref.actor.megatron.router_replay.mode")
+def engine_and_routing_problems(c: Checked) -> list[str]:
+    """The rollout's tensor parallelism must divide the model's attention heads; router replay needs a mixture of
+    experts. (The trained roles' layouts: ``model_builder.layouts_shard_the_model``.)"""
+    p, cfg, hf_config = _Problems(), c.cfg, c.hf_config
     heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    layers = hf_config.num_hidden_layers
     moe = any(getattr(hf_config, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
-    sections = [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron)]
-    if plan.use_critic:
-        sections.append(("critic.megatron", cfg.critic.megatron))
-    for key, mg in sections:
-        tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
-        p.require(heads % tp == 0, f"{key}.tensor_model_parallel_size",
-                  f"{tp} does not divide the model's {heads} attention heads; use a divisor of {heads}")
-        p.require(kv_heads % tp == 0, f"{key}.tensor_model_parallel_size",
-                  f"{tp} does not divide the model's {kv_heads} key/value heads; use a divisor of {kv_heads}")
-        vpp = mg.virtual_pipeline_model_parallel_size or 1
-        p.require(layers % (pp * vpp) == 0, f"{key}.pipeline_model_parallel_size",
-                  f"PP×VPP = {pp * vpp} does not divide the model's {layers} layers")
-        if mg.context_parallel_size > 1:
-            p.require(not moe, f"{key}.context_parallel_size",
-                      f"{mg.context_parallel_size}: context parallelism on a mixture-of-experts model is not built "
-                      "yet (its routers' load-balancing statistics would be per sequence chunk); set 1 and raise "
-                      "tensor_model_parallel_size or shorten ppo_max_token_len_per_gpu to fit long sequences")
-            p.require(getattr(hf_config, "kv_lora_rank", None) is None, f"{key}.context_parallel_size",
-                      f"{mg.context_parallel_size}: context parallelism with multi-latent attention is not built yet; "
-                      "set 1")
     rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     p.require(heads % rtp == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",
               f"{rtp} does not divide the model's {heads} attention heads")
     replay = cfg.actor_rollout_ref.actor.megatron.router_replay.mode
     p.require(replay == "disabled" or bool(moe), "actor_rollout_ref.actor.megatron.router_replay.mode",
               f"{replay} replays expert routing, but {hf_config.model_type} is dense: set disabled")
-    p.raise_if_any("configuration for this model")
+    return p.items

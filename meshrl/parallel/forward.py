@@ -257,7 +257,7 @@ def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, remove_p
     if cp > 1:
         if shared_prefix_columns is not None:
             raise ValueError("the shared-prompt layout does not run under context parallelism "
-                             "(shared_prefix.unsupported)")
+                             "(model_builder.shared_prompts_unsupported)")
         inputs = pack_thd(input_ids, attention_mask, multiple)
         select_outputs(inputs, attention_mask if output_mask is None else output_mask)
         return split_over_context(inputs, parallel_state.get_context_parallel_group())
@@ -317,7 +317,7 @@ class OutputRequest:
     ``shared_prompts``: micro-batches that say where their prompts end (``shared_prefix.PROMPT_END``) and replay no
     routes run in the shared-prompt layout (``meshrl.parallel.shared_prefix``: a prompt computed once for the rows
     that share it), whatever ``remove_padding`` says; the outputs are the same. The model must support it
-    (``shared_prefix.unsupported``).
+    (``model_builder.shared_prompts_unsupported``).
     """
 
     log_probs: bool = True

@@ -48,52 +48,76 @@ import torch
 import torch.nn.functional as F
 
 from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES, MOE_EXPERT_LAYER
+from meshrl.config.refusals import Checked, refusal
 from meshrl.models.families import ModelSpec, layer_spec_options, model_spec, transformer_options
 from meshrl.parallel import layers, state
 
 def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
-    """Raise ``ValueError`` naming the constraint when ``parallel`` cannot shard ``spec``."""
+    """Raise ``ValueError`` naming each constraint ``parallel`` breaks when it cannot shard ``spec``
+    (``layout_problems``)."""
+    if problems := layout_problems(spec, parallel):
+        raise ValueError("impossible parallel layout for this model: " + "; ".join(why for _, why in problems))
+
+
+@refusal("model", "actor_rollout_ref.actor.megatron", "critic.megatron")
+def layouts_shard_the_model(c: Checked) -> list[str]:
+    """The policy's (and the critic's) parallel layout must shard the model: ``layout_problems``, each naming the
+    megatron key it concerns. (The learned reward model's is checked with its own model: ``reward_model_problems``.)"""
+    spec = model_spec(c.hf_config)
+    roles = [("actor_rollout_ref.actor.megatron", c.plan.actor_layout)]
+    if c.plan.use_critic:
+        roles.append(("critic.megatron", c.plan.critic_layout))
+    return [f"{section}.{key}: {why}" for section, layout in roles
+            for key, why in layout_problems(spec, state.ParallelConfig.from_layout(layout))]
+
+
+def layout_problems(spec: ModelSpec, parallel: state.ParallelConfig) -> list[tuple[str, str]]:
+    """(the ``megatron`` key, why) of each constraint ``parallel`` breaks when sharding ``spec``."""
     tp, pp, vpp = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.virtual_pipeline or 1
-    problems = []
+    tp_key, problems = "tensor_model_parallel_size", []
     if spec.num_attention_heads % tp:
-        problems.append(f"TP={tp} does not divide num_attention_heads={spec.num_attention_heads}")
+        problems.append((tp_key, f"TP={tp} does not divide num_attention_heads={spec.num_attention_heads}"))
     if spec.num_kv_heads % tp:
-        problems.append(f"TP={tp} does not divide num_key_value_heads={spec.num_kv_heads} "
-                        "(KV heads are split, not replicated)")
+        problems.append((tp_key, f"TP={tp} does not divide num_key_value_heads={spec.num_kv_heads} "
+                                 "(KV heads are split, not replicated)"))
     if spec.num_attention_heads % spec.num_kv_heads:
-        problems.append(f"num_key_value_heads={spec.num_kv_heads} does not divide "
-                        f"num_attention_heads={spec.num_attention_heads}")
+        problems.append((tp_key, f"num_key_value_heads={spec.num_kv_heads} does not divide "
+                                 f"num_attention_heads={spec.num_attention_heads}"))
     if spec.ffn_hidden_size % tp:
-        problems.append(f"TP={tp} does not divide intermediate_size={spec.ffn_hidden_size}")
+        problems.append((tp_key, f"TP={tp} does not divide intermediate_size={spec.ffn_hidden_size}"))
     if spec.vocab_size % tp:
-        problems.append(f"TP={tp} does not divide vocab_size={spec.vocab_size}; meshrl does not pad the "
-                        "vocabulary, because padded logits would change every softmax and log-prob")
+        problems.append((tp_key, f"TP={tp} does not divide vocab_size={spec.vocab_size}; meshrl does not pad the "
+                                 "vocabulary, because padded logits would change every softmax and log-prob"))
     if spec.num_layers % (pp * vpp):
-        problems.append(f"PP={pp} x virtual PP={vpp} does not divide num_hidden_layers={spec.num_layers}")
-    if parallel.context_parallel > 1 and (spec.moe or spec.mla):
-        what = "a mixture-of-experts model" if spec.moe else "multi-latent attention"
-        problems.append(f"context parallelism on {what} is not built yet (context_parallel must be 1)")
+        problems.append(("pipeline_model_parallel_size",
+                         f"PP={pp} x virtual PP={vpp} does not divide num_hidden_layers={spec.num_layers}"))
+    if parallel.context_parallel > 1:
+        for what, has in (("a mixture-of-experts model (its routers' load-balancing statistics would be per sequence "
+                           "chunk)", spec.moe), ("multi-latent attention (its rotary split is its own)", spec.mla)):
+            if has:
+                problems.append(("context_parallel_size", f"CP={parallel.context_parallel} on {what} is not built "
+                                 "yet: set 1, and raise TP or shorten the token budget to fit long sequences"))
     etp = parallel.expert_tensor_parallel_size
     if not spec.moe and (parallel.expert_parallel != 1 or etp != tp):
-        problems.append(f"expert parallelism needs an MoE model; {spec.model_type} is dense (leave "
-                        "expert_model_parallel_size at 1 and expert_tensor_parallel_size unset)")
+        problems.append(("expert_model_parallel_size", f"expert parallelism needs an MoE model; {spec.model_type} is "
+                         "dense (leave expert_model_parallel_size at 1 and expert_tensor_parallel_size unset)"))
     if spec.moe:
         if spec.num_experts % parallel.expert_parallel:
-            problems.append(f"EP={parallel.expert_parallel} does not divide num_experts={spec.num_experts}")
+            problems.append(("expert_model_parallel_size",
+                             f"EP={parallel.expert_parallel} does not divide num_experts={spec.num_experts}"))
         if spec.moe_ffn_hidden_size % etp:
-            problems.append(f"expert TP={etp} does not divide the experts' intermediate size "
-                            f"{spec.moe_ffn_hidden_size}")
+            problems.append(("expert_tensor_parallel_size", f"expert TP={etp} does not divide the experts' "
+                                                            f"intermediate size {spec.moe_ffn_hidden_size}"))
         if spec.shared_expert_ffn_hidden_size and spec.shared_expert_ffn_hidden_size % tp:
-            problems.append(f"TP={tp} does not divide shared_expert_intermediate_size="
-                            f"{spec.shared_expert_ffn_hidden_size}")
+            problems.append((tp_key, f"TP={tp} does not divide shared_expert_intermediate_size="
+                                     f"{spec.shared_expert_ffn_hidden_size}"))
     if spec.mla:  # megatron's local MLA splits the down projections' rows over TP too
         if (spec.kv_lora_rank + spec.qk_rope_head_dim) % tp:
-            problems.append(f"TP={tp} does not divide kv_lora_rank + qk_rope_head_dim = "
-                            f"{spec.kv_lora_rank + spec.qk_rope_head_dim}")
+            problems.append((tp_key, f"TP={tp} does not divide kv_lora_rank + qk_rope_head_dim = "
+                                     f"{spec.kv_lora_rank + spec.qk_rope_head_dim}"))
         if spec.q_lora_rank and spec.q_lora_rank % tp:
-            problems.append(f"TP={tp} does not divide q_lora_rank={spec.q_lora_rank}")
-    if problems:
-        raise ValueError("impossible parallel layout for this model: " + "; ".join(problems))
+            problems.append((tp_key, f"TP={tp} does not divide q_lora_rank={spec.q_lora_rank}"))
+    return problems
 
 
 # ``megatron.dtype`` values: verl's bfloat16, and float32 (meshrl's CPU default). verl's float16 is not
@@ -525,3 +549,25 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 def model_config(chunks: list[torch.nn.Module]):
     """The shared ``TransformerConfig`` of ``chunks``."""
     return unwrap(chunks[0]).config
+
+
+def shared_prompts_unsupported(chunks: list[torch.nn.Module]) -> str | None:
+    """Why the model chunks (megatron GPTModels, wrapped or not) cannot run the shared-prompt layout
+    (``meshrl.parallel.shared_prefix``), or None: it
+    needs meshrl's SDPA core attention in every layer (Transformer Engine's takes no prefix spans), rotary
+    positions applied by megatron from the model's tables (not multi-latent attention's), and no context
+    parallelism."""
+    sdpa = layers.sdpa_core_attention_class()
+    for chunk in chunks:
+        model = unwrap(chunk)
+        if getattr(model, "position_embedding_type", None) != "rope":
+            return f"the model's positions are {getattr(model, 'position_embedding_type', None)!r}, not plain rope"
+        if model.config.context_parallel_size > 1:
+            return "context parallelism splits each sequence itself"
+        if model.config.multi_latent_attention:
+            return "multi-latent attention applies its rotary positions itself"
+        for name, module in model.named_modules():
+            core = getattr(module, "core_attention", None)
+            if core is not None and not isinstance(core, sdpa):
+                return f"{name}'s attention is {type(core).__name__}, which takes no shared prompt"
+    return None

@@ -181,27 +181,3 @@ def rope_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Iterat
     finally:
         for handle in handles:
             handle.remove()
-
-
-def unsupported(chunks: list[torch.nn.Module]) -> str | None:
-    """Why the model chunks (megatron GPTModels, wrapped or not) cannot run the shared-prompt layout, or None: it
-    needs meshrl's SDPA core attention in every layer (Transformer Engine's takes no prefix spans), rotary
-    positions applied by megatron from the model's tables (not multi-latent attention's), and no context
-    parallelism."""
-    from meshrl.parallel.layers import sdpa_core_attention_class
-    from meshrl.parallel.model_builder import unwrap
-
-    sdpa = sdpa_core_attention_class()
-    for chunk in chunks:
-        model = unwrap(chunk)
-        if getattr(model, "position_embedding_type", None) != "rope":
-            return f"the model's positions are {getattr(model, 'position_embedding_type', None)!r}, not plain rope"
-        if model.config.context_parallel_size > 1:
-            return "context parallelism splits each sequence itself"
-        if model.config.multi_latent_attention:
-            return "multi-latent attention applies its rotary positions itself"
-        for name, module in model.named_modules():
-            core = getattr(module, "core_attention", None)
-            if core is not None and not isinstance(core, sdpa):
-                return f"{name}'s attention is {type(core).__name__}, which takes no shared prompt"
-    return None

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshrl.config.refusals import Checked, refusal
 from meshrl.config.reward_model_kind import judge_rollout
 
 # The arguments verl's reward loop adds to a custom function's call when the reward model is served.
@@ -107,6 +108,12 @@ class JudgeServer:
             elif value is not False and value is not None:
                 cmd += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
         return cmd
+
+
+@refusal("model", "reward_model.rollout", "reward_model.model.path")
+def served_judge(c: Checked) -> list[str]:
+    """A generative reward model's server must start as configured: ``judge_problems``."""
+    return judge_problems(c.cfg) if c.plan.reward_judge else []
 
 
 def judge_problems(cfg) -> list[str]:

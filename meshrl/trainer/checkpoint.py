@@ -48,7 +48,7 @@ import psutil
 import torch
 
 from meshrl.atomic_io import publish_dir, write_text_atomically
-from meshrl.config.loader import ConfigError
+from meshrl.config.checkpoint_contents import KEEP_KEYS
 from meshrl.config.schema import RESUME_MODES
 
 logger = logging.getLogger(__name__)
@@ -58,12 +58,6 @@ COMPLETE_MARKER = "COMPLETE"
 DRIVER_STATE_PT = "trainer_state.pt"
 DRIVER_STATE_JSON = "trainer_state.json"
 PRUNED_MARKER = "PRUNED"
-HF_EXPORT_DIR = "huggingface"
-# verl's checkpoint.save_contents / load_contents values; meshrl's checkpoints always hold the first three.
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-RESUME_CONTENTS = ("model", "optimizer", "extra")
-# The checkpoint parts, with the trainer key that bounds how many of each are kept.
-KEEP_KEYS = {"actor": "trainer.max_actor_ckpt_to_keep", "critic": "trainer.max_critic_ckpt_to_keep"}
 
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 # The temporary names this module creates; nothing else in a shared run folder is touched.
@@ -110,44 +104,6 @@ def pruned_parts(path: Path) -> list[str]:
 def parts_to_keep(trainer: Any) -> dict[str, int | None]:
     """How many of each checkpoint part to keep: ``trainer.max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep``."""
     return {"actor": trainer.max_actor_ckpt_to_keep, "critic": trainer.max_critic_ckpt_to_keep}
-
-
-def hf_export_roles(cfg: Any, with_critic: bool) -> list[str]:
-    """The roles (``actor``, ``critic`` when ``with_critic``) whose saves also export HF weights (``hf_model``
-    in their ``checkpoint.save_contents``), after checking their ``save_contents`` / ``load_contents``.
-
-    verl leaves ``optimizer`` or ``extra`` (or ``model``) out of a checkpoint, and its resume then starts the
-    optimizer, LR schedule or RNG afresh. meshrl's checkpoints resume exactly, so those values are refused,
-    as are names verl does not know; ``hf_model`` in ``load_contents`` has no effect, as in verl.
-
-    Raises:
-        ConfigError: every refused value, each with its key and what to do instead.
-    """
-    sections = {"actor": ("actor_rollout_ref.actor.checkpoint", cfg.actor_rollout_ref.actor.checkpoint)}
-    if with_critic:
-        sections["critic"] = ("critic.checkpoint", cfg.critic.checkpoint)
-    problems, keys, roles = [], [], []
-    for role, (prefix, section) in sections.items():
-        for name in ("save_contents", "load_contents"):
-            values = list(section[name])
-            unknown = [v for v in values if v not in CHECKPOINT_CONTENTS]
-            missing = [v for v in RESUME_CONTENTS if v not in values]
-            if unknown:
-                problems.append(f"{prefix}.{name}: {unknown} not among verl's {list(CHECKPOINT_CONTENTS)}")
-            if missing:
-                problems.append(
-                    f"{prefix}.{name}={values} leaves out {missing}: meshrl checkpoints always hold the model, "
-                    f"the optimizer with its LR schedule, and the extra state (RNG, engine seeds), so that a resume "
-                    f"continues exactly; keep {list(RESUME_CONTENTS)}. To bound the disk used, set "
-                    f"{KEEP_KEYS[role]}; to start a new run from trained weights, add hf_model to save_contents "
-                    f"and point the model path at global_step_N/{role}/{HF_EXPORT_DIR}.")
-            if unknown or missing:
-                keys.append(f"{prefix}.{name}")
-        if "hf_model" in section.save_contents:
-            roles.append(role)
-    if problems:
-        raise ConfigError("checkpoint contents refused:\n  - " + "\n  - ".join(problems), keys)
-    return roles
 
 
 class CheckpointManager:

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from meshrl.config.loader import ConfigError
 from meshrl.protocol import Batch
 from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch
 from meshrl.trainer.sample_queue import trajectory_span, trajectory_version_metrics
@@ -55,10 +54,6 @@ class ColocateAsyncTrainer(RLTrainer):
         self.threshold, self.strategy = v1.sampler.max_off_policy_threshold, v1.sampler.max_off_policy_strategy
         self.batch_size = cfg.data.train_batch_size
         self.replicas = self.policy.num_replicas
-        if self.batch_size % self.replicas:
-            raise ConfigError(f"data.train_batch_size={self.batch_size} prompt groups must split evenly over the "
-                              f"{self.replicas} inference replicas, which each generate their share, with "
-                              "trainer.v1.trainer_mode=colocate_async", ["data.train_batch_size"])
         self.streams = StreamGroups(self.replicas)  # the groups on the workers' streams, tagged with their step
         self.version = 0  # syncs of the engines' weights since the run's first weights
         self.pending: deque[int] = deque()  # dataset rows given by the sampler, not submitted yet
@@ -154,10 +149,6 @@ class ColocateAsyncTrainer(RLTrainer):
         return state
 
     def restore_trainer_state(self, state: dict[str, Any], path) -> None:
-        saved = state.get(STATE_KEY)
-        if saved is None:
-            raise ConfigError(f"{path} was not saved by verl V1's colocate_async trainer: it holds none of its prompt "
-                              "groups to resume from; resume it with the config that saved it, or start this run "
-                              "afresh in another trainer.default_local_dir", ["trainer.v1.trainer_mode"])
+        saved = state[STATE_KEY]  # a checkpoint of this trainer (early_checks.resume_checkpoint)
         self.pending = deque(saved["prompts"])
         self.version = int(saved["version"])

@@ -1,8 +1,10 @@
 """What a run reads and writes besides its config, checked before Ray or any worker starts.
 
-``meshrl.trainer.main.preflight`` calls ``run_folder_problem``, ``device_problem`` and ``model_weights_problem``;
-``load_inputs`` calls ``check_resume`` once the prompts are loaded (a resume must find them as it left them). Each
-problem names the key or the file and what to do; the command prints it and exits 2 (``meshrl.trainer.main``).
+Refusal rules (``meshrl.config.refusals``) of the ``files`` stage (run folder, devices, weights, converted
+checkpoints), which ``meshrl.trainer.main.preflight`` enforces, and of the ``data`` stage (a full batch, the
+checkpoint the run resumes from), which ``load_inputs`` enforces once the prompts are loaded (a resume must find
+them as it left them). Each problem names the key or the file and what to do; the command prints it and exits 2
+(``meshrl.trainer.main``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,54 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshrl.config.loader import ConfigError
+from meshrl.config.refusals import Checked, refusal
+
+
+@refusal("files", "trainer.default_local_dir")
+def run_folder(c: Checked) -> list[str]:
+    """``trainer.default_local_dir`` must be a folder this process can write (or create): ``run_folder_problem``."""
+    return _listed(run_folder_problem(c.cfg.trainer.default_local_dir))
+
+
+@refusal("files", "trainer.device", "trainer.n_gpus_per_node")
+def devices(c: Checked) -> list[str]:
+    """The GPUs the run asks for must be visible on this machine: ``device_problem``."""
+    return _listed(device_problem(c.cfg))
+
+
+@refusal("files", "actor_rollout_ref.model.path")
+def model_weights(c: Checked) -> list[str]:
+    """The policy's HF folder must hold safetensors weights (unless it starts from a converted checkpoint):
+    ``model_weights_problem``."""
+    from meshrl.models.resolve import resolve_model_path
+
+    if c.cfg.actor_rollout_ref.actor.megatron.use_dist_checkpointing:
+        return []
+    return _listed(model_weights_problem("actor_rollout_ref.model.path",
+                                         resolve_model_path(c.cfg.actor_rollout_ref.model.path)))
+
+
+@refusal("files", "actor_rollout_ref.actor.megatron.dist_checkpointing_path", "critic.megatron.dist_checkpointing_path")
+def converted_checkpoints(c: Checked) -> list[str]:
+    """Each role started from a converted checkpoint must find one of its model there: ``dist_checkpoint_problems``."""
+    return dist_checkpoint_problems(c.cfg, c.plan.use_reference, c.plan.use_critic, c.hf_config)
+
+
+@refusal("launch", "MESHRL_MALLOC_MMAP_THRESHOLD")
+def allocator_setting(c: Checked) -> list[str]:
+    """The workers' allocator setting ``MESHRL_MALLOC_MMAP_THRESHOLD`` must be ``dynamic`` or a byte count glibc
+    takes (``meshrl.process_memory.mmap_threshold_setting``; that module imports nothing of meshrl's, so it is here)."""
+    from meshrl.process_memory import mmap_threshold_setting
+
+    try:
+        mmap_threshold_setting()
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
+def _listed(problem: str | None) -> list[str]:
+    return [problem] if problem else []
 
 
 def run_folder_problem(folder: str) -> str | None:
@@ -139,19 +188,33 @@ def dist_checkpoint_problems(cfg, use_reference: bool, use_critic: bool, hf_conf
     return lines
 
 
-def check_resume(cfg, num_prompts: int) -> None:
+@refusal("data", "data.train_batch_size")
+def full_batch(c: Checked) -> list[str]:
+    """The training prompts (after ``max_prompt_length`` filtering and ``train_max_samples``) must fill one batch."""
+    data, cfg = c.train_data, c.cfg
+    batch, available = cfg.data.train_batch_size, len(data)
+    if available >= batch:
+        return []
+    why = [f"{data.num_filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} dropped"
+           ] if data.num_filtered else []
+    why += [f"data.train_max_samples={cfg.data.train_max_samples}"] if cfg.data.train_max_samples > 0 else []
+    return [f"data.train_batch_size: {batch} prompts per step, but data.train_files holds only {available}"
+            f"{' (' + '; '.join(why) + ')' if why else ''}: no full batch exists. Set data.train_batch_size={available}"
+            " or less, or add prompts"]
+
+
+@refusal("data", "trainer.resume_mode", "trainer.resume_from_path", "trainer.async_mode", "trainer.v1.trainer_mode")
+def resume_checkpoint(c: Checked) -> list[str]:
     """The checkpoint the run would resume from (``trainer.resume_mode``), checked as the trainer will load it:
     it exists and is complete, its files are as its save wrote them (``checkpoint.damaged_files``), its driver
-    state loads, and the prompt sampler finds the prompts it left (``num_prompts`` after filtering).
-
-    Raises:
-        ConfigError: naming the key or the damaged file, and the checkpoint to resume from instead.
-    """
+    state loads, it was saved by the trainer this config runs (synchronous, fully async / one-step-off, or verl V1's
+    colocate_async: each keeps its own queue), and the prompt sampler finds the prompts it left. Each problem names
+    the key or the damaged file, and the checkpoint to resume from instead."""
     from meshrl.data.sampler import PromptSampler
     from meshrl.trainer.checkpoint import (CheckpointError, complete_checkpoints, damaged_files, read_driver_state,
                                            resolve_checkpoint)
 
-    trainer = cfg.trainer
+    cfg, trainer = c.cfg, c.cfg.trainer
     root = Path(trainer.default_local_dir).expanduser()
     key = "trainer.resume_from_path" if trainer.resume_mode == "resume_path" else "trainer.resume_mode"
     try:
@@ -160,9 +223,9 @@ def check_resume(cfg, num_prompts: int) -> None:
         there = Path(trainer.resume_from_path or root).expanduser().parent
         found = [p.name for p in complete_checkpoints(there)] if there.is_dir() else []
         listed = f" ({there} holds {', '.join(found)})" if found else ""
-        raise ConfigError(f"{key}: {exc}{listed}", [key]) from None
-    if path is None:
-        return
+        return [f"{key}: {exc}{listed}"]
+    if path is None or len(c.train_data) < cfg.data.train_batch_size:  # no batch: full_batch says so
+        return []
     chosen = (f"trainer.resume_mode=auto resumes from {path}, the latest checkpoint in trainer.default_local_dir"
               if trainer.resume_mode == "auto" else f"trainer.resume_from_path={path}")
     damaged = damaged_files(path)
@@ -172,13 +235,39 @@ def check_resume(cfg, num_prompts: int) -> None:
         except CheckpointError as exc:
             damaged = [str(exc).removeprefix("cannot load the driver state ")]
     if damaged:
-        raise ConfigError(f"{chosen}, but the checkpoint is damaged: {'; '.join(damaged)}. "
-                          f"{_instead(path)}", [key])
-    sampler = PromptSampler(num_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        return [f"{chosen}, but the checkpoint is damaged: {'; '.join(damaged)}. {_instead(path)}"]
+    if problem := _trainer_problem(cfg, state, path):
+        return [problem]
+    sampler = PromptSampler(len(c.train_data), cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                            seed=cfg.data.seed)
     try:
         sampler.load_state_dict(state["sampler"])
     except ValueError as exc:
-        raise ConfigError(f"{chosen}: {exc}", ["data.train_files", key]) from None
+        return [f"{chosen}: {exc}"]
+    return []
+
+
+def _trainer_problem(cfg, state: dict, path: Path) -> str | None:
+    """Why the trainer ``cfg`` runs cannot resume the driver ``state`` saved at ``path``, or None: each asynchronous
+    trainer saves its queue under its own key (the fully async and one-step-off trainers ``async``, verl V1's
+    colocate_async ``colocate_async``), which another trainer would drop."""
+    from meshrl.config.async_keys import colocate_async
+
+    saved = "colocate_async" if "colocate_async" in state else "async" if "async" in state else "sync"
+    runs = "colocate_async" if colocate_async(cfg) else "async" if cfg.trainer.async_mode else "sync"
+    if saved == runs:
+        return None
+    if runs == "sync":
+        return (f"trainer.async_mode: {path} was saved by an asynchronous trainer (trainer.async_mode, or "
+                "trainer.v1.trainer_mode=colocate_async), whose prompts generated but not trained yet this trainer "
+                "would skip: resume it with the config that saved it")
+    if runs == "async":
+        return (f"trainer.async_mode: {path} was saved by another trainer: it holds no rollouter state to resume "
+                f"trainer.async_mode={cfg.trainer.async_mode} from; resume it with the config that saved it, or start "
+                "this run afresh in another trainer.default_local_dir")
+    return (f"trainer.v1.trainer_mode: {path} was not saved by verl V1's colocate_async trainer: it holds none of its "
+            "prompt groups to resume from; resume it with the config that saved it, or start this run afresh in "
+            "another trainer.default_local_dir")
 
 
 def _instead(damaged: Path) -> str:

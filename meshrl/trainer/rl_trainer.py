@@ -39,7 +39,6 @@ from omegaconf import DictConfig, OmegaConf
 from meshrl.algorithms import GlobalNorm, make_kl_controller
 from meshrl.algorithms.rollout_correction import off_policy_metrics
 from meshrl.algorithms.variance_proxy import variance_proxy_metrics
-from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import RunPlan, UpdateSchedule
 from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
@@ -49,7 +48,8 @@ from meshrl.rewards.pool import RewardPool
 from meshrl.rollout.agent_loop import AGENT_STATS, agent_metrics, agent_reward_info
 from meshrl.trainer.advantage import compute_advantages, compute_token_rewards, outcome_to_token_scores
 from meshrl.trainer.alarms import MismatchAlarm
-from meshrl.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager, hf_export_roles
+from meshrl.config.checkpoint_contents import HF_EXPORT_DIR, hf_export_roles
+from meshrl.trainer.checkpoint import CheckpointManager
 from meshrl.trainer.dumps import GenerationDumps, decode_responses, set_reward_extras
 from meshrl.trainer.rollout_correction import apply_rollout_correction, use_rollout_log_probs
 from meshrl.trainer.sample_queue import async_training_steps
@@ -105,7 +105,7 @@ class RLTrainer:
         self.mismatch = MismatchAlarm(plan.mismatch_tolerance, cfg.trainer.on_mismatch)
         self.overlong = overlong_buffer(cfg)  # reward.reward_manager.name=dapo's penalty (None: no penalty)
         self.step = 0
-        self.hf_exports = hf_export_roles(cfg, with_critic=critic is not None)  # refuses what meshrl cannot save
+        self.hf_exports = hf_export_roles(cfg, with_critic=critic is not None)
         self.dumps = GenerationDumps(cfg.trainer, Path(cfg.trainer.default_local_dir), tokenizer)
 
     # ------------------------------------------------------------------------------- the loop
@@ -346,12 +346,7 @@ class RLTrainer:
     # ------------------------------------------------------------------------------- checkpoints
     def restore_trainer_state(self, state: dict[str, Any], path: Path) -> None:
         """What a trainer keeps beyond the loop's state (``driver_state``), restored before the weights load: none
-        here, and a checkpoint of an asynchronous trainer (its queue's prompts and version) is refused."""
-        if "async" in state or "colocate_async" in state:
-            raise ConfigError(f"{path} was saved by an asynchronous trainer (trainer.async_mode, or "
-                              "trainer.v1.trainer_mode=colocate_async), whose prompts generated but not trained yet "
-                              "this trainer would skip: resume it with the config that saved it",
-                              ["trainer.async_mode", "trainer.v1.trainer_mode"])
+        here (a checkpoint of another trainer is refused before Ray starts: ``early_checks.resume_checkpoint``)."""
 
     def driver_state(self) -> dict[str, Any]:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),

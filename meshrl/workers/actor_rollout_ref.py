@@ -62,11 +62,10 @@ class ActorRolloutRefWorker(RankWorker):
 
         from meshrl.models.hf_config import load_model_config
         from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
-                                                    param_dtype)
+                                                    param_dtype, shared_prompts_unsupported)
         from meshrl.parallel.compiled import compile_elementwise
         from meshrl.parallel.offload import HostBuffers, offload
         from meshrl.parallel.optimizer import build_optimizer
-        from meshrl.parallel.shared_prefix import unsupported as shared_prompts_unsupported
 
         arr = self.section
         actor = arr.actor
@@ -119,8 +118,9 @@ class ActorRolloutRefWorker(RankWorker):
         # or the device has no fast variable-length attention (model_builder.packed_sequences).
         self.remove_padding = packed_sequences(arr.model.use_remove_padding)
         # actor.use_prefix_grouper: a group's prompt computed once for its responses, in the update and the
-        # old-log-prob and reference passes, where the models run the layout (shared_prefix.unsupported); unset,
-        # where the passes are packed (on CUDA without Transformer Engine per-slot attention is launch-bound)
+        # old-log-prob and reference passes, where the models run the layout
+        # (model_builder.shared_prompts_unsupported); unset, where the passes are packed (on CUDA without
+        # Transformer Engine per-slot attention is launch-bound)
         self.shared_prompts_off = None if self.plan.shared_prompts is False else shared_prompts_unsupported(
             self.policy + (self.ref or []))
         self.shared_prompts = self.shared_prompts_off is None and (

@@ -8,7 +8,8 @@ running several trainings), use that.
 verl's ``ray_kwargs.ray_init`` applies where it maps onto this start (``ray_init_kwargs``):
 ``num_cpus`` sizes a Ray meshrl starts, ``runtime_env.env_vars`` and ``runtime_env.py_executable``
 reach every worker (also in a Ray meshrl did not start: each worker's actor options carry them). Anything
-else is refused with a ``ConfigError`` that names the key and says why.
+else is refused before the run starts (the ``launch`` stage's rule ``ray_settings``, ``meshrl.config.refusals``),
+naming the key and saying why.
 """
 
 from __future__ import annotations
@@ -20,47 +21,53 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from meshrl.config.loader import ConfigError
+from meshrl.config.refusals import Checked, refusal
 from meshrl.config.run_plan import build_run_plan
 from meshrl.config.validate import world_size
 from meshrl.runtime import configure_environment, prune_ray_sessions
-from meshrl.workers.dispatch import groups_per_rank, worker_runtime_env
+from meshrl.workers.dispatch import groups_per_rank, runtime_env_problems, worker_runtime_env
 
 _DRIVER_CPUS = 2  # logical CPUs left for the driver's own Ray tasks
 
 
-def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
-    """The keyword arguments ``start_ray`` passes to ``ray.init`` for ``cfg`` (module docstring).
+@refusal("launch", "ray_kwargs.ray_init")
+def ray_settings(c: Checked) -> list[str]:
+    """verl's ``ray_kwargs.ray_init`` where it cannot map onto this start (module docstring): a runtime_env field
+    other than ``RUNTIME_ENV_FIELDS`` (``dispatch.runtime_env_problems``), ``num_cpus`` below the run's worker
+    processes, or ``num_cpus`` while joining a running cluster (``RAY_ADDRESS``) or a Ray this process already runs,
+    whose start set its CPUs."""
+    problems, key = runtime_env_problems(c.cfg), "ray_kwargs.ray_init.num_cpus"
+    num_cpus = c.cfg.ray_kwargs.ray_init.num_cpus
+    if num_cpus is None:
+        return problems
+    if _ray_running_here():
+        problems.append(f"{key}: sizes a Ray that meshrl starts, but this process already runs Ray (its caller "
+                        "started it, with its own CPUs); drop the key, or size that ray.init.")
+    elif os.environ.get("RAY_ADDRESS"):
+        problems.append(f"{key}: sizes a Ray that meshrl starts, but RAY_ADDRESS joins a running cluster, whose CPUs "
+                        "its `ray start --num-cpus` sets; drop the key or unset RAY_ADDRESS.")
+    elif num_cpus < (workers := _worker_processes(c.cfg)):
+        problems.append(f"{key}={num_cpus}: this run places {workers} worker processes of one logical CPU each; set "
+                        f"at least {workers} or drop the key.")
+    return problems
 
-    Raises:
-        ConfigError: a ``ray_kwargs.ray_init`` key that cannot map: a runtime_env field other than
-            ``RUNTIME_ENV_FIELDS`` (``worker_runtime_env``), ``num_cpus`` below the run's worker processes, or
-            ``num_cpus`` while joining a running cluster (``RAY_ADDRESS``) or a Ray this process already runs,
-            whose start set its CPUs.
-    """
+
+def _worker_processes(cfg: DictConfig) -> int:
+    return world_size(cfg) * groups_per_rank(build_run_plan(cfg))  # one logical CPU each (meshrl.workers.group)
+
+
+def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The keyword arguments ``start_ray`` passes to ``ray.init`` for ``cfg`` (module docstring), whose
+    ``ray_kwargs.ray_init`` the ``ray_settings`` rule has passed."""
     configure_environment()
-    ray_init = cfg.ray_kwargs.ray_init
-    prefix = "ray_kwargs.ray_init"
     env = worker_runtime_env(cfg)
     runtime = {"runtime_env": env} if env else {}
-
     if _ray_running_here():
-        if ray_init.num_cpus is not None:
-            raise ConfigError(f"{prefix}.num_cpus sizes a Ray that meshrl starts, but this process already runs Ray "
-                              "(its caller started it, with its own CPUs); drop the key, or size that ray.init.",
-                              [f"{prefix}.num_cpus"])
         return {}  # nothing to start
     if os.environ.get("RAY_ADDRESS"):
-        if ray_init.num_cpus is not None:
-            raise ConfigError(f"{prefix}.num_cpus sizes a Ray that meshrl starts, but RAY_ADDRESS joins a running "
-                              "cluster, whose CPUs its `ray start --num-cpus` sets; drop the key or unset RAY_ADDRESS.",
-                              [f"{prefix}.num_cpus"])
         return {"address": os.environ["RAY_ADDRESS"], "log_to_driver": True, **runtime}
-    workers = world_size(cfg) * groups_per_rank(build_run_plan(cfg))  # one logical CPU each (meshrl.workers.group)
-    num_cpus = workers + _DRIVER_CPUS if ray_init.num_cpus is None else ray_init.num_cpus
-    if num_cpus < workers:
-        raise ConfigError(f"{prefix}.num_cpus={num_cpus}: this run places {workers} worker processes of one logical "
-                          f"CPU each; set at least {workers} or drop the key.", [f"{prefix}.num_cpus"])
+    num_cpus = cfg.ray_kwargs.ray_init.num_cpus
+    num_cpus = _worker_processes(cfg) + _DRIVER_CPUS if num_cpus is None else num_cpus
     return {
         "num_cpus": num_cpus,
         "include_dashboard": False,

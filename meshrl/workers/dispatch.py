@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from meshrl.config.loader import ConfigError
 from meshrl.config.run_plan import RunPlan
 from meshrl.config.validate import world_size
 from meshrl.data.dynamic_batching import balance_batch
@@ -37,25 +36,27 @@ from meshrl.workers.sequences import sequence_lengths
 RUNTIME_ENV_FIELDS = ("env_vars", "py_executable")
 
 
-def worker_runtime_env(cfg: DictConfig) -> dict[str, Any]:
-    """The Ray ``runtime_env`` every worker of the run gets from verl's ``ray_kwargs.ray_init.runtime_env``: its
-    ``env_vars`` (values as text) and ``py_executable``; empty when it sets neither.
-
-    Raises:
-        ConfigError: a field other than ``RUNTIME_ENV_FIELDS``, or ``env_vars`` that is not a mapping.
-    """
+def runtime_env_problems(cfg: DictConfig) -> list[str]:
+    """What of verl's ``ray_kwargs.ray_init.runtime_env`` the workers cannot take: a field other than
+    ``RUNTIME_ENV_FIELDS``, or ``env_vars`` that is not a mapping."""
     prefix = "ray_kwargs.ray_init.runtime_env"
     runtime_env = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env, resolve=True)
-    refused = sorted(set(runtime_env) - set(RUNTIME_ENV_FIELDS))
-    if refused:
-        raise ConfigError(
-            f"{prefix}.{refused[0]}: meshrl's Ray workers run in the driver's Python environment and take only "
-            f"{', '.join(RUNTIME_ENV_FIELDS)} from runtime_env; install what the run needs into meshrl's virtualenv "
-            "and drop the key.", [f"{prefix}.{key}" for key in refused])
-    env: dict[str, Any] = {}
+    problems = [f"{prefix}.{key}: meshrl's Ray workers run in the driver's Python environment and take only "
+                f"{', '.join(RUNTIME_ENV_FIELDS)} from runtime_env; install what the run needs into meshrl's "
+                "virtualenv and drop the key." for key in sorted(set(runtime_env) - set(RUNTIME_ENV_FIELDS))]
     env_vars = runtime_env.get("env_vars") or {}
     if not isinstance(env_vars, dict):
-        raise ConfigError(f"{prefix}.env_vars must map names to values, got {env_vars!r}", [f"{prefix}.env_vars"])
+        problems.append(f"{prefix}.env_vars: must map names to values, got {env_vars!r}")
+    return problems
+
+
+def worker_runtime_env(cfg: DictConfig) -> dict[str, Any]:
+    """The Ray ``runtime_env`` every worker of the run gets from verl's ``ray_kwargs.ray_init.runtime_env`` (which
+    ``runtime_env_problems`` has passed): its ``env_vars`` (values as text) and ``py_executable``; empty when it
+    sets neither."""
+    runtime_env = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env, resolve=True)
+    env: dict[str, Any] = {}
+    env_vars = runtime_env.get("env_vars") or {}
     if env_vars:
         # Overrides parse values as YAML: `X=true` arrives as a bool, and is meant as the text "true".
         env["env_vars"] = {str(name): str(value).lower() if isinstance(value, bool) else str(value)

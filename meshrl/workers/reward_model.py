@@ -16,7 +16,7 @@ The model is the critic's structure (a value head in place of the vocabulary pro
 the "response": the output at the placeholder is the head applied to the last real token, which causal
 attention keeps independent of the placeholder.
 
-``reward_model_problems(cfg)`` checks the checkpoint at preflight, before Ray starts.
+``reward_model_checks.reward_model_problems(cfg)`` checks the checkpoint at preflight, before Ray starts.
 """
 
 from __future__ import annotations
@@ -31,53 +31,6 @@ from meshrl.protocol import Batch
 from meshrl.workers.dispatch import DispatchGroup
 from meshrl.workers.engine import NonFinitePolicy, TrainingEngine
 from meshrl.workers.rank import RankWorker
-
-SCORE = "score.weight"  # the head of a *ForSequenceClassification checkpoint
-
-
-def reward_model_problems(cfg) -> list[str]:
-    """What stops ``reward_model.model.path`` from scoring (empty: it can): a missing folder, an unsupported
-    family, a checkpoint without a one-label ``score`` head, a tokenizer without a chat template, a layout that
-    does not divide the model."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from meshrl.models.families import model_spec
-    from meshrl.models.resolve import resolve_model_path
-    from meshrl.parallel.hf_conversion import HFCheckpointReader
-
-    rm = cfg.reward_model
-    key = "reward_model.model.path"
-    if not rm.model.path:
-        return [f"{key}: reward_model.enable=True needs the reward model's folder (an HF *ForSequenceClassification "
-                "checkpoint with one label)"]
-    try:
-        folder = resolve_model_path(rm.model.path)
-        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=rm.model.trust_remote_code)
-        spec = model_spec(hf_config)
-    except (OSError, ValueError) as exc:
-        return [f"{key}={rm.model.path}: {exc}"]
-    problems = []
-    reader = HFCheckpointReader(folder)
-    if SCORE not in reader:
-        problems.append(f"{key}={rm.model.path}: the checkpoint has no {SCORE}: it is not a reward model (an HF "
-                        f"*ForSequenceClassification checkpoint); a causal LM serves as a generative judge only to a "
-                        f"custom_reward_function.path function (meshrl.rewards.judge)")
-    elif reader.shape(SCORE) != (1, spec.hidden_size):
-        problems.append(f"{key}={rm.model.path}: {SCORE} has shape {reader.shape(SCORE)}; a reward model has one "
-                        f"label, shape (1, {spec.hidden_size})")
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=rm.model.trust_remote_code)
-    if not getattr(tokenizer, "chat_template", None):
-        problems.append(f"{key}={rm.model.path}: its tokenizer has no chat template, which renders the conversation "
-                        "it scores")
-    mg = rm.megatron
-    tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
-    if spec.num_attention_heads % tp or spec.num_kv_heads % tp:
-        problems.append(f"reward_model.megatron.tensor_model_parallel_size={tp} does not divide the reward model's "
-                        f"{spec.num_attention_heads} attention / {spec.num_kv_heads} key-value heads")
-    if spec.num_layers % pp:
-        problems.append(f"reward_model.megatron.pipeline_model_parallel_size={pp} does not divide the reward "
-                        f"model's {spec.num_layers} layers")
-    return problems
 
 
 class RewardModelWorker(RankWorker):

@@ -388,11 +388,11 @@ def check_shared_prompts(path: Path, critic: bool = False, temperature: float = 
     """The shared-prompt layout against each row with its own copy of the prompt, rows and packed: outputs of
     ``forward_only`` (the old-log-prob and reference passes), loss and every gradient of ``forward_backward`` (the
     update); ``tokens_saved``: the model ran fewer tokens."""
-    from meshrl.parallel import forward, shared_prefix
+    from meshrl.parallel import forward
 
     batches = my_batches(shared_prompt_batches())
     chunks = build(path, critic, **build_kwargs)
-    result = {"unsupported": int(shared_prefix.unsupported(chunks) is not None)}
+    result = {"unsupported": int(model_builder.shared_prompts_unsupported(chunks) is not None)}
     loss_fn = critic_loss if critic else policy_loss
     runs = {}
     for name, remove_padding, shared in (("rows", False, False), ("packed", True, False), ("shared", False, True),

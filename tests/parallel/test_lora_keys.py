@@ -8,7 +8,7 @@ import pytest
 
 from meshrl.config import ConfigError, load_config
 from meshrl.config.validate import validate_config
-from meshrl.trainer.checkpoint import hf_export_roles
+from meshrl.config.checkpoint_contents import hf_export_roles
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 M = "actor_rollout_ref.model."

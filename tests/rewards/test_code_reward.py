@@ -19,7 +19,8 @@ from meshrl.rewards.code import HUMANEVAL_SOURCE, case_error, check_sandbox, run
 from meshrl.rewards.dispatch import RewardSpec, SandboxSettings, default_compute_score
 from meshrl.rewards.pool import RewardError, RewardPool
 from meshrl.rewards.sandbox import local_sandbox, run_code
-from meshrl.trainer.main import check_reward_function
+from meshrl.config.refusals import Checked, refuse
+from meshrl.trainer.main import reward_function
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the jail uses Linux namespaces and Landlock")
 
@@ -202,3 +203,8 @@ def test_the_config_is_checked_before_the_run():
                                       f"custom_reward_function.path={__file__}"))
     # verl-project's newer place of the keys is followed
     assert _config("reward.sandbox_fusion.max_concurrent=3").reward_model.sandbox_fusion.max_concurrent == 3
+
+
+def check_reward_function(cfg) -> None:
+    """The launch stage's reward-function rule on ``cfg``, raising as the stage does."""
+    refuse(reward_function(Checked(cfg)))

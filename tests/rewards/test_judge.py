@@ -13,7 +13,8 @@ from meshrl.config.validate import validate_config
 from meshrl.rewards.dispatch import JudgeSettings, RewardSpec
 from meshrl.rewards.judge import accepts_judge_arguments, judge_problems, judge_server
 from meshrl.rewards.pool import RewardPool
-from meshrl.trainer.main import check_reward_function
+from meshrl.config.refusals import Checked, refuse
+from meshrl.trainer.main import reward_function
 
 ASYNC_REWARD = '''
 import asyncio, os, time
@@ -154,3 +155,8 @@ def test_a_judge_function_must_take_verls_arguments(tmp_path):
     check_reward_function(_cfg(tmp_path, "reward_model.model.path=tiny-rm:llama",
                                f"custom_reward_function.path={plain}"))
     assert accepts_judge_arguments(lambda *a, **kw: 0.0)
+
+
+def check_reward_function(cfg) -> None:
+    """The launch stage's reward-function rule on ``cfg``, raising as the stage does."""
+    refuse(reward_function(Checked(cfg)))

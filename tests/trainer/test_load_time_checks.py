@@ -41,9 +41,10 @@ def command(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"],
-     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size: 3 does not divide the model's 4 attention heads"),
+     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size: TP=3 does not divide num_attention_heads=4"),
     (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"],
-     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size: PP×VPP = 3 does not divide the model's 2 layers"),
+     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size: PP=3 x virtual PP=1 does not divide "
+     "num_hidden_layers=2"),
     (["actor_rollout_ref.model.path=/no/such/model"], "actor_rollout_ref.model.path: model path '/no/such/model'"),
 ])
 def test_the_models_sizes_are_checked_before_ray(command, overrides, message):

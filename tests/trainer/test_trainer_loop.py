@@ -22,6 +22,7 @@ from meshrl.rewards.pool import RewardPool
 from meshrl.rollout.base import Completion
 from meshrl.trainer.checkpoint import CheckpointManager, parts_to_keep
 from meshrl.trainer.dumps import VAL_GENERATIONS_FILE
+from meshrl.trainer.main import check_inputs
 from meshrl.trainer.trainer_modes import trainer_class
 from meshrl.trainer.tracking import Tracker, read_metrics
 from meshrl.workers.sequences import responses_batch
@@ -157,6 +158,7 @@ def run(tmp_path, smollm2_dir):
         policy = FakeRole("actor", tokenizer, plan.response_length)
         critic = FakeRole("critic", tokenizer, plan.response_length) if plan.use_critic else None
         train_data, val_data = load_datasets(cfg.data, tokenizer)
+        check_inputs(cfg, train_data, val_data)  # the data stage's rules, as the entry runs them
         run_dir = Path(cfg.trainer.default_local_dir)
         with RewardPool(RewardSpec(str(tmp_path / "reward.py")), num_workers=0) as reward, \
                 Tracker(["jsonl"], run_dir, "p", "e", {}, 2) as tracker:
@@ -272,9 +274,9 @@ def test_hf_model_in_save_contents_exports_each_role(run, tmp_path, estimator):
      r"\['hf_weights'\] not among verl's"),
     ("critic.checkpoint.save_contents=[model,optimizer]", r"critic.checkpoint.save_contents=.* leaves out \['extra'\]"),
 ])
-def test_checkpoint_contents_meshrl_cannot_honour_are_refused(run, override, refused):
+def test_checkpoint_contents_meshrl_cannot_honour_are_refused(override, refused):
     with pytest.raises(ConfigError, match=refused):
-        run("algorithm.adv_estimator=gae", override)
+        validate_config(load_config(["algorithm.adv_estimator=gae", override], recipe="cpu_tiny_grpo"))
 
 
 def test_critic_contents_are_not_checked_without_a_critic(run):

@@ -4,7 +4,7 @@ import pytest
 
 from meshrl.config import ConfigError, load_config
 from meshrl.trainer.main import preflight
-from meshrl.workers.reward_model import reward_model_problems
+from meshrl.workers.reward_model_checks import reward_model_problems
 
 
 def cfg_with(*overrides):
@@ -20,9 +20,11 @@ def test_problems_name_what_to_fix():
     assert missing.startswith("reward_model.model.path") and "ForSequenceClassification" in missing
     (causal_lm,) = reward_model_problems(cfg_with("reward_model.model.path=tiny:llama"))
     assert "no score.weight" in causal_lm and "not a reward model" in causal_lm
-    (layout,) = reward_model_problems(cfg_with("reward_model.model.path=tiny-rm:llama",
-                                               "reward_model.megatron.tensor_model_parallel_size=3"))
-    assert "tensor_model_parallel_size=3 does not divide" in layout
+    layout = reward_model_problems(cfg_with("reward_model.model.path=tiny-rm:llama",
+                                            "reward_model.megatron.tensor_model_parallel_size=3"))
+    assert layout[0] == ("reward_model.megatron.tensor_model_parallel_size: TP=3 does not divide "
+                         "num_attention_heads=4 (the reward model's)")
+    assert len(layout) == 3  # and its KV heads and its MLP's width: every constraint at once
 
 
 def test_preflight_refuses_before_ray():

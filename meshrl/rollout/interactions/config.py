@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from meshrl.config.refusals import Checked, refusal
 from meshrl.rollout.interactions.base import Interaction, InteractionConfigError
 from meshrl.rollout.interactions.gsm8k import Gsm8kInteraction
 
@@ -130,3 +131,16 @@ def row_problems(interactions: Mapping[str, Interaction], rows: Iterable[tuple[s
         except ValueError as error:
             problems.append(f"{where}: {error}")
     return problems[:shown] + ([f"... and {len(problems) - shown} more rows"] if len(problems) > shown else [])
+
+
+@refusal("data", "data.train_files", "data.val_files", "actor_rollout_ref.rollout.multi_turn.interaction_config_path")
+def rows_name_their_interaction(c: Checked) -> list[str]:
+    """With interactions, each training and validation row's ``interaction_kwargs`` must pick one of those the
+    interaction file defines (``row_problems``)."""
+    multi_turn = c.cfg.actor_rollout_ref.rollout.multi_turn
+    if not (multi_turn.enable and multi_turn.interaction_config_path):
+        return []
+    samples = [data[i] for data in (c.train_data, c.val_data) if data is not None for i in range(len(data))]
+    rows = [(f"{s.source_file} row {s.row}", s.extra_info) for s in samples]
+    return [f"a row without its interaction: {line}"
+            for line in row_problems(load_interactions(multi_turn.interaction_config_path), rows)]
