@@ -16,7 +16,7 @@ Contract:
   downloaded). Its facts go through ``model_builder.model_spec``, the trainer's own reading, and its
   parameters are counted from its family's tensor table (``meshrl.models.families``), the one conversion uses.
 - The layout is checked as the trainer checks it (``validate_config``, ``validate_against_model``,
-  ``model_builder.check_layout``); an impossible layout is refused with the trainer's message.
+  ``model_builder.layout_problems``); an impossible layout is refused with the trainer's message.
 - A layout whose peak phase exceeds ``--gpu-memory-gib`` (default 80; on CPU this machine's memory shared by the
   node's processes: ``default_memory_gib``), or whose vLLM budget leaves no
   KV cache for one full-length sequence, is refused (exit status 1) with the knobs to turn, the

@@ -214,7 +214,8 @@ def test_json_output(capsys):
 
 def test_impossible_layout_and_unknown_model_are_config_errors(capsys):
     assert main(["remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=8"]) == 2
-    assert "tensor_model_parallel_size" in capsys.readouterr().err  # 8 does not divide the 4 KV heads
+    assert ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size: TP=8 does not divide num_key_value_heads=4"
+            in capsys.readouterr().err)  # the trainer's check, naming the key
     assert main(["remax_qwen2.5-7b_seq_balance", "actor_rollout_ref.model.path=org/not-a-model"]) == 2
     err = capsys.readouterr().err
     assert "not a local Hugging Face folder" in err and "Qwen/Qwen2.5-7B-Instruct" in err
