@@ -38,7 +38,7 @@ STAGES = {
     "config": "the configuration alone, before anything loads (meshrl.config.validate.validate_config)",
     "files": "the folders, devices and files the run writes and reads: run folder, GPUs, weights, converted "
              "checkpoints",
-    "model": "the configuration against the model's HF config: parallel sizes, LoRA, reward model, saved roles",
+    "model": "the configuration against the model's HF config: parallel layouts, LoRA, the reward model or judge",
     "rollout": "the rollout engine's settings against the model and this machine",
     "launch": "what the driver starts: Ray, the workers' allocator, the reward function and its sandbox",
     "data": "the configuration against the loaded prompts, and the checkpoint the run resumes from",
@@ -46,9 +46,9 @@ STAGES = {
 
 
 class Checked:
-    """What the rules of a stage read: ``cfg`` always; ``plan`` (the ``RunPlan``) and ``hf_config`` (the model's) from
-    the ``files`` stage on; ``train_data`` / ``val_data`` (the prompts as loaded and filtered) at ``data``.
-    ``once(fn)`` is ``fn(cfg)`` computed once for all the rules of a stage."""
+    """What the rules of a stage read: ``cfg`` always; ``plan`` (the ``RunPlan``) and ``hf_config`` (the model's) at
+    ``files``, ``model``, ``rollout`` and ``launch``; ``train_data`` / ``val_data`` (the prompts as loaded and
+    filtered) at ``data``. ``once(fn)`` is ``fn(cfg)`` computed once for all the rules of a stage."""
 
     def __init__(self, cfg: DictConfig, plan=None, hf_config=None, train_data=None, val_data=None) -> None:
         self.cfg, self.plan, self.hf_config = cfg, plan, hf_config
