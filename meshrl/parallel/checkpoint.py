@@ -142,7 +142,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks: list[torch.nn.Mo
         meta = {"step": step, "critic": bool(getattr(gpt, "meshrl_critic", False)),
                 "model_spec": gpt.meshrl_spec.to_dict(), "parallel_at_save": vars(state.current()),
                 "has_optimizer": optimizer is not None,
-                "distributed_optimizer": optimizer is not None and _uses_distributed_optimizer(chunks)}
+                "distributed_optimizer": optimizer is not None and _uses_distributed_optimizer(chunks),
+                "optimizer_parts": _optimizer_parts(optimizer)}
         (tmp / _META).write_text(json.dumps(meta, indent=1, default=str))
         # The aside name matches the clean-up glob above, so an interrupted replace is removed too.
         publish_dir(tmp, final, aside=root / f".{final.name}.replaced.tmp")
@@ -153,6 +154,21 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks: list[torch.nn.Mo
                     shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _optimizer_parts(optimizer) -> int | None:
+    """How many optimizers megatron chains in ``optimizer`` (the dense parameters' and, at EP > 1, the experts'); None
+    without one."""
+    return None if optimizer is None else len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _saved_optimizer_parts(meta: dict[str, Any]) -> int:
+    """``_optimizer_parts`` of a checkpoint's optimizer; for a checkpoint saved before meshrl recorded it, megatron's
+    rule: a mixture of experts at EP > 1 has two."""
+    if "optimizer_parts" in meta:
+        return meta["optimizer_parts"]
+    moe = bool(meta["model_spec"].get("num_experts"))
+    return 2 if moe and meta["parallel_at_save"].get("expert_parallel", 1) > 1 else 1
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -208,6 +224,16 @@ def load_checkpoint(path: str | os.PathLike, chunks: list[torch.nn.Module], opti
     if optimizer is not None and meta["distributed_optimizer"] != _uses_distributed_optimizer(chunks):
         raise ValueError(f"checkpoint {folder} was saved with use_distributed_optimizer="
                          f"{meta['distributed_optimizer']}; build the optimizer the same way to load it")
+    if optimizer is not None and (saved_parts := _saved_optimizer_parts(meta)) != _optimizer_parts(optimizer):
+        saved_ep = meta["parallel_at_save"].get("expert_parallel", 1)
+        raise ValueError(
+            f"checkpoint {folder}: its optimizer state is {saved_parts} megatron optimizer(s) (saved at "
+            f"expert_model_parallel_size={saved_ep}) and this layout builds {_optimizer_parts(optimizer)} "
+            f"(expert_model_parallel_size={state.current().expert_parallel}): at EP > 1 megatron steps the experts "
+            "with an optimizer of their own, and megatron-core 0.16.1 maps neither state onto the other. Resume at "
+            f"an expert-parallel size {'> 1' if saved_ep > 1 else 'of 1'} (the checkpoint loads at any of those, "
+            "with any TP / PP), or start a new run from its weights (HF export, or dist_checkpointing_path) with a "
+            "fresh optimizer")
     if optimizer is not None:
         initialize_state(optimizer)
     sharded = _sharded_state(chunks, optimizer, scheduler, extra=None, is_loading=True)

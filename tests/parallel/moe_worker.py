@@ -41,11 +41,13 @@ SOFTMAX_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 REPLAY_FAMILY = "qwen2_moe"
 SP_FAMILY = "qwen2_moe"  # also runs sequence-parallel at the TP2 layout (recorded as ``qwen2_moe_sp``)
 TIMEOUT_S = 60.0
-# (name, layout, families, with the load-balancing and z-losses, the distributed checkpoint: save / load / None)
+# (name, layout, families, with the load-balancing and z-losses, the distributed checkpoint: save / load / refuse /
+# None)
 PHASES = [("ep2", dict(expert_parallel=2), ("qwen2_moe", "deepseek_v3"), True, "save"),
           ("ep2tp2", dict(expert_parallel=2, tensor_parallel=2), ("qwen2_moe", "deepseek_v3"), False, "load"),
           ("ep2pp2", dict(expert_parallel=2, pipeline_parallel=2), ("qwen2_moe", "deepseek_v3"), False, "load"),
-          ("ep4", dict(expert_parallel=4), (), False, "load")]
+          ("ep4", dict(expert_parallel=4), (), False, "load"),
+          ("ep1", {}, (), False, "refuse")]
 # `make test-extended` (``--extended``): Qwen3-MoE and Mixtral at EP2 x TP2. They differ from Qwen2-MoE inside a
 # layer only (no shared expert and q/k norms; Mixtral's names), which the in-process checks cover for every family;
 # their experts shard across EP and TP as Qwen2-MoE's do.
@@ -318,6 +320,22 @@ def check_checkpoint_load(path: Path, workdir: Path) -> dict:
     return {"weights": max(float((weights[k] - reference[k]).abs().max()) for k in reference), "step": loaded["step"]}
 
 
+def check_checkpoint_refused(path: Path, workdir: Path) -> dict:
+    """The checkpoint saved at EP2 (a chained optimizer: the experts' apart) offered to this EP1 layout's single
+    optimizer: refused naming both sizes before anything loads; the model's weights alone still load."""
+    chunks = build(path)
+    opt, sched = optimizer.build_optimizer(chunks, OPT)
+    try:
+        checkpoint.load_checkpoint(workdir / "ckpt", chunks, opt, sched)
+    except ValueError as error:
+        message = str(error)
+    else:
+        message = ""
+    weights_only = checkpoint.load_checkpoint(workdir / "ckpt", chunks)
+    return {"refused": int("expert_model_parallel_size=2" in message and "expert_model_parallel_size=1" in message
+                           and "2 megatron optimizer(s)" in message), "weights_step": weights_only["step"]}
+
+
 def run_phase(layout: dict, families: tuple[str, ...], aux: bool, ckpt: str | None, workdir: Path) -> dict:
     state.initialize(state.ParallelConfig(timeout_s=TIMEOUT_S, **layout))
     values: dict[str, object] = {}
@@ -338,7 +356,7 @@ def run_phase(layout: dict, families: tuple[str, ...], aux: bool, ckpt: str | No
         except Exception:  # recorded, reported by pytest
             values[f"{SP_FAMILY}_sp.error"] = f"rank {dist.get_rank()}: {traceback.format_exc()}"
     if ckpt is not None:  # Qwen2-MoE's checkpoint: saved at EP2, loaded at other expert layouts
-        check = check_checkpoint_save if ckpt == "save" else check_checkpoint_load
+        check = {"save": check_checkpoint_save, "load": check_checkpoint_load, "refuse": check_checkpoint_refused}[ckpt]
         try:
             found = check(tiny_model_dir(tiny_spec("qwen2_moe")), workdir)
             values.update({f"checkpoint.{k}": v for k, v in found.items()})

@@ -1,6 +1,7 @@
 """Mixture-of-experts models under expert parallelism on CPU/gloo: one 4-rank torchrun launch of
 ``moe_worker.py`` (EP2, EP2 x TP2, EP2 x PP2: Qwen2-MoE and DeepSeek-V3 (multi-latent attention, a dense first
-layer, sigmoid grouped routing with the expert bias) at each; EP4 loads the checkpoint; Qwen3-MoE and Mixtral at
+layer, sigmoid grouped routing with the expert bias) at each; EP4 loads the checkpoint, EP1 is refused its optimizer
+state; Qwen3-MoE and Mixtral at
 EP2 x TP2 in ``make test-extended``), and the
 same checks in process at TP1 / EP1 for every MoE family. Against each family's transformers class in fp32:
 log-probs and entropies (row and packed layouts), the loss and every gradient of a packed forward-backward
@@ -116,6 +117,16 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_other_expert_layouts(results: dict
     assert "checkpoint.error" not in saved and "checkpoint.error" not in loaded, results["_log"]
     assert saved["checkpoint.moved"] > 1e-4  # the updates moved the weights away from the HF folder's
     assert loaded["checkpoint.step"] == 2 and loaded["checkpoint.weights"] <= 1e-6, loaded
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(1000)  # the first to run also waits for the launch (module fixture)
+def test_an_ep2_optimizer_state_offered_to_ep1_is_refused_naming_both_sizes(results: dict) -> None:
+    """At EP > 1 megatron chains an optimizer for the experts; a checkpoint of that state offered to EP1's single
+    optimizer is refused before anything loads, naming both expert-parallel sizes; its weights alone still load."""
+    values = results.get("ep1", {})
+    assert "checkpoint.error" not in values, results["_log"]
+    assert values["checkpoint.refused"] == 1 and values["checkpoint.weights_step"] == 2, values
 
 
 @pytest.mark.slow
