@@ -52,11 +52,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         preprocess_main(rest)
         return 0
     if command == "refusals" and len(rest) <= 1:
+        from meshrl.config.key_policy import key_rule
         from meshrl.config.refusals import catalogue, render
         from meshrl.trainer.main import load_rules
 
         load_rules()
         rules = catalogue(rest[0] if rest else None)
+        if rest:
+            print(f"{rest[0]}: {key_rule(rest[0])}")
         print(render(rules) if rules else f"meshrl refusals: no rule concerns {rest[0]}")
         return 0 if rules else 1
     import difflib

@@ -496,6 +496,19 @@ def classify(key: str) -> str:
     return "read"
 
 
+def key_rule(key: str) -> str:
+    """What the key policy says of the dotted ``key``, for ``meshrl refusals KEY``: 'refused: <why, what instead>',
+    'accepted with a warning: <why>' (FSDP-only and inert keys), 'read', or 'unknown' (``key_status``)."""
+    status = key_status(key)
+    if status == "refused":
+        return f"refused when set away from its default: {REFUSED[_match(key, REFUSED)]}"
+    if status == "inert":
+        return f"accepted with a warning when set: {INERT[_match(key, INERT)]}"
+    if status == "fsdp_only":
+        return "accepted with a warning when set: verl's FSDP-only key, no effect on meshrl's Megatron backend"
+    return "read by meshrl" if status == "read" else "not a key of verl's or meshrl's schema"
+
+
 _DEFAULT = object()
 _COPY = re.compile(r"\$\{([\w.]+)\}")  # a schema default that is another key's value (absolute path)
 

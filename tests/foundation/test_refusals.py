@@ -116,8 +116,13 @@ def test_refusal_needs_a_known_stage():
 def test_meshrl_refusals_finds_the_rules_about_a_key(capsys):
     assert cli(["refusals", "actor_rollout_ref.model.lora.rank"]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("actor_rollout_ref.model.lora.rank: read by meshrl\n")
     assert "meshrl.parallel.lora_limits.lora_on_this_model" in out and "model: the configuration against" in out
     assert "meshrl.trainer.early_checks.run_folder" not in out
     assert cli(["refusals"]) == 0
     assert capsys.readouterr().out.count("\n    keys: ") == len(catalogue())
     assert cli(["refusals", "no_such.key"]) == 1
+    assert capsys.readouterr().out.startswith("no_such.key: not a key of verl's or meshrl's schema")
+    cli(["refusals", "data.image_patch_size"])  # the key policy's own word first
+    assert capsys.readouterr().out.startswith("data.image_patch_size: refused when set away from its default: "
+                                              "multi-modal training")
