@@ -271,8 +271,8 @@ def load_rules() -> None:
 def preflight(cfg):
     """Every check before any data or worker loads: the refusal stages ``config`` (``validate_config``: its run
     plan), ``files`` (run folder, devices, weights, converted checkpoints), ``model`` (the model's HF config against
-    the parallel sizes, LoRA, the reward model, checkpoint contents), ``rollout`` (the engine's settings) and
-    ``launch`` (Ray, the allocator, the reward function), each raising one ``ConfigError`` listing its problems
+    the parallel layouts, LoRA, the reward model or judge), ``rollout`` (the engine's settings) and ``launch`` (Ray,
+    the allocator, the reward function), each raising one ``ConfigError`` listing its problems
     (``meshrl.config.refusals``); then the run plan with its start-up notes."""
     from meshrl.config.refusals import enforce
     from meshrl.config.validate import validate_config
