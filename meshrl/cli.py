@@ -5,7 +5,7 @@
     meshrl plot RUN_DIR [--out FILE]             draw a run's metrics.jsonl to a PNG
     meshrl plan RECIPE.yaml [key=value ...]      per-GPU memory and FLOPs of a recipe; refuses what cannot fit
     meshrl convert hf-to-mcore|mcore-to-hf ...   checkpoint conversion (see --help)
-    meshrl preprocess gsm8k|math|math500 ...     write verl-layout parquet from the packaged data
+    meshrl preprocess gsm8k|math|geo3k ...       write verl-layout parquet (packaged data, or a local copy)
     meshrl refusals [KEY]                        every rule that refuses a configuration (about KEY), by stage
 """
 
