@@ -562,7 +562,7 @@ def _check_megatron(p: _Problems, cfg: DictConfig, mg: DictConfig, key: str, mod
 
 def validate_against_model(cfg: DictConfig, plan: RunPlan, hf_config) -> None:
     """Raise ``ConfigError`` listing ``engine_and_routing_problems`` (for ``meshrl plan``, which checks each role's
-    layout itself with ``model_builder.check_layout``)."""
+    layout itself with ``model_builder.layout_problem_lines``)."""
     refuse(engine_and_routing_problems(Checked(cfg, plan, hf_config)), "configuration for this model")
 
 

@@ -59,8 +59,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
     from meshrl.config.micro_batching import micro_batching
     from meshrl.config.run_plan import build_run_plan
     from meshrl.config.validate import validate_against_model, world_size
-    from meshrl.parallel.model_builder import layout_problems, model_spec
-    from meshrl.parallel.state import ParallelConfig
+    from meshrl.parallel.model_builder import layout_problem_lines, model_spec
     from meshrl.workers.model_setup import transformer_overrides
 
     arr, actor, rollout, ref, critic_cfg = (cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor,
@@ -92,9 +91,9 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
         """The role's memory in its run-plan layout (the one its workers initialise)."""
         mg = section.megatron
         layout = run.critic_layout if is_critic else run.actor_layout
-        name = "critic" if is_critic else "actor_rollout_ref.actor"
-        if problems := layout_problems(model_spec_, ParallelConfig.from_layout(layout)):
-            raise PlanError("; ".join(f"{name}.megatron.{key}: {why}" for key, why in problems))
+        megatron_key = "critic.megatron" if is_critic else "actor_rollout_ref.actor.megatron"
+        if problems := layout_problem_lines(model_spec_, layout, megatron_key):
+            raise PlanError("; ".join(problems))
         # verl's FSDP sections whose offload flags the workers read (the critic's has three places)
         fsdp = (section.fsdp_config,) + ((section.model.fsdp_config, section.fsdp) if is_critic else ())
         return RoleMemory(spec=model_spec_, tp=layout.tensor, pp=layout.pipeline, vpp=layout.virtual_pipeline or 1,

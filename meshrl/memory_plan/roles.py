@@ -88,13 +88,12 @@ def any_flag(*sections, key: str) -> bool:
 def reward_model_memory(cfg, layout) -> RoleMemory:
     """The learned reward model's memory (``reward_model.enable``): forward-only, in its run-plan ``layout``
     (``RunPlan.reward_model_layout``, from ``reward_model.megatron``)."""
-    from meshrl.parallel.model_builder import layout_problems, model_spec
-    from meshrl.parallel.state import ParallelConfig
+    from meshrl.parallel.model_builder import layout_problem_lines, model_spec
 
     rm, mg = cfg.reward_model, cfg.reward_model.megatron
     spec = model_spec(load_hf_config(rm.model.path))
-    if problems := layout_problems(spec, ParallelConfig.from_layout(layout)):
-        raise PlanError("; ".join(f"reward_model.megatron.{key}: {why}" for key, why in problems))
+    if problems := layout_problem_lines(spec, layout, "reward_model.megatron"):
+        raise PlanError("; ".join(problems))
     return RoleMemory(spec=spec, tp=layout.tensor, pp=layout.pipeline, vpp=1, dp=layout.data, cp=layout.context,
                       distributed_optimizer=False, recompute=False,
                       param_offload=any_flag(mg, rm.model.fsdp_config, key="param_offload"),

@@ -67,8 +67,13 @@ def layouts_shard_the_model(c: Checked) -> list[str]:
     roles = [("actor_rollout_ref.actor.megatron", c.plan.actor_layout)]
     if c.plan.use_critic:
         roles.append(("critic.megatron", c.plan.critic_layout))
-    return [f"{section}.{key}: {why}" for section, layout in roles
-            for key, why in layout_problems(spec, state.ParallelConfig.from_layout(layout))]
+    return [line for section, layout in roles for line in layout_problem_lines(spec, layout, section)]
+
+
+def layout_problem_lines(spec: ModelSpec, layout, section: str) -> list[str]:
+    """``layout_problems`` of a run plan's ``layout`` (``ParallelLayout``) as ``<section>.<key>: why`` lines;
+    ``section``: the role's ``megatron`` section (``critic.megatron``)."""
+    return [f"{section}.{key}: {why}" for key, why in layout_problems(spec, state.ParallelConfig.from_layout(layout))]
 
 
 def layout_problems(spec: ModelSpec, parallel: state.ParallelConfig) -> list[tuple[str, str]]:

@@ -60,7 +60,6 @@ from typing import Any, Callable
 
 import torch
 
-from meshrl.config.async_keys import colocate_async
 from meshrl.config.refusals import Checked, refusal
 from meshrl.protocol import Batch
 from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch, total_training_steps
@@ -77,8 +76,10 @@ STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
 def rollout_budget(c: Checked) -> list[str]:
     """The fully async and one-step-off trainers' steps × prompts per step must not exceed the prompts their
     rollouter starts (``rollout.total_rollout_steps``, at most the training set × ``trainer.total_epochs``)."""
+    from meshrl.trainer.trainer_modes import trainer_class
+
     cfg = c.cfg
-    if not cfg.trainer.async_mode or colocate_async(cfg):
+    if not issubclass(trainer_class(cfg), AsyncRLTrainer):
         return []
     budget, steps = staleness_budget(cfg, len(c.train_data)), total_training_steps(cfg, len(c.train_data))
     total, needed = budget.total_rollout_steps, steps * budget.required_samples
@@ -109,6 +110,8 @@ def why_serial(cfg, plan) -> str | None:
 
 class AsyncRLTrainer(RLTrainer):
     """``RLTrainer``'s step on samples from the rollouter's queue (module docstring)."""
+
+    STATE_KEY = "async"
 
     def __init__(self, cfg, plan, **kwargs) -> None:
         super().__init__(cfg, plan, **kwargs)
@@ -288,12 +291,12 @@ class AsyncRLTrainer(RLTrainer):
         state = super().driver_state()
         samples = [{"row": index, "rows": group.plain(), "versions": [list(span) for span in versions]}
                    for (index, group), versions in zip(self.queue.queued_payloads(), self.queue.queued_versions())]
-        state["async"] = {"samples": samples, "prompts": list(self.pending), "version": self.queue.rollout_version,
-                          "queue": self.queue.counters()}
+        state[self.STATE_KEY] = {"samples": samples, "prompts": list(self.pending),
+                                 "version": self.queue.rollout_version, "queue": self.queue.counters()}
         return state
 
     def restore_trainer_state(self, state: dict[str, Any], path) -> None:
-        saved = state["async"]  # a checkpoint of this trainer (early_checks.resume_checkpoint)
+        saved = state[self.STATE_KEY]  # a checkpoint of this trainer (early_checks.resume_checkpoint)
         # the finished samples as they were generated (tokens, log-probs, versions); a checkpoint of an earlier meshrl
         # holds their rows only, among the prompts to start again
         samples = [((sample["row"], Batch.from_plain(sample["rows"])), sample["versions"])

@@ -41,11 +41,10 @@ from meshrl.trainer.stream_groups import StreamGroups
 from meshrl.trainer.tracking import Timer
 from meshrl.workers.sequences import POLICY_VERSION
 
-STATE_KEY = "colocate_async"
-
-
 class ColocateAsyncTrainer(RLTrainer):
     """``RLTrainer``'s step on the groups that finished first, across steps (module docstring)."""
+
+    STATE_KEY = "colocate_async"
 
     def __init__(self, cfg, plan, **kwargs) -> None:
         super().__init__(cfg, plan, **kwargs)
@@ -144,11 +143,11 @@ class ColocateAsyncTrainer(RLTrainer):
     # ------------------------------------------------------------------------------- checkpoints
     def driver_state(self) -> dict[str, Any]:
         state = super().driver_state()
-        state[STATE_KEY] = {"prompts": [group.row for group in self.streams.groups.values()] + list(self.pending),
+        state[self.STATE_KEY] = {"prompts": [group.row for group in self.streams.groups.values()] + list(self.pending),
                             "version": self.version}
         return state
 
     def restore_trainer_state(self, state: dict[str, Any], path) -> None:
-        saved = state[STATE_KEY]  # a checkpoint of this trainer (early_checks.resume_checkpoint)
+        saved = state[self.STATE_KEY]  # a checkpoint of this trainer (early_checks.resume_checkpoint)
         self.pending = deque(saved["prompts"])
         self.version = int(saved["version"])

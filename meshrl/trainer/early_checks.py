@@ -248,20 +248,22 @@ def resume_checkpoint(c: Checked) -> list[str]:
 
 
 def _trainer_problem(cfg, state: dict, path: Path) -> str | None:
-    """Why the trainer ``cfg`` runs cannot resume the driver ``state`` saved at ``path``, or None: each asynchronous
-    trainer saves its queue under its own key (the fully async and one-step-off trainers ``async``, verl V1's
-    colocate_async ``colocate_async``), which another trainer would drop."""
-    from meshrl.config.async_keys import colocate_async
+    """Why the trainer ``cfg`` runs (``trainer_modes.trainer_class``) cannot resume the driver ``state`` saved at
+    ``path``, or None: each asynchronous trainer saves its queue under its own ``STATE_KEY``, which another trainer
+    would drop."""
+    from meshrl.trainer.async_trainer import AsyncRLTrainer
+    from meshrl.trainer.colocate_async_trainer import ColocateAsyncTrainer
+    from meshrl.trainer.trainer_modes import trainer_class
 
-    saved = "colocate_async" if "colocate_async" in state else "async" if "async" in state else "sync"
-    runs = "colocate_async" if colocate_async(cfg) else "async" if cfg.trainer.async_mode else "sync"
+    runs = trainer_class(cfg).STATE_KEY
+    saved = next((key for key in (AsyncRLTrainer.STATE_KEY, ColocateAsyncTrainer.STATE_KEY) if key in state), None)
     if saved == runs:
         return None
-    if runs == "sync":
+    if runs is None:
         return (f"trainer.async_mode: {path} was saved by an asynchronous trainer (trainer.async_mode, or "
                 "trainer.v1.trainer_mode=colocate_async), whose prompts generated but not trained yet this trainer "
                 "would skip: resume it with the config that saved it")
-    if runs == "async":
+    if runs == AsyncRLTrainer.STATE_KEY:
         return (f"trainer.async_mode: {path} was saved by another trainer: it holds no rollouter state to resume "
                 f"trainer.async_mode={cfg.trainer.async_mode} from; resume it with the config that saved it, or start "
                 "this run afresh in another trainer.default_local_dir")

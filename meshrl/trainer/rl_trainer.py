@@ -70,6 +70,11 @@ class Scores:
 
 
 class RLTrainer:
+    # The driver-state key under which a trainer saves what it keeps beyond the loop's state (an asynchronous
+    # trainer's queue); None: nothing. A checkpoint resumes only in the trainer with its key
+    # (``early_checks.resume_checkpoint``).
+    STATE_KEY: str | None = None
+
     def __init__(self, cfg: DictConfig, plan: RunPlan, *, policy, critic, tokenizer, train_data: RLDataset,
                  val_data: RLDataset | None, reward: RewardPool, tracker: Tracker,
                  checkpoints: CheckpointManager, stop_requested: Callable[[], bool] = lambda: False,

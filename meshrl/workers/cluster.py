@@ -46,14 +46,14 @@ def ray_settings(c: Checked) -> list[str]:
     elif os.environ.get("RAY_ADDRESS"):
         problems.append(f"{key}: sizes a Ray that meshrl starts, but RAY_ADDRESS joins a running cluster, whose CPUs "
                         "its `ray start --num-cpus` sets; drop the key or unset RAY_ADDRESS.")
-    elif num_cpus < (workers := _worker_processes(c.cfg)):
+    elif num_cpus < (workers := _worker_processes(c.cfg, c.plan)):
         problems.append(f"{key}={num_cpus}: this run places {workers} worker processes of one logical CPU each; set "
                         f"at least {workers} or drop the key.")
     return problems
 
 
-def _worker_processes(cfg: DictConfig) -> int:
-    return world_size(cfg) * groups_per_rank(build_run_plan(cfg))  # one logical CPU each (meshrl.workers.group)
+def _worker_processes(cfg: DictConfig, plan) -> int:
+    return world_size(cfg) * groups_per_rank(plan)  # one logical CPU each (meshrl.workers.group)
 
 
 def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
     if os.environ.get("RAY_ADDRESS"):
         return {"address": os.environ["RAY_ADDRESS"], "log_to_driver": True, **runtime}
     num_cpus = cfg.ray_kwargs.ray_init.num_cpus
-    num_cpus = _worker_processes(cfg) + _DRIVER_CPUS if num_cpus is None else num_cpus
+    num_cpus = _worker_processes(cfg, build_run_plan(cfg)) + _DRIVER_CPUS if num_cpus is None else num_cpus
     return {
         "num_cpus": num_cpus,
         "include_dashboard": False,

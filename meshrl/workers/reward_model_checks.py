@@ -12,20 +12,19 @@ SCORE = "score.weight"  # the head of a *ForSequenceClassification checkpoint
 @refusal("model", "reward_model.model.path", "reward_model.megatron")
 def learned_reward_model(c: Checked) -> list[str]:
     """A learned reward model must load and score: ``reward_model_problems``."""
-    return reward_model_problems(c.cfg) if c.plan.use_reward_model else []
+    return reward_model_problems(c.cfg, c.plan.reward_model_layout) if c.plan.use_reward_model else []
 
 
-def reward_model_problems(cfg) -> list[str]:
+def reward_model_problems(cfg, layout) -> list[str]:
     """What stops ``reward_model.model.path`` from scoring (empty: it can): a missing folder, an unsupported
-    family, a checkpoint without a one-label ``score`` head, a tokenizer without a chat template, a layout that
-    does not shard the model (``model_builder.layout_problems``)."""
+    family, a checkpoint without a one-label ``score`` head, a tokenizer without a chat template, a run-plan
+    ``layout`` (``RunPlan.reward_model_layout``) that does not shard the model (``model_builder.layout_problems``)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from meshrl.models.families import model_spec
     from meshrl.models.resolve import resolve_model_path
     from meshrl.parallel.hf_conversion import HFCheckpointReader
-    from meshrl.parallel.model_builder import layout_problems
-    from meshrl.parallel.state import ParallelConfig
+    from meshrl.parallel.model_builder import layout_problem_lines
 
     rm = cfg.reward_model
     key = "reward_model.model.path"
@@ -51,8 +50,5 @@ def reward_model_problems(cfg) -> list[str]:
     if not getattr(tokenizer, "chat_template", None):
         problems.append(f"{key}={rm.model.path}: its tokenizer has no chat template, which renders the conversation "
                         "it scores")
-    mg = rm.megatron
-    layout = ParallelConfig(tensor_parallel=mg.tensor_model_parallel_size,
-                            pipeline_parallel=mg.pipeline_model_parallel_size)
-    return problems + [f"reward_model.megatron.{name}: {why} (the reward model's)"
-                       for name, why in layout_problems(spec, layout)]
+    return problems + [f"{line} (the reward model's)"
+                       for line in layout_problem_lines(spec, layout, "reward_model.megatron")]

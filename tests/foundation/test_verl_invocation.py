@@ -19,6 +19,7 @@ from meshrl.trainer.main import parse_args
 from meshrl.trainer.plot import plot_finished_run
 from meshrl.trainer.tracking import METRICS_FILE
 from meshrl.config.refusals import Checked
+from meshrl.config.run_plan import build_run_plan
 from meshrl.workers.cluster import ray_init_kwargs, ray_settings
 from verl_scripts import classify
 
@@ -137,7 +138,8 @@ def test_ray_kwargs_that_cannot_map_are_refused(monkeypatch, overrides, address,
         monkeypatch.setenv("RAY_ADDRESS", address)
     else:
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    (problem,) = ray_settings(Checked(load_config(overrides)))
+    cfg = load_config(overrides)
+    (problem,) = ray_settings(Checked(cfg, build_run_plan(cfg)))
     assert message in problem
 
 

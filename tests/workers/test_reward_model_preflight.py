@@ -4,11 +4,17 @@ import pytest
 
 from meshrl.config import ConfigError, load_config
 from meshrl.trainer.main import preflight
-from meshrl.workers.reward_model_checks import reward_model_problems
+from meshrl.config.run_plan import build_run_plan
+from meshrl.workers.reward_model_checks import reward_model_problems as problems_in_plan_layout
 
 
 def cfg_with(*overrides):
     return load_config(["reward_model.enable=True", *overrides], recipe="cpu_tiny_grpo")
+
+
+def reward_model_problems(cfg):
+    """The reward model's problems in the layout its run plan gives it."""
+    return problems_in_plan_layout(cfg, build_run_plan(cfg).reward_model_layout)
 
 
 def test_a_tiny_reward_model_passes():
