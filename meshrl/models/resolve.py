@@ -4,7 +4,8 @@
     embedded:gemma3-270m   the packaged Gemma-3-270M (pretrained; converted once into the cache)
     tiny:<family>          a tiny random model of a registered family, named by its module in
                            meshrl.models.families (tiny:llama, tiny:qwen2, tiny:qwen3, tiny:mistral, tiny:gemma,
-                           tiny:gemma2, tiny:gemma3 for model_type gemma3_text; tests, smoke runs)
+                           tiny:gemma2, tiny:gemma3 for model_type gemma3_text, tiny:qwen2_5_vl with a vision
+                           tower; tests, smoke runs)
     tiny-rm:<family>       a tiny random reward model (*ForSequenceClassification, one label) of a family
                            (meshrl.models.tiny_reward; reward_model.model.path in tests)
     <folder>               a local HF folder (config.json + safetensors + tokenizer)
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshrl.models.families import FAMILY_MODULES
+from meshrl.models.families import FAMILY_MODULES, text_model_types
 
 EMBEDDED_MODELS = ("embedded:smollm2", "embedded:gemma3-270m")
 # tiny:<family module> -> its model_type
 TINY_MODELS = {f"tiny:{module}": model_type for model_type, module in FAMILY_MODULES.items()}
-TINY_REWARD_MODELS = {f"tiny-rm:{module}": model_type for model_type, module in FAMILY_MODULES.items()}
+TINY_REWARD_MODELS = {f"tiny-rm:{FAMILY_MODULES[model_type]}": model_type for model_type in text_model_types()}
 
 
 def resolve_model_path(path: str) -> Path:
@@ -34,6 +35,10 @@ def resolve_model_path(path: str) -> Path:
         from meshrl.models.embedded import gemma3_270m_hf_dir
 
         return gemma3_270m_hf_dir()
+    if path in TINY_MODELS and TINY_MODELS[path] not in text_model_types():
+        from meshrl.models.tiny_vision import tiny_vl_model_dir
+
+        return tiny_vl_model_dir(TINY_MODELS[path])
     if path in TINY_MODELS:
         from meshrl.models.tiny import tiny_model_dir, tiny_spec
 

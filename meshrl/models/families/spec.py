@@ -58,6 +58,13 @@ class ModelSpec:
     - ``hf_fused``: HF tensors that concatenate several of the table's pieces along dim 0 (keys of ``HF_FUSIONS``:
       Phi-3's ``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]); ``hf_layout`` keeps the parts' names and
       the checkpoint reader / writer map them onto the fused tensors (``hf_fusions``).
+    - ``mrope_section`` (empty: RoPE over one position): multimodal RoPE (Qwen2-VL's M-RoPE, megatron's ``mrope``).
+      Each token has a (temporal, height, width) position; the ``head_dim / 2`` rotary frequencies are split in
+      consecutive sections of these widths, section ``i`` turned by axis ``i``'s position (text tokens have the same
+      value on all three, so it is plain RoPE for them). The positions come from ``meshrl.data.mrope_positions``.
+    - ``vision``: the model is a vision-language model: a vision tower (``meshrl.parallel.vision``, read from the HF
+      config's ``vision_config``) whose merged patch features replace the embeddings of the image pad tokens; the
+      fields above are its language model's (the HF config's ``text_config``).
     """
 
     model_type: str
@@ -107,12 +114,18 @@ class ModelSpec:
     moe_group_topk: int | None = None
     moe_scaling_factor: float | None = None
     yarn: tuple[float, ...] = ()
+    mrope_section: tuple[int, ...] = ()
+    vision: bool = False
 
     def __post_init__(self) -> None:
         # A spec read back from a checkpoint's JSON holds a list here.
         object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         object.__setattr__(self, "hf_fused", tuple(self.hf_fused))
         object.__setattr__(self, "yarn", tuple(self.yarn))
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+        if self.mrope_section and sum(self.mrope_section) * 2 != self.head_dim:
+            raise ValueError(f"mrope_section {self.mrope_section!r}: its sections must cover half of head_dim "
+                             f"{self.head_dim} (each rotates pairs of dimensions)")
         if self.yarn and len(self.yarn) != len(YARN_FIELDS):
             raise ValueError(f"yarn {self.yarn!r}: one value for each of {', '.join(YARN_FIELDS)}")
         if self.post_norm_names not in POST_NORM_NAMES:
@@ -220,6 +233,10 @@ class Family:
     spec_fields: Callable[[Any], dict[str, Any]] | None = None
     config_name: str | None = None  # the config class when it is not ``{hf_prefix}Config``
     critic_name: str | None = None  # the critic class when it is not ``{hf_prefix}ForTokenClassification``
+    policy_name: str | None = None  # the policy class when it is not ``{hf_prefix}ForCausalLM`` (VL models)
+    # a vision-language model: its language model is the config's text_config, its tiny model has a vision tower
+    # (meshrl.models.tiny_vision, not tiny_shape / tiny_config) and no reward-model head
+    vision_language: bool = False
     # head_dim is hidden_size / num_attention_heads by construction (the HF config has no head_dim field)
     derives_head_dim: bool = False
     # vLLM attends to the whole sequence where the HF model slides its window (it reads windows from layer_types,
@@ -244,7 +261,7 @@ class Family:
 
     @property
     def policy_class(self) -> str:
-        return f"{self.hf_prefix}ForCausalLM"
+        return self.policy_name or f"{self.hf_prefix}ForCausalLM"
 
     @property
     def critic_class(self) -> str:
