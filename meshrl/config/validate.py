@@ -572,8 +572,9 @@ def engine_and_routing_problems(c: Checked) -> list[str]:
     """The rollout's tensor parallelism must divide the model's attention heads; router replay needs a mixture of
     experts. (The trained roles' layouts: ``model_builder.layouts_shard_the_model``.)"""
     p, cfg, hf_config = _Problems(), c.cfg, c.hf_config
-    heads = hf_config.num_attention_heads
-    moe = any(getattr(hf_config, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    text = hf_config.get_text_config()  # a vision-language model's language model (a text model: the config)
+    heads = text.num_attention_heads
+    moe = any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
     rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     p.require(heads % rtp == 0, "actor_rollout_ref.rollout.tensor_model_parallel_size",
               f"{rtp} does not divide the model's {heads} attention heads")

@@ -178,6 +178,8 @@ class RLDataset(torch.utils.data.Dataset):
         media_keys: columns of images / videos (``data.image_key``, ``data.video_key``): a row with any is refused
             without a ``processor``, and with one a row with videos.
         processor: the vision-language model's (``meshrl.data.vision.load_processor``): rows' images are read.
+        prompt_positions: with a ``processor``, the model's 3-D position rule (``meshrl.data.mrope_positions.
+            positions_for_config``): ``multi_modal_inputs`` gives each prompt's positions with its images.
         max_samples: keep this many rows of all files together (-1: all; ``data.train_max_samples`` /
             ``data.val_max_samples``), drawn with ``seed`` when ``shuffle`` (``data.shuffle`` / ``data.seed``),
             else the first ones; chosen before filtering, as verl does.
@@ -202,6 +204,7 @@ class RLDataset(torch.utils.data.Dataset):
         reward_fn_key: str = "data_source",
         media_keys: Sequence[str] = ("images", "videos"),
         processor: Any = None,
+        prompt_positions: Any = None,
         max_samples: int = -1,
         shuffle: bool = False,
         seed: int | None = None,
@@ -217,7 +220,7 @@ class RLDataset(torch.utils.data.Dataset):
         self.num_filtered = 0
         self.num_truncated = 0
         self._meta: list[tuple[str, str, str, dict[str, Any], list[dict[str, str]], str, int, tuple]] = []
-        self.processor, image_key = processor, media_keys[0]
+        self.processor, self.prompt_positions, image_key = processor, prompt_positions, media_keys[0]
         token_chunks: list[np.ndarray] = []
         lengths: list[int] = []
         located: list[tuple[Path, int, dict[str, Any]]] = []  # (file, row index, row) of all files in order
@@ -351,13 +354,19 @@ class RLDataset(torch.utils.data.Dataset):
 
     def multi_modal_inputs(self, index: int) -> dict[str, Any]:
         """The ``pixel_values`` and ``image_grid_thw`` of prompt ``index``'s images ({} without images), as the
-        processor made them when it tokenised the prompt (verl's ``multi_modal_inputs``)."""
+        processor made them when it tokenised the prompt (verl's ``multi_modal_inputs``), and with the dataset's
+        ``prompt_positions`` the prompt's 3-D positions (``PROMPT_POSITIONS``)."""
         sample = self[index]
         if not sample.images:
             return {}
         from meshrl.data import vision
+        from meshrl.data.mrope_positions import PROMPT_POSITIONS
 
-        return vision.image_inputs(self.processor, sample.images)
+        inputs = vision.image_inputs(self.processor, sample.images)
+        if self.prompt_positions is not None:
+            inputs[PROMPT_POSITIONS] = self.prompt_positions(torch.as_tensor(sample.prompt_ids),
+                                                             inputs["image_grid_thw"])
+        return inputs
 
     def get_batch(self, indices: Sequence[int]) -> PromptBatch:
         """The prompts at ``indices`` (e.g. one step of :class:`meshrl.data.sampler.PromptSampler`)."""
@@ -375,20 +384,20 @@ class RLDataset(torch.utils.data.Dataset):
 
 
 def load_datasets(data: DictConfig, tokenizer: Any, tools: list[dict[str, Any]] | None = None,
-                  processor: Any = None) -> tuple[RLDataset, RLDataset | None]:
+                  processor: Any = None, prompt_positions: Any = None) -> tuple[RLDataset, RLDataset | None]:
     """The training and validation prompts of the ``data`` config section (no validation set without
     ``data.val_files``): each file list resolved (``meshrl.data.embedded``), templated with
     ``apply_chat_template_kwargs`` and, for a multi-turn rollout, its tools' OpenAI schemas (``tools``, which
     the template renders where the model expects them, as verl's agent loop does), and cut to
     ``train_max_samples`` / ``val_max_samples`` rows; with a vision-language model's ``processor`` rows' images
-    are read."""
+    are read (and ``prompt_positions``, its 3-D position rule, positions them)."""
     template_kwargs = OmegaConf.to_container(data.apply_chat_template_kwargs, resolve=True)
     if tools:
         template_kwargs["tools"] = tools
     common = dict(max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts,
                   truncation=data.truncation, prompt_key=data.prompt_key, chat_template_kwargs=template_kwargs,
                   reward_fn_key=data.reward_fn_key, media_keys=(data.image_key, data.video_key),
-                  processor=processor, shuffle=data.shuffle, seed=data.seed)
+                  processor=processor, prompt_positions=prompt_positions, shuffle=data.shuffle, seed=data.seed)
     train = RLDataset(resolve_data_files(data.train_files), tokenizer, max_samples=data.train_max_samples, **common)
     if not data.val_files:
         return train, None

@@ -37,6 +37,9 @@ import torch
 # the families whose get_rope_index in transformers 5.19 gives images the rule above (read; the tests run the
 # tiny qwen2_5_vl and qwen3_vl)
 MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# the key of a prompt's ``multi_modal_inputs`` entry (``meshrl.data.dataset.RLDataset.multi_modal_inputs``) holding
+# its 3-D positions, ``[3, prompt length]``: computed with the prompt, continued over the response by the workers
+PROMPT_POSITIONS = "prompt_mrope_positions"
 
 
 def _text(start: int, length: int, device: torch.device) -> torch.Tensor:

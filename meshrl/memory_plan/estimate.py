@@ -60,6 +60,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
     from meshrl.config.run_plan import build_run_plan
     from meshrl.config.validate import validate_against_model, world_size
     from meshrl.parallel.model_builder import layout_problem_lines, model_spec
+    from meshrl.parallel.vision import tower_parameters
     from meshrl.workers.model_setup import transformer_overrides
 
     arr, actor, rollout, ref, critic_cfg = (cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor,
@@ -86,6 +87,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
     world = world_size(cfg)
     use_ref, use_critic = run.use_reference, run.use_critic
     seq_len = data.max_prompt_length + run.response_length
+    vision = tower_parameters(hf_config) if spec.vision else 0  # a vision-language policy's tower
 
     def trainer_of(section, model_section, model_spec_, is_critic: bool) -> RoleMemory:
         """The role's memory in its run-plan layout (the one its workers initialise)."""
@@ -104,7 +106,8 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
                           grad_offload=any_flag(mg, key="grad_offload"),
                           optimizer_offload=any_flag(mg, *fsdp, key="optimizer_offload"),
                           critic=is_critic, lora=None if is_critic else run.lora,
-                          ep=layout.expert, etp=layout.expert_tensor, sequence_parallel=runs_sequence_parallel(mg))
+                          ep=layout.expert, etp=layout.expert_tensor, sequence_parallel=runs_sequence_parallel(mg),
+                          vision_params=0 if is_critic else vision)
 
     policy = trainer_of(actor, arr.model, spec, False)
     critic = None
@@ -128,7 +131,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
     values_tokens = budget("critic_values", critic) if critic is not None else 0
     rm_tokens = budget("reward_model", reward_model) if reward_model is not None else 0
 
-    vllm = engine_memory(spec, rollout, dtype, device, limit, seq_len)
+    vllm = engine_memory(spec, rollout, dtype, device, limit, seq_len, vision)
     # one process per role on each GPU: the policy's, the critic's and the reward model's
     overhead = OVERHEAD_GIB[device] * GIB * (1 + use_critic + (reward_model is not None))
     vocab_shard = spec.vocab_size // policy.tp
@@ -260,7 +263,7 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
                        all_to_all_bytes_per_token(spec, policy.ep, actor_dtype["act"]) * tokens * passes / world}
 
     result = MemoryPlan(
-        model={"path": arr.model.path, **spec.to_dict(), "parameters": stage_parameters(spec),
+        model={"path": arr.model.path, **spec.to_dict(), "parameters": stage_parameters(spec) + vision,
                "active_parameters": active_parameters(spec), "matmul_parameters": n_policy},
         layout={"device": device, "actor_dtype": "bfloat16" if actor_dtype is BYTES_GPU else "float32",
                 "nnodes": trainer.nnodes, "gpus_per_node": trainer.n_gpus_per_node, "world": world,

@@ -10,10 +10,12 @@ from meshrl.memory_plan.units import CPU_DEFAULT_KV_BYTES
 from meshrl.memory_plan.weights import load_hf_config, stage_parameters
 
 
-def engine_memory(spec, rollout, dtype: dict, device: str, limit: float, seq_len: int) -> dict[str, Any]:
-    """The rollout engine's share of a GPU while it generates, and what its KV cache holds."""
+def engine_memory(spec, rollout, dtype: dict, device: str, limit: float, seq_len: int,
+                  vision_params: int = 0) -> dict[str, Any]:
+    """The rollout engine's share of a GPU while it generates, and what its KV cache holds (``vision_params``: a
+    vision-language model's tower, split over the rollout's TP like the rest)."""
     rtp = rollout.tensor_model_parallel_size
-    weights = stage_parameters(spec) * dtype["param"] / rtp
+    weights = (stage_parameters(spec) + vision_params) * dtype["param"] / rtp
     h, f = spec.hidden_size, mlp_width(spec)
     # vLLM profiles one forward over max_num_batched_tokens, then samples max_num_seqs rows of logits.
     activations = (rollout.max_num_batched_tokens * (4 * h + 3 * f // rtp) * dtype["act"]

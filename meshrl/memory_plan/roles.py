@@ -30,10 +30,11 @@ class RoleMemory:
     etp: int | None = None  # expert TP, None: TP
     sequence_parallel: bool = False  # megatron.sequence_parallel at TP > 1 (off at TP 1, as the workers build it)
     cp: int = 1  # context parallelism: each micro-batch's tokens split over CP ranks, which also shard the optimizer
+    vision_params: int = 0  # a vision-language policy's tower: whole on every TP rank of the first stage
 
     def params(self, stage: int) -> int:
         return stage_parameters(self.spec, tp=self.tp, pp=self.pp, stage=stage, critic=self.critic, ep=self.ep,
-                                etp=self.etp)
+                                etp=self.etp) + (self.vision_params if stage == 0 else 0)
 
     def expert_params(self) -> int:
         """Routed-expert parameters of one rank (its ``num_experts / EP`` experts' ETP shards, ``num_layers / PP``)."""

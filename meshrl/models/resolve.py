@@ -4,8 +4,8 @@
     embedded:gemma3-270m   the packaged Gemma-3-270M (pretrained; converted once into the cache)
     tiny:<family>          a tiny random model of a registered family, named by its module in
                            meshrl.models.families (tiny:llama, tiny:qwen2, tiny:qwen3, tiny:mistral, tiny:gemma,
-                           tiny:gemma2, tiny:gemma3 for model_type gemma3_text, tiny:qwen2_5_vl with a vision
-                           tower; tests, smoke runs)
+                           tiny:gemma2, tiny:gemma3 for model_type gemma3_text, tiny:qwen2_5_vl and
+                           tiny:qwen3_vl with a vision tower; tests, smoke runs)
     tiny-rm:<family>       a tiny random reward model (*ForSequenceClassification, one label) of a family
                            (meshrl.models.tiny_reward; reward_model.model.path in tests)
     <folder>               a local HF folder (config.json + safetensors + tokenizer)

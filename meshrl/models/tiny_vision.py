@@ -6,9 +6,10 @@ the image / video / vision-start token ids), the weights, a tokenizer and ``prep
 processor's patch, merge and pixel bounds). The tokenizer is the embedded SmolLM2 one with Qwen's four vision
 tokens added and Qwen's chat template (an image item renders as ``<|vision_start|><|image_pad|><|vision_end|>``,
 which the processor expands to one pad per merged patch), so the vocabulary is real and the ids of the vision
-tokens are the tokenizer's. Qwen2.5-VL's has two KV heads, so that its language model splits at TP2. Pixel bounds
-are small (a 56 x 56 image is 4 merged patches) so tests run in milliseconds; the architectures' own fields (M-RoPE
-sections, window attention, Qwen3-VL's deepstack layers) are kept.
+tokens are the tokenizer's. Both have two KV heads, so that their language models split at TP2 (Qwen3-VL's, as
+Qwen3's, 4 heads x 64 = 256 query width on a 128-wide residual stream). Pixel bounds are small (a 56 x 56 image is
+4 merged patches) so tests run in milliseconds; the architectures' own fields (M-RoPE sections, window attention,
+Qwen3-VL's deepstack layers: one, after decoder layer 0, so that PP2 keeps it on the first stage) are kept.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ TINY_VL = {
                         patch_size=14, window_size=56, fullatt_block_indexes=[1]),
                    dict(patch_size=14)),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
-                 dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=64, rope_parameters={"rope_type": "default",
+                 dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, rope_parameters={"rope_type": "default",
                                                                            "rope_theta": 10000.0,
                                                                            "mrope_section": [16, 8, 8]}),
                  dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,

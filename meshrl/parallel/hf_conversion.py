@@ -321,7 +321,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, hf
     last_stage = my_pp == parallel.pipeline_parallel - 1
     if spec.tie_word_embeddings and not critic and parallel.pipeline_parallel > 1 and last_stage:
         # The last stage's copy of the tied embedding.
-        tied = Piece("model.embed_tokens.weight", "head", None, "output_layer.weight", 0, None,
+        tied = Piece(f"{spec.lm_prefix}embed_tokens.weight", "head", None, "output_layer.weight", 0, None,
                      (spec.vocab_size, spec.hidden_size), "vocab_size, hidden_size")
         targets.append((tied, params[-1]["output_layer.weight"]))
     for piece, param in targets:
@@ -425,7 +425,7 @@ def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | 
                        tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
                        max_shard_bytes: int = 2 * 1024**3,
                        weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> Path | None:
-    """Write an HF folder (config, safetensors shards + index, tokenizer files) from ``chunks``.
+    """Write an HF folder (config, safetensors shards + index, tokenizer and image-processor files) from ``chunks``.
 
     Collective over the model-parallel group (see ``iter_hf_weights``); its first rank writes. With
     DP > 1 let one replica call it (the replicas hold identical weights); with expert parallelism, the replicas
@@ -482,7 +482,8 @@ def save_hf_checkpoint(chunks: list[torch.nn.Module], hf_config, out_dir: str | 
         for file in Path(tokenizer_dir).iterdir():
             if file.is_file() and (file.name.startswith("tokenizer") or file.name in
                                    ("special_tokens_map.json", "chat_template.jinja", "generation_config.json",
-                                    "vocab.json", "merges.txt")):
+                                    "vocab.json", "merges.txt", "preprocessor_config.json",
+                                    "processor_config.json")):  # a vision-language model's image processor
                 shutil.copy2(file, tmp / file.name)
     publish_dir(tmp, out, aside=out.with_name(f"{out.name}.tmp-{os.getpid()}-replaced"))
     return out

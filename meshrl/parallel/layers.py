@@ -16,6 +16,8 @@ need that megatron-core 0.16.1 has no option for (``meshrl.parallel.model_builde
 - ``mean_aux_loss_router_class``: megatron's top-k router attaching its load-balancing and z-losses so that a
   training pass adds their mean over micro-batches and data-parallel ranks (megatron's and verl's scaling) under
   meshrl's gradient contract.
+- ``interleaved_mrope_class``: megatron's multimodal rotary embedding with Qwen3-VL's interleaved (temporal,
+  height, width) frequencies (``ModelSpec.mrope_interleaved``), GPTModel's ``rotary_pos_emb`` for those models.
 - ``scale_embeddings`` / ``softcap_logits``: forward hooks on the embedding (``x * sqrt(hidden)`` in the
   embedding's dtype) and on the policy's output layer (``c * tanh(logits / c)``, elementwise, so it commutes
   with the vocabulary split).
@@ -250,6 +252,52 @@ def local_rope_self_attention_class():
             return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
     return LocalRopeSelfAttention
+
+
+def interleaved_mrope_axes(sections, frequencies: int) -> torch.Tensor:
+    """``[frequencies]`` long: the position axis (0 temporal, 1 height, 2 width) that turns each rotary frequency
+    under interleaved M-RoPE, transformers' ``Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope``: frequency ``i``
+    takes axis ``a = i % 3`` when ``a > 0`` and ``i < 3 * sections[a]`` (its ``slice(a, 3 * sections[a], 3)``),
+    the temporal axis otherwise. Qwen3-VL's ``[24, 20, 20]`` over 64 frequencies: ``T H W`` 20 times, then ``T T
+    T T``."""
+    index = torch.arange(frequencies)
+    axis = index % 3
+    limit = 3 * torch.tensor([0, sections[1], sections[2]])[axis]
+    return torch.where(index < limit, axis, torch.zeros_like(axis))
+
+
+@functools.cache
+def interleaved_mrope_class():
+    """megatron's ``MultimodalRotaryEmbedding`` (GPTModel's ``rotary_pos_emb`` under ``position_embedding_type``
+    "mrope") with Qwen3-VL's interleaved axes (``interleaved_mrope_axes``) instead of megatron's consecutive
+    sections. Same contract: ``forward(position_ids [3, b, s], mrope_section, cp_group)`` -> the angles
+    ``[s, b, 1, D]`` (``D`` the rotated head width), ``[f, f]`` with ``f_i = p_axis(i) * inv_freq_i``, the
+    rotate-half layout megatron's ``apply_rotary_pos_emb`` and transformers' both turn; this context-parallel rank's
+    part of the sequence when CP splits it (as megatron's). ``f`` is the elementwise fp32 product, as transformers
+    computes it (megatron's class takes it from a one-term matmul)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (MultimodalRotaryEmbedding,
+                                                                             get_pos_emb_on_this_cp_rank)
+
+    class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if self.rotary_interleaved:  # adjacent-pair rotation would need its own frequency layout
+                raise ValueError("interleaved M-RoPE turns the two halves of each head (rotary_interleaved=False)")
+
+        def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None) -> torch.Tensor:
+            seq = position_ids.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+            if self.seq_len_interpolation_factor is not None:
+                seq = seq * (1 / self.seq_len_interpolation_factor)
+            freqs = seq[..., None] * self.inv_freq  # [3, b, s, D / 2]
+            axes = interleaved_mrope_axes(mrope_section, freqs.shape[-1]).to(freqs.device)
+            freqs = freqs.gather(0, axes.expand_as(freqs[:1]))[0]  # [b, s, D / 2], each frequency its axis'
+            emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :].transpose(0, 1).contiguous()  # [s, b, 1, D]
+            cp_group = cp_group if cp_group is not None else self.cp_group
+            if cp_group is not None and cp_group.size() > 1:
+                emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+            return emb
+
+    return InterleavedMultimodalRotaryEmbedding
 
 
 def scale_embeddings(module, args, output: torch.Tensor, *, factor: float) -> torch.Tensor:

@@ -70,6 +70,24 @@ def layouts_shard_the_model(c: Checked) -> list[str]:
     return [line for section, layout in roles for line in layout_problem_lines(spec, layout, section)]
 
 
+@refusal("model", "actor_rollout_ref.model.enable_gradient_checkpointing",
+         "actor_rollout_ref.actor.megatron.override_transformer_config")
+def deepstack_runs_without_full_recompute(c: Checked) -> list[str]:
+    """Qwen3-VL's deepstack features are added to decoder layers' outputs by hooks around the forward
+    (``vision_language.images_in_embeddings``); megatron's full-layer recompute re-runs those layers in the backward
+    without them, so the actor's gradients would be wrong. Refused (``transformer_config`` refuses it at build too)."""
+    from meshrl.workers.model_setup import transformer_overrides
+
+    arr = c.cfg.actor_rollout_ref
+    if not model_spec(c.hf_config).deepstack_layers or \
+            transformer_overrides(arr.model, arr.actor.megatron).get("recompute_granularity") != "full":
+        return []
+    return ["actor_rollout_ref.model.enable_gradient_checkpointing: full-layer recompute (it, or "
+            "override_transformer_config.recompute_granularity=full) is not built with Qwen3-VL's deepstack features "
+            "(added by hooks megatron's recompute does not re-run); turn it off, or set "
+            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective"]
+
+
 def layout_problem_lines(spec: ModelSpec, layout, section: str) -> list[str]:
     """``layout_problems`` of a run plan's ``layout`` (``ParallelLayout``) as ``<section>.<key>: why`` lines;
     ``section``: the role's ``megatron`` section (``critic.megatron``)."""
@@ -96,6 +114,14 @@ def layout_problems(spec: ModelSpec, parallel: state.ParallelConfig) -> list[tup
     if spec.num_layers % (pp * vpp):
         problems.append(("pipeline_model_parallel_size",
                          f"PP={pp} x virtual PP={vpp} does not divide num_hidden_layers={spec.num_layers}"))
+    elif spec.deepstack_layers > spec.num_layers // (pp * vpp):
+        # the features come from the tower, which runs on the first stage's first chunk only (vision_language)
+        problems.append(("pipeline_model_parallel_size",
+                         f"PP={pp} x virtual PP={vpp} gives the first stage's first chunk "
+                         f"{spec.num_layers // (pp * vpp)} of the {spec.num_layers} decoder layers, but the vision "
+                         f"tower's deepstack features are added after layers 0..{spec.deepstack_layers - 1}, which "
+                         "must run there with the tower: choose PP x virtual PP of at most "
+                         f"{spec.num_layers // spec.deepstack_layers}"))
     if parallel.context_parallel > 1:
         for what, has in (("a mixture-of-experts model (its routers' load-balancing statistics would be per sequence "
                            "chunk)", spec.moe), ("multi-latent attention (its rotary split is its own)", spec.mla),
@@ -289,6 +315,12 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         warnings.warn("sequence_parallel=True at tensor_model_parallel_size=1: off, as in verl (it splits "
                       "activations over TP ranks)", stacklevel=2)
         kwargs["sequence_parallel"] = False
+    if spec.deepstack_layers and kwargs.get("recompute_granularity") == "full":
+        # megatron re-runs a recomputed layer in the backward, after vision_language's hooks that add the deepstack
+        # features have gone: its activations (and the tower's gradient) would come out without them
+        raise ValueError("recompute_granularity=full with Qwen3-VL's deepstack features is not built in meshrl (the "
+                         "features are added by hooks around the forward, which megatron's layer recompute does not "
+                         "see); use selective recompute or none")
     if spec.mla and kwargs["sequence_parallel"]:
         raise ValueError("sequence_parallel with multi-latent attention is not built in meshrl (megatron's local MLA "
                          "and meshrl's TP fix of its RoPE-key gradient are checked without it); set "
@@ -466,6 +498,9 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
             rotary_percent=spec.rotary_fraction,
             vp_stage=stage,
         )
+        if spec.mrope_interleaved:  # Qwen3-VL's T / H / W frequencies interleaved, not megatron's sections
+            model.rotary_pos_emb = layers.interleaved_mrope_class()(
+                kv_channels=config.kv_channels, rotary_percent=spec.rotary_fraction, rotary_base=spec.rope_theta)
         if critic and post:
             device = next(model.parameters()).device
             # Replaces the vocabulary projection GPTModel allocated (transiently) on the last stage.

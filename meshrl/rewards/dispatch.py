@@ -17,6 +17,8 @@ Built-in dispatch (the ``data_source`` names verl's preprocess scripts write, pl
   number, numeric). Only generators with numeric answers are registered there.
 - MATH: ``DigitalLearningGmbH/MATH-lighteval``, ``lighteval/MATH``, ``HuggingFaceH4/MATH-500``,
   ``math``, ``math500`` -> :func:`meshrl.rewards.math.judge` (math-verify).
+- Geometry3K: ``hiyouga/geometry3k`` -> :func:`meshrl.rewards.geo3k.compute_score` (verl's: boxed answer, 0.1 for
+  the ``<think>`` format).
 - Code: ``codecontests``, ``apps``, ``codeforces``, ``taco`` (verl's) and ``openai/openai_humaneval``
   -> :func:`meshrl.rewards.code.compute_score`: the response's program against the row's test cases in
   the sandbox at ``sandbox_fusion_url`` (verl's argument; ``reward_model.sandbox_fusion.*``).
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshrl.rewards import code, gsm8k
+from meshrl.rewards import code, geo3k, gsm8k
 from meshrl.rewards import math as math_reward
 
 RewardOutput = float | dict[str, Any]
@@ -96,7 +98,9 @@ def default_compute_score(
     if data_source in MATH_SOURCES:
         verdict = math_reward.judge(solution_str, ground_truth)
         return {"score": verdict.score, "math_verify_fallback": verdict.math_verify_fallback}
-    known = ", ".join(sorted(GSM8K_SOURCES | MAWPS_SOURCES | MATH_SOURCES | code.CODE_SOURCES
+    if data_source in geo3k.GEO3K_SOURCES:
+        return geo3k.compute_score(solution_str, ground_truth, **rule_kwargs)
+    known = ", ".join(sorted(GSM8K_SOURCES | MAWPS_SOURCES | MATH_SOURCES | code.CODE_SOURCES | geo3k.GEO3K_SOURCES
                              | {DATA_SOURCE_PREFIX + "*"}))
     raise NotImplementedError(
         f"No built-in reward for data_source={data_source!r} (built-in: {known}). Write a "

@@ -375,6 +375,8 @@ class RolloutEngine(abc.ABC):
     """
 
     name: ClassVar[str]
+    # whether ``generate`` takes the prompts' images (a vision-language model's ``multi_modal_inputs``)
+    takes_images: ClassVar[bool] = False
 
     def __init__(self, model_path: str | os.PathLike, config: EngineConfig, dp_rank: int) -> None:
         self.model_path = Path(model_path)
@@ -394,11 +396,14 @@ class RolloutEngine(abc.ABC):
         ``max_tokens[i]`` (<= ``sampling.max_response_length``) caps their length."""
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 max_tokens: Sequence[int] | None = None) -> list[Completion]:
+                 max_tokens: Sequence[int] | None = None,
+                 images: Sequence[Mapping[str, Any] | None] | None = None) -> list[Completion]:
         """Sample ``sampling.n`` responses per prompt; see the class docstring for the layout.
 
         ``max_tokens``: per prompt, a cap below ``sampling.max_response_length`` (a multi-turn sample's
         remaining response budget, ``meshrl.rollout.agent_loop``); None: that length for every prompt.
+        ``images``: per prompt, the processor's ``pixel_values`` / ``image_grid_thw`` of its images (None: a
+        prompt without), for an engine that ``takes_images`` (``ValueError`` otherwise).
 
         Seeding: call ``c`` of this engine gives prompt ``i`` the seed derived from
         ``(sampling.seed + dp_rank, c, i)``, so engines of one replica (same ``dp_rank``, same call
@@ -408,9 +413,15 @@ class RolloutEngine(abc.ABC):
         same numbers for it (the curve compares policies, not draws) and validating never shifts the
         training calls' seeds (a run that validated at its last step resumes like one that did not).
         """
+        if images is not None and any(images) and not self.takes_images:
+            raise ValueError(f"the {self.name} engine does not take images (meshrl.parallel.vision_language)")
+        if images is not None and len(images) != len(prompt_token_ids):
+            raise ValueError(f"{len(images)} image entries for {len(prompt_token_ids)} prompts")
         prompts, seeds, caps = self.reserve_call(prompt_token_ids, sampling, max_tokens)
         if not prompts:
             return []
+        if images is not None and any(images):
+            return self._generate(prompts, sampling, seeds, caps, images=list(images))
         return self._generate(prompts, sampling, seeds, caps)
 
     def reserve_call(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,

@@ -21,6 +21,12 @@ Configuration: ``load_format`` ``safetensors`` / ``pt`` read only that kind of w
 (then ``generate`` waits for a sync). There is no prefix cache: every prompt is prefilled in full, which
 gives the same outputs as vLLM's cache, only slower, so ``enable_prefix_caching=True`` (verl's default)
 warns once that it has no effect here. vLLM's engine arguments (``vllm_kwargs``) are refused.
+
+Vision-language models (a family with ``vision_language``): the family's own class
+(``Qwen2_5_VLForConditionalGeneration``) is loaded, prompts come with their images (``generate(..., images=...)``:
+each micro-batch hands ``generate`` its rows' ``pixel_values`` / ``image_grid_thw`` in row order and the image pads'
+``mm_token_type_ids``, from which transformers positions the tokens), and the weights are addressed by the
+checkpoint's names (transformers' in-memory names differ: ``model.language_model.*``), which the weight stream uses.
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ class HFEngine(RolloutEngine):
     """transformers ``generate`` behind the ``RolloutEngine`` contract (see the module docstring)."""
 
     name = "hf"
+    takes_images = True
 
     def __init__(self, model_path: str | os.PathLike, config: EngineConfig | None = None, *,
                  dp_rank: int | None = None) -> None:
@@ -101,22 +108,25 @@ class HFEngine(RolloutEngine):
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dtype = getattr(torch, config.dtype if config.dtype != "auto" else ("bfloat16" if cuda else "float32"))
         hf_config = apply_overrides(AutoConfig.from_pretrained(self.model_path), config.hf_overrides)
+        model_class = _model_class(hf_config) or AutoModelForCausalLM
         if config.random_init:
             with torch.random.fork_rng(devices=[]):  # random weights without moving the caller's RNG
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+                model = model_class.from_config(hf_config, dtype=dtype) if model_class is AutoModelForCausalLM \
+                    else model_class._from_config(hf_config, dtype=dtype)
         else:
             use_safetensors = {"safetensors": True, "pt": False}.get(config.load_format)
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, config=hf_config, dtype=dtype,
-                                                         use_safetensors=use_safetensors)
+            model = model_class.from_pretrained(self.model_path, config=hf_config, dtype=dtype,
+                                                use_safetensors=use_safetensors)
         self.model = model.to(self.device).eval().requires_grad_(False)
         # Only SamplingConfig decides how to sample: drop the checkpoint's generation defaults.
         self.model.generation_config = GenerationConfig()
         self.pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
-        self._params = dict(self.model.named_parameters())
+        self.image_token_id = getattr(hf_config, "image_token_id", None)
+        self._params = _checkpoint_named_parameters(self.model)
 
     # --- generation -------------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                  seeds: list[int], max_tokens: list[int]) -> list[Completion]:
+                  seeds: list[int], max_tokens: list[int], images: list | None = None) -> list[Completion]:
         rows = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
         order = sorted(range(len(rows)), key=lambda r: len(prompts[rows[r][0]]))
         results: dict[int, Completion] = {}
@@ -126,7 +136,8 @@ class HFEngine(RolloutEngine):
             batch = [prompts[rows[r][0]] for r in chunk]
             # seeds[0] is already unique to this (replica, call); one RNG stream per micro-batch.
             caps = [max_tokens[rows[r][0]] for r in chunk]
-            tokens, logprobs = self._generate_batch(batch, sampling, seeds[0] + batch_index, max(caps))
+            rows_images = None if images is None else [images[rows[r][0]] for r in chunk]
+            tokens, logprobs = self._generate_batch(batch, sampling, seeds[0] + batch_index, max(caps), rows_images)
             for r, ids, lps, cap in zip(chunk, tokens, logprobs, caps):
                 prompt_index, sample_index = rows[r]
                 # A row decodes to its batch's longest cap; the tokens past its own were sampled after it ended.
@@ -135,13 +146,14 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_batch(self, batch: list[list[int]], sampling: SamplingConfig, seed: int,
-                        max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+                        max_new_tokens: int, images: list | None = None) -> tuple[list[list[int]], list[list[float]]]:
         width = max(len(p) for p in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, prompt in enumerate(batch):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
+        visual = self._image_inputs(input_ids, images) if images is not None and any(images) else {}
         recorder = _LogprobsAndWarp(sampling, self.config.logprobs_mode)
         stops = self.stop_token_ids(sampling)
         devices = [self.device] if self.device.type == "cuda" else []
@@ -153,9 +165,18 @@ class HFEngine(RolloutEngine):
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                 do_sample=not sampling.greedy, num_beams=1, max_new_tokens=max_new_tokens,
                 eos_token_id=stops or None, pad_token_id=self.pad_token_id, logits_processor=[recorder],
-                **warpers)
+                **visual, **warpers)
         generated = sequences[:, width:]
         return generated.tolist(), recorder.finish(generated).tolist()
+
+    def _image_inputs(self, input_ids: torch.Tensor, images: list) -> dict[str, torch.Tensor]:
+        """``generate``'s image arguments for a left-padded micro-batch: its rows' images in row order (transformers
+        fills the image pads row by row) and the pads marked as images in ``mm_token_type_ids``."""
+        rows = [row for row in images if row]
+        return {"pixel_values": torch.cat([row["pixel_values"] for row in rows]).to(self.device, self.model.dtype),
+                "image_grid_thw": torch.cat([torch.as_tensor(row["image_grid_thw"]).reshape(-1, 3)
+                                             for row in rows]).to(self.device),
+                "mm_token_type_ids": (input_ids == self.image_token_id).long().to(self.device)}
 
     def _completion(self, prompt_index: int, sample_index: int, ids: list[int], logprobs: list[float],
                     sampling: SamplingConfig) -> Completion:
@@ -186,3 +207,27 @@ class HFEngine(RolloutEngine):
             return
         super().shutdown()
         del self.model, self._params
+
+
+def _model_class(hf_config):
+    """The transformers class of a vision-language family's policy (its ``policy_class``), None for a text model
+    (``AutoModelForCausalLM`` loads those, and models of no registered family)."""
+    from meshrl.models.families import FAMILY_MODULES, family
+    from meshrl.models.hf_classes import hf_class
+
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in FAMILY_MODULES or not family(model_type).vision_language:
+        return None
+    return hf_class(family(model_type).policy_class)
+
+
+def _checkpoint_named_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """``model``'s parameters by the names its checkpoints give them (transformers renames some in memory: a
+    vision-language model's ``model.language_model.*`` is ``model.*`` in its checkpoint)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    named = {}
+    for name, param in model.named_parameters():
+        (saved,) = revert_weight_conversion(model, {name: param})
+        named[saved] = param
+    return named

@@ -105,13 +105,30 @@ def load_inputs(cfg) -> RunInputs:
                           "copy the model's tokenizer files (tokenizer.json, "
                           "tokenizer_config.json) into it, or set actor_rollout_ref.model.tokenizer_path to a folder "
                           "that has them", [key]) from None
+    images = image_reading(cfg, model_dir, tokenizer)
     try:
         train_data, val_data = load_datasets(cfg.data, tokenizer,
-                                             tools=prompt_tool_schemas(cfg.actor_rollout_ref.rollout.multi_turn))
+                                             tools=prompt_tool_schemas(cfg.actor_rollout_ref.rollout.multi_turn),
+                                             **images)
     except (OSError, ValueError) as exc:  # meshrl.data.dataset's errors name the file and the rows
         raise ConfigError(f"cannot load the prompts: {exc}", ["data.train_files", "data.val_files"]) from None
     check_inputs(cfg, train_data, val_data)
     return RunInputs(model_dir, tokenizer, train_data, val_data)
+
+
+def image_reading(cfg, model_dir: Path, tokenizer) -> dict:
+    """``load_datasets``' image arguments for the policy (in ``model_dir``): a vision-language model's processor and
+    3-D position rule (``meshrl.data.vision``, ``meshrl.data.mrope_positions``); none for a text model, whose rows
+    with images are refused."""
+    from meshrl.data.mrope_positions import positions_for_config
+    from meshrl.data.vision import load_processor
+    from meshrl.models.families import model_spec
+
+    hf_config = model_config(cfg)
+    if not model_spec(hf_config).vision:
+        return {}
+    return {"processor": load_processor(model_dir, tokenizer, hf_config.model_type),
+            "prompt_positions": positions_for_config(hf_config)}
 
 
 def check_inputs(cfg, train_data, val_data) -> None:

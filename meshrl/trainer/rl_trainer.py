@@ -42,6 +42,7 @@ from meshrl.algorithms.variance_proxy import variance_proxy_metrics
 from meshrl.config.run_plan import RunPlan, UpdateSchedule
 from meshrl.data.dataset import RLDataset
 from meshrl.data.sampler import PromptSampler, validation_batches
+from meshrl.parallel.vision_language import MULTI_MODAL_INPUTS
 from meshrl.protocol import Batch
 from meshrl.rewards.overlong import overlong_buffer
 from meshrl.rewards.pool import RewardPool
@@ -398,14 +399,16 @@ class RLTrainer:
 
 def prompts_batch(dataset: RLDataset, indices, raw_chat: bool = False) -> Batch:
     """Prompts → a ``Batch``: ragged ``prompt_ids`` + reward metadata (``reward_source``: the reward function's
-    ``data_source`` argument), ``uid`` = position in the batch, and with ``raw_chat`` (``data.return_raw_chat``)
-    the chat messages as verl's ``raw_prompt``."""
+    ``data_source`` argument), ``uid`` = position in the batch, with ``raw_chat`` (``data.return_raw_chat``)
+    the chat messages as verl's ``raw_prompt``, and for a vision-language model verl's ``multi_modal_inputs``."""
     prompts = dataset.get_batch(list(indices))
     non_tensors = {"prompt_ids": prompts.prompt_ids, "data_source": prompts.data_sources,
                    "reward_source": prompts.reward_sources, "ground_truth": prompts.ground_truths,
                    "extra_info": prompts.extra_infos}
     if raw_chat:
         non_tensors["raw_prompt"] = prompts.messages
+    if dataset.processor is not None:  # a vision-language model: each prompt's images and 3-D positions
+        non_tensors[MULTI_MODAL_INPUTS] = [dataset.multi_modal_inputs(i) or None for i in prompts.indices]
     return Batch(tensors={"uid": torch.arange(len(prompts.indices))}, non_tensors=non_tensors)
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from meshrl.parallel import router_replay
 from meshrl.parallel.router_replay import ROUTES
+from meshrl.parallel.vision_language import MULTI_MODAL_INPUTS
 from meshrl.process_memory import trims_heap
 from meshrl.protocol import Batch
 from meshrl.workers.dispatch import DispatchGroup
@@ -192,8 +193,10 @@ class ActorRolloutRefWorker(RankWorker):
         offload, onload = self._offload_hooks()
         with colocated_rollout(self.engine, offload_trainer=offload, onload_trainer=onload):
             if self.agent_loop is None:
+                # a vision-language model's prompts carry their images (only engines that take them get any)
+                images = {"images": list(prompts[MULTI_MODAL_INPUTS])} if MULTI_MODAL_INPUTS in prompts else {}
                 completions = (self.async_engine or self.engine).generate([list(p) for p in prompts["prompt_ids"]],
-                                                                          sampling)
+                                                                          sampling, **images)
             else:
                 completions, stats = self.agent_loop.generate(
                     [list(p) for p in prompts["prompt_ids"]], sampling, list(prompts["extra_info"]),

@@ -28,8 +28,10 @@ import numpy as np
 import torch
 
 from meshrl.config.micro_batching import MicroBatching
+from meshrl.data.mrope_positions import PROMPT_POSITIONS, continue_positions
 from meshrl.data.dynamic_batching import MicroBatchPlan, plan_fixed_micro_batches, plan_micro_batches
 from meshrl.parallel.shared_prefix import PROMPT_END
+from meshrl.parallel.vision_language import MROPE_POSITIONS, MULTI_MODAL_INPUTS
 from meshrl.protocol import Batch
 
 # the micro-batch key of the column where responses start: where the shared-prompt layout takes the prompts to end
@@ -56,8 +58,9 @@ def sampled(batch: Batch) -> torch.Tensor:
 
 
 def sequence_fields(batch: Batch) -> list[str]:
-    """The fields a forward pass over ``batch``'s sequences needs (the attention mask when it has one)."""
-    return [*SEQUENCE_FIELDS, *([ATTENTION_MASK] if ATTENTION_MASK in batch else [])]
+    """The fields a forward pass over ``batch``'s sequences needs (the attention mask when it has one, a
+    vision-language model's images)."""
+    return [*SEQUENCE_FIELDS, *(name for name in (ATTENTION_MASK, MULTI_MODAL_INPUTS) if name in batch)]
 
 
 def sequence_lengths(batch: Batch) -> np.ndarray:
@@ -86,7 +89,24 @@ def build_micro_batch(batch: Batch, pad_id: int, response_fields: tuple[str, ...
     micro = {"input_ids": input_ids, "attention_mask": attention, "output_mask": output_mask, RESPONSE_START: start}
     for name in ("response_mask", *response_fields):
         micro[name] = batch[name][:, :width]
+    if MULTI_MODAL_INPUTS in batch:  # a vision-language model's rows: their images and 3-D positions
+        rows = list(batch[MULTI_MODAL_INPUTS])
+        micro[MULTI_MODAL_INPUTS] = rows
+        micro[MROPE_POSITIONS] = mrope_columns(prompts, rows, start, width)
     return micro
+
+
+def mrope_columns(prompts: list, images: list, start: int, width: int) -> torch.Tensor:
+    """(b, 3, start + width) 3-D positions of a micro-batch's columns: each prompt's (its images' entry's
+    ``PROMPT_POSITIONS``; a prompt without images is text, the same position on all three axes) ending at column
+    ``start``, then the response's, one past the largest so far per token as generation continues them (tool tokens
+    of a multi-turn response are text alike); 0 on padding, whose outputs nobody reads."""
+    out = torch.zeros((len(prompts), 3, start + width), dtype=torch.long)
+    for row, (prompt, entry) in enumerate(zip(prompts, images, strict=True)):
+        given = entry.get(PROMPT_POSITIONS) if entry else None
+        positions = torch.arange(len(prompt)).expand(3, -1) if given is None else torch.as_tensor(given)
+        out[row, :, start - len(prompt):] = continue_positions(positions, width)
+    return out
 
 
 def responses_batch(prompts: Batch, completions, n: int, width: int, pad_id: int) -> Batch:

@@ -118,3 +118,24 @@ def test_defaults_name_existing_recipes(path):
     tree = yaml.safe_load(path.read_text()) or {}
     for parent in tree.get("defaults", []):
         assert (Path(path).parent / f"{parent}.yaml").is_file(), f"{path.stem}: defaults entry {parent}"
+
+
+def test_the_plan_counts_a_vision_language_models_tower():
+    """``meshrl plan`` of the tiny Qwen2.5-VL: transformers' own parameter count (tied embedding once), the tower
+    included, and the first stage's weights hold it."""
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from meshrl.models.tiny_vision import tiny_vl_model_dir
+
+    folder = tiny_vl_model_dir("qwen2_5_vl")
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(folder))
+    cfg = load_config([f"actor_rollout_ref.model.path={folder}", "actor_rollout_ref.rollout.name=hf"],
+                      recipe="cpu_tiny_grpo")
+    plan = estimate(cfg)
+    assert plan.model["parameters"] == sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for p in model.model.visual.parameters())
+    text = load_config(["actor_rollout_ref.rollout.name=hf"], recipe="cpu_tiny_grpo")
+    assert tower > 0 and plan.model["parameters"] - tower < plan.model["parameters"]
+    assert estimate(text).model["parameters"] != plan.model["parameters"]

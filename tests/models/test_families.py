@@ -119,7 +119,7 @@ def test_an_unregistered_family_names_the_supported_ones() -> None:
     config.model_type = "deepseek_v2"
     with pytest.raises(ValueError, match="model_type 'deepseek_v2' is not supported; supported: llama, qwen2, qwen3, "
                                          "mistral, gemma, gemma2, gemma3_text, qwen2_moe, qwen3_moe, mixtral, phi3, "
-                                         "glm4, deepseek_v3, qwen2_5_vl"):
+                                         "glm4, deepseek_v3, qwen2_5_vl, qwen3_vl"):
         model_spec(config)
 
 

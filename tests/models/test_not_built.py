@@ -19,9 +19,10 @@ def _hybrid_configs():
     return {"qwen3_next": Qwen3NextConfig(), "qwen3_5": Qwen3_5Config()}
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_next", "qwen3_5"])
-def test_known_model_types_not_built_yet_are_refused_with_the_reason(model_type):
-    from meshrl.models.tiny_vision import tiny_vl_model_dir
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl_moe", "qwen3_next", "qwen3_5"])
+def test_known_model_types_not_built_yet_are_refused_with_the_reason(model_type, tmp_path):
+    from transformers import Qwen2VLConfig, Qwen3VLMoeConfig
+
     from meshrl.trainer.main import model_config
 
     if model_type in _hybrid_configs():
@@ -31,12 +32,15 @@ def test_known_model_types_not_built_yet_are_refused_with_the_reason(model_type)
                                              "gated delta-net"):
             model_spec(config)
         return
-    folder = tiny_vl_model_dir(model_type)  # as a user's checkpoint folder: preflight reads its config.json
+    config = {"qwen2_vl": Qwen2VLConfig, "qwen3_vl_moe": Qwen3VLMoeConfig}[model_type]()
+    assert config.model_type == model_type
+    config.save_pretrained(tmp_path)  # as a user's checkpoint folder: preflight reads its config.json
     with pytest.raises(ConfigError, match=f"actor_rollout_ref.model.path: model_type '{model_type}' is not built "
                                           "yet: a vision-language model") as err:
-        model_config(load_config([f"actor_rollout_ref.model.path={folder}"], recipe="cpu_tiny_grpo"))
+        model_config(load_config([f"actor_rollout_ref.model.path={tmp_path}"], recipe="cpu_tiny_grpo"))
     assert err.value.keys == ("actor_rollout_ref.model.path",)
     assert set(NOT_BUILT) >= {"qwen2_vl", "qwen3_vl_moe", "qwen3_5_moe"}
+    assert not {"qwen2_5_vl", "qwen3_vl"} & set(NOT_BUILT)  # built: tests/models/test_vision_language.py
 
 
 @pytest.mark.vllm

@@ -57,6 +57,10 @@ PP2_FAMILIES = ("llama", "qwen2", "gemma", "gemma2", "gemma3_text")
 # "tp2_critics" phase of suite "w2x").
 REPRESENTATIVE = ("llama", "qwen2")
 OTHER_CRITICS = tuple(tag for tag in FAMILIES if tag not in REPRESENTATIVE)
+# The vision-language families against transformers on image prompts (vl_checks.py) at TP1, TP2 (+SP) and PP2:
+# Qwen2.5-VL's window-attention tower and M-RoPE; Qwen3-VL's interleaved M-RoPE, q/k norms and deepstack features
+# (its deepstack layer on the first stage at PP2).
+VL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 SUITES = {
     "w1": [("tp1", {})],
     "w2": [("tp2", dict(tensor_parallel=2)), ("pp2", dict(pipeline_parallel=2)),
@@ -721,7 +725,8 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
     if name == "tp1":
         rec.run("smollm2", check_smollm2)
         rec.run("convert_cli", lambda: check_convert_cli(workdir))
-        rec.run("vision_language.qwen2_5_vl", lambda: check_vision_language(tiny_vl_model_dir("qwen2_5_vl")))
+        for vl_type in VL_TYPES:
+            rec.run(f"vision_language.{vl_type}", lambda: check_vision_language(tiny_vl_model_dir(vl_type)))
     elif name == "pp2_families":
         for tag in (tag for tag in FAMILIES if tag not in PP2_FAMILIES):
             path, temperature = tiny_model_dir(FAMILIES[tag]), TEMPERATURE[tag]
@@ -782,12 +787,13 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
                         lambda: check_shared_prompts(llama, temperature=0.7, sequence_parallel=True))
         if name in ("tp2", "tp2pp2"):
             rec.run("sequence_parallel", lambda: check_sequence_parallel(llama, workdir / "critic-llama"))
-        if name in ("tp2", "pp2"):  # Qwen2.5-VL on image prompts; at TP2 with sequence parallelism too
-            vl = tiny_vl_model_dir("qwen2_5_vl")
-            rec.run("vision_language.qwen2_5_vl", lambda: check_vision_language(vl))
-            if name == "tp2":
-                rec.run("vision_language.qwen2_5_vl_sequence_parallel",
-                        lambda: check_vision_language(vl, sequence_parallel=True))
+        if name in ("tp2", "pp2"):  # Qwen2.5-VL and Qwen3-VL on image prompts; at TP2 with sequence parallelism too
+            for vl_type in VL_TYPES:
+                vl = tiny_vl_model_dir(vl_type)
+                rec.run(f"vision_language.{vl_type}", lambda: check_vision_language(vl))
+                if name == "tp2":
+                    rec.run(f"vision_language.{vl_type}_sequence_parallel",
+                            lambda: check_vision_language(vl, sequence_parallel=True))
         if name == "tp2":
             rec.run("optimizer", lambda: check_optimizer(llama))
             rec.run("checkpoint_save", lambda: check_checkpoint_save(llama, workdir))

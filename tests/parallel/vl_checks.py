@@ -1,7 +1,9 @@
-"""Vision-language parity checks run inside mp_worker.py's launches (issue 40): the tiny Qwen2.5-VL built by meshrl
-(megatron language model with M-RoPE, meshrl's vision tower on the first stage) against transformers'
-``Qwen2_5_VLForConditionalGeneration`` on image prompts: per-token log-probs and the gradients of every tensor
-(language model and vision tower, by checkpoint name) of a weighted log-prob loss, in the row layout and packed.
+"""Vision-language parity checks run inside mp_worker.py's launches (issue 40): a tiny vision-language model built by
+meshrl (megatron language model with M-RoPE, meshrl's vision tower on the first stage; Qwen3-VL's interleaved M-RoPE
+and deepstack features) against its transformers class (the family's ``policy_class``:
+``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``) on image prompts: per-token log-probs
+and the gradients of every tensor (language model and vision tower, by checkpoint name) of a weighted log-prob loss,
+in the row layout and packed.
 
 The inputs: three samples (one image; text only; two images of different sizes with text between), each a chat
 prompt rendered by meshrl's processor plus a response, in two micro-batches with right and left padding. meshrl
@@ -83,20 +85,17 @@ def _loss(outputs: dict, mb: dict):
     return loss, {}
 
 
-def _checkpoint_name(name: str) -> str:
-    """transformers 5's parameter name -> the checkpoint's (the released naming its loader converts from)."""
-    for module, saved in (("model.language_model.", "model."), ("model.visual.", "visual.")):
-        if name.startswith(module):
-            return saved + name[len(module):]
-    return name
-
-
 def hf_reference(path: Path, items: list[dict]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """transformers' per-sample log-probs, from its own 3-D positions (position t: log p(token t | tokens < t); 0 at
     t = 0), and the gradients of ``sum(weights * log_probs)`` by checkpoint name."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    from meshrl.models.families import family
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model_class = getattr(transformers, family(config.model_type).policy_class)
+    model = model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     log_probs = []
     for item in items:
         images = item["images"] or {}
@@ -107,11 +106,15 @@ def hf_reference(path: Path, items: list[dict]) -> tuple[list[torch.Tensor], dic
         lp = torch.cat([lp.new_zeros(1), lp])
         (lp * item["weights"]).sum().backward()
         log_probs.append(lp.detach())
-    grads = {_checkpoint_name(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # transformers 5's parameter names -> the checkpoint's (Qwen2.5-VL's released naming, which its loader converts
+    # from; Qwen3-VL's are the same)
+    grads = revert_weight_conversion(model, {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                             if p.grad is not None})
     return log_probs, grads
 
 
 REFERENCE: dict[str, tuple] = {}
+VISUAL = ("visual.", "model.visual.")  # the tower's checkpoint names: Qwen2.5-VL's, Qwen3-VL's
 
 
 def check_vision_language(path: Path, **build_kwargs) -> dict:
@@ -147,5 +150,5 @@ def check_vision_language(path: Path, **build_kwargs) -> dict:
         tag = "packed" if packed else "rows"
         result.update({f"{tag}.log_probs": lp_diff, f"{tag}.grads_rel": rel,
                        f"{tag}.names_mismatch": len(set(ref_grads) ^ set(grads)),
-                       f"{tag}.vision_tensors": sum(n.startswith("visual.") for n in grads)})
+                       f"{tag}.vision_tensors": sum(n.startswith(VISUAL) for n in grads)})
     return result

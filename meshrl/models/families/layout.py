@@ -19,7 +19,8 @@ class Fusion:
 
 def hf_fusions(spec: "ModelSpec") -> list[Fusion]:
     """The fused HF tensors of every layer (``ModelSpec.hf_fused``), in layer order."""
-    return [Fusion(f"model.layers.{i}.{fused}", tuple(f"model.layers.{i}.{part}" for part in parts))
+    layers = f"{spec.lm_prefix}layers"
+    return [Fusion(f"{layers}.{i}.{fused}", tuple(f"{layers}.{i}.{part}" for part in parts))
             for i in range(spec.num_layers) for kind in spec.hf_fused for fused, parts in (HF_FUSIONS[kind],)]
 
 
@@ -52,7 +53,7 @@ def layer_pieces(spec: ModelSpec, i: int) -> list[Piece]:
     """HF tensors of decoder layer ``i`` for the spec's features (Llama's layer, plus QKV bias, q/k norms)."""
     h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
     nq, nkv = spec.num_attention_heads, spec.num_kv_heads
-    p, layer = f"model.layers.{i}.", "decoder.layers.{j}."
+    p, layer = f"{spec.lm_prefix}layers.{i}.", "decoder.layers.{j}."
     attn, qkv = layer + "self_attention.", layer + "self_attention.linear_qkv."
     q_rows, kv_rows = "num_attention_heads*head_dim", "num_key_value_heads*head_dim"
 
@@ -182,15 +183,16 @@ def checkpoint_shapes(spec: ModelSpec, critic: bool = False) -> dict[str, tuple[
 
 
 def hf_layout(spec: ModelSpec, critic: bool = False) -> list[Piece]:
-    """Every HF tensor of the model (``*ForCausalLM``, or the critic's ``*ForTokenClassification``), in the
-    order ``meshrl.parallel.hf_conversion.iter_hf_weights`` yields them."""
+    """Every HF tensor of the model (``*ForCausalLM``, or the critic's ``*ForTokenClassification``; a
+    vision-language model's language model), in the order ``meshrl.parallel.hf_conversion.iter_hf_weights`` yields
+    them; the language model's names under ``spec.lm_prefix``."""
     h, v = spec.hidden_size, spec.vocab_size
-    pieces = [Piece("model.embed_tokens.weight", "embed", None, "embedding.word_embeddings.weight", 0, None,
+    pieces = [Piece(f"{spec.lm_prefix}embed_tokens.weight", "embed", None, "embedding.word_embeddings.weight", 0, None,
                     (v, h), "vocab_size, hidden_size")]
     for i in range(spec.num_layers):
         pieces += layer_pieces(spec, i)
-    pieces.append(Piece("model.norm.weight", "head", None, "decoder.final_layernorm.weight", None, None, (h,),
-                        "hidden_size"))
+    pieces.append(Piece(f"{spec.lm_prefix}norm.weight", "head", None, "decoder.final_layernorm.weight", None, None,
+                        (h,), "hidden_size"))
     if critic:
         pieces += [Piece("score.weight", "head", None, "output_layer.weight", None, None, (1, h), "hidden_size"),
                    Piece("score.bias", "head", None, "output_layer.bias", None, None, (1,), "num_labels=1")]

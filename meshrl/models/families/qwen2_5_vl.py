@@ -12,12 +12,18 @@ as default RoPE with sections) gives ``ModelSpec.mrope_section``. The released c
 from meshrl.models.families import Family, Refusal
 
 
-def _mrope_fields(text_config) -> dict:
+def mrope_sections(text_config, model_type: str) -> tuple[int, ...]:
+    """``rope_parameters.mrope_section`` of a Qwen-VL text config: three widths (temporal, height, width), else
+    ``ValueError`` naming ``model_type``."""
     sections = (getattr(text_config, "rope_parameters", None) or {}).get("mrope_section")
     if not sections or len(sections) != 3:
-        raise ValueError(f"qwen2_5_vl config: rope_parameters.mrope_section={sections!r}, expected three sections "
+        raise ValueError(f"{model_type} config: rope_parameters.mrope_section={sections!r}, expected three sections "
                          "(temporal, height, width) as the released configs give")
-    return dict(mrope_section=tuple(sections), vision=True)
+    return tuple(sections)
+
+
+def _mrope_fields(text_config) -> dict:
+    return dict(mrope_section=mrope_sections(text_config, "qwen2_5_vl"), vision=True)
 
 
 FAMILY = Family(

@@ -62,9 +62,20 @@ class ModelSpec:
       Each token has a (temporal, height, width) position; the ``head_dim / 2`` rotary frequencies are split in
       consecutive sections of these widths, section ``i`` turned by axis ``i``'s position (text tokens have the same
       value on all three, so it is plain RoPE for them). The positions come from ``meshrl.data.mrope_positions``.
+    - ``mrope_interleaved`` (with ``mrope_section``): Qwen3-VL's interleaved M-RoPE (transformers'
+      ``apply_interleaved_mrope``): rotary frequency ``i`` (of ``head_dim / 2``) is turned by the height position when
+      ``i % 3 == 1 and i < 3 * mrope_section[1]``, by the width position when ``i % 3 == 2 and i < 3 *
+      mrope_section[2]``, by the temporal one otherwise (``meshrl.parallel.layers.interleaved_mrope_axes``).
     - ``vision``: the model is a vision-language model: a vision tower (``meshrl.parallel.vision``, read from the HF
       config's ``vision_config``) whose merged patch features replace the embeddings of the image pad tokens; the
       fields above are its language model's (the HF config's ``text_config``).
+    - ``deepstack_layers`` (Qwen3-VL's deepstack; 0: none): the tower also gives one feature per merged patch for
+      each of this many of its blocks (``vision_config.deepstack_visual_indexes``); feature ``i`` is added to the
+      hidden states at the image pad tokens after decoder layer ``i`` (``h_i <- h_i + f_i`` there, elsewhere
+      unchanged), ``i = 0 .. deepstack_layers - 1``.
+    - ``lm_prefix``: the HF checkpoint's prefix of the language model's tensors (``embed_tokens``, ``layers.{i}``,
+      ``norm``): ``model.`` for the causal LMs, ``model.language_model.`` for transformers 5's Qwen3-VL; the output
+      layer is ``lm_head`` (``score`` for a critic) either way.
     """
 
     model_type: str
@@ -115,7 +126,10 @@ class ModelSpec:
     moe_scaling_factor: float | None = None
     yarn: tuple[float, ...] = ()
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
     vision: bool = False
+    deepstack_layers: int = 0
+    lm_prefix: str = "model."
 
     def __post_init__(self) -> None:
         # A spec read back from a checkpoint's JSON holds a list here.
@@ -126,6 +140,12 @@ class ModelSpec:
         if self.mrope_section and sum(self.mrope_section) * 2 != self.head_dim:
             raise ValueError(f"mrope_section {self.mrope_section!r}: its sections must cover half of head_dim "
                              f"{self.head_dim} (each rotates pairs of dimensions)")
+        if self.mrope_interleaved and (not self.mrope_section or self.rotary_interleaved):
+            raise ValueError("mrope_interleaved interleaves the mrope_section axes over the rotate-half frequencies: "
+                             "it needs mrope_section and rotary_interleaved=False")
+        if self.deepstack_layers and not (self.vision and 0 < self.deepstack_layers <= self.num_layers):
+            raise ValueError(f"deepstack_layers={self.deepstack_layers}: deepstack features need a vision tower and "
+                             f"at most one per decoder layer ({self.num_layers})")
         if self.yarn and len(self.yarn) != len(YARN_FIELDS):
             raise ValueError(f"yarn {self.yarn!r}: one value for each of {', '.join(YARN_FIELDS)}")
         if self.post_norm_names not in POST_NORM_NAMES:

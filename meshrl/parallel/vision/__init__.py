@@ -29,7 +29,7 @@ from meshrl.parallel.vision.qwen3 import Qwen3VisionTower
 # model_type of the HF config -> its vision tower class
 TOWERS: dict[str, type[VisionTower]] = {"qwen2_5_vl": Qwen2_5VisionTower, "qwen3_vl": Qwen3VisionTower}
 
-__all__ = ["TOWERS", "VisionOutput", "VisionTower", "build_vision_tower"]
+__all__ = ["TOWERS", "VisionOutput", "VisionTower", "build_vision_tower", "tower_parameters"]
 
 
 def build_vision_tower(hf_config: Any, dtype: torch.dtype = torch.float32,
@@ -43,3 +43,9 @@ def build_vision_tower(hf_config: Any, dtype: torch.dtype = torch.float32,
     with torch.device(device if device is not None else "cpu"):
         tower = TOWERS[model_type](hf_config.vision_config)
     return tower.to(dtype=dtype)
+
+
+def tower_parameters(hf_config: Any) -> int:
+    """The parameters of ``hf_config``'s vision tower (built on the meta device: nothing allocated); what the first
+    pipeline stage holds on every TP rank besides its language-model layers (``meshrl plan``)."""
+    return sum(p.numel() for p in build_vision_tower(hf_config, device="meta").parameters())
