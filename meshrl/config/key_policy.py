@@ -203,7 +203,8 @@ ROLLOUT_ROUTING = ("replaying the rollout's routing (verl's R3) needs the engine
                    "replayed in the update) and leave enable_rollout_routing_replay False")
 ROUTER_FILES = ("verl reads neither router_replay.record_file nor replay_file (routes travel in the batch); "
                 "leave it unset")
-MULTI_MODAL = "multi-modal training (images, video) is not built yet: meshrl trains text-only policies"
+MULTI_MODAL = ("not built for meshrl's vision-language models yet (they read images with the model's own processor "
+               "config and generate with the HF engine): leave it unset")
 PF_PPO = "PF-PPO's reweighting of the batch is not built yet; set algorithm.use_pf_ppo=False"
 VEOMNI = ("verl's VeOmni training engine is not built: meshrl trains with its Megatron backend; set "
           "model_engine=megatron and the *.megatron.* keys")
@@ -291,8 +292,9 @@ REFUSED = {
     "data.audio_key": MULTI_MODAL,
     "data.mm_processor_kwargs": MULTI_MODAL,
     "*reward_model.rollout.limit_images": MULTI_MODAL,
-    "actor_rollout_ref.rollout.engine_kwargs.vllm.*mm_*": MULTI_MODAL,  # vLLM's multi-modal processor arguments
-    "actor_rollout_ref.actor.freeze_vision_tower": MULTI_MODAL,
+    # vLLM's multi-modal processor arguments (the preprocessed-image cache switch is read: base.RENAMED_VLLM_ARGS)
+    **dict.fromkeys([f"actor_rollout_ref.rollout.engine_kwargs.vllm.{p}" for p in (
+        "mm_*", "limit_mm_*", "skip_mm_*", "interleave_mm_*", "*mm_encoder*")], MULTI_MODAL),
     "data.custom_cls.*": DATA_CLASSES,
     "data.datagen.*": DATA_CLASSES,
     "data.sampler.*": "custom sampler classes are not built: meshrl draws prompts with its own sampler (data.shuffle, "

@@ -464,7 +464,7 @@ class ActorConfig:
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
     pad_to_length: bool = False
-    freeze_vision_tower: bool = False  # multi-modal; refused
+    freeze_vision_tower: bool = False  # a vision-language model's tower untrained (model_builder.build_model)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     veomni: Dict[str, Any] = field(default_factory=dict)  # verl's VeOmni engine section; refused
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)

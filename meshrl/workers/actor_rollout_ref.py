@@ -81,6 +81,7 @@ class ActorRolloutRefWorker(RankWorker):
         distributed_opt = actor.megatron.use_distributed_optimizer
         self.policy = build_model(self.hf_config, dtype=param_dtype(actor.megatron.dtype),
                                   use_distributed_optimizer=distributed_opt,
+                                  freeze_vision_tower=actor.freeze_vision_tower,
                                   **transformer_overrides(arr.model, actor.megatron))
         load_initial_weights(self.policy, actor.megatron, self.model_dir, self.hf_config)
         if self.plan.lora is not None:  # the optimizer then holds the adapters only

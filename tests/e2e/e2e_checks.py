@@ -26,3 +26,32 @@ def steps_of(run_dir: Path) -> dict[int, dict]:
 def with_extended(names: Iterable[str], extended: set[str]) -> list:
     """``names`` as parametrize values, those in ``extended`` marked ``extended`` (``make test-extended``)."""
     return [pytest.param(name, marks=[pytest.mark.extended] if name in extended else []) for name in names]
+
+
+def geo3k_data(folder: Path) -> Path:
+    """verl's Geometry3K layout (``train.parquet``, ``test.parquet`` under ``folder/geo3k``) written by ``meshrl
+    preprocess geo3k`` from a local copy in the hub's layout, eight training and two test problems with images of
+    several sizes."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from meshrl.data import preprocess
+
+    def png(height: int, width: int, seed: int) -> bytes:
+        buffer = io.BytesIO()
+        pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    copy = folder / "geometry3k"
+    (copy / "data").mkdir(parents=True)
+    for split, count in (("train", 8), ("test", 2)):
+        rows = [{"images": [{"bytes": png(40 + 14 * i, 60 + 9 * i, i), "path": f"{split}_{i}.png"}],
+                 "problem": f"<image>Find x in triangle {i}.", "answer": str(3 + i)} for i in range(count)]
+        pq.write_table(pa.Table.from_pylist(rows), copy / "data" / f"{split}-00000-of-00001.parquet")
+    preprocess.preprocess("geo3k", folder / "geo3k", local_dataset_path=copy, log=lambda _: None)
+    return folder / "geo3k"

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_checks import with_extended
+from e2e_checks import geo3k_data, with_extended
 
 from verl_scripts import classify
 
@@ -67,7 +67,12 @@ SCRIPTS = {
     # override (max_position_embeddings), which the trainer's model and the engine both take
     "one_step_off_dapo_ris": ("verl-project/verl",
                               "verl/experimental/one_step_off_policy/shell/dapo_7b_math_fsdp2_64_64_ris.sh"),
+    # verl's Qwen2.5-VL GRPO on Geometry3K (FSDP keys, gradient checkpointing, vLLM with its image-cache switch) on
+    # the tiny Qwen2.5-VL and Geometry3K-layout data: the HF engine stands in for vLLM on CPU, said at start
+    "qwen25vl_fsdp": ("volcengine/verl", "examples/grpo_trainer/run_qwen2_5_vl-7b.sh", "tiny:qwen2_5_vl"),
 }
+# the scripts whose data are images: Geometry3K-layout data (e2e_checks.geo3k_data) instead of GSM8K
+IMAGES = {"qwen25vl_fsdp"}
 ASYNC = {"one_step_off_fsdp": "one_step_off", "fully_async_megatron": "fully_async",
          "one_step_off_dapo_ris": "one_step_off"}
 # verl's rollout-correction scripts run in bypass mode: the trainer computes no log-probs of its own to compare with
@@ -93,8 +98,11 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
 # trains GRPO's path (test_algorithms_e2e.py's grpo case); GDPO's reward components reach its estimator in
 # tests/trainer/test_advantage_glue.py; rollout correction (IS, rejection, bypass mode) trains in
 # test_algorithms_e2e.py's remax and ppo cases; Qwen3-MoE matches HF in tests/parallel/test_moe_parallel.py.
-EXTENDED = {"qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2", "gdpo_fsdp",
-            "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp", "sapo_moe_fsdp", "rollout_corr_rloo",
+# verl's Qwen2.5-VL script: its model trains the same path in tests/e2e/test_vision_language_e2e.py (extended) and
+# matches transformers in tests/parallel/test_parallel_multiproc.py (vision_language); its keys validate in the unit
+# tests.
+EXTENDED = {"qwen25vl_fsdp", "qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2",
+            "gdpo_fsdp", "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp", "sapo_moe_fsdp", "rollout_corr_rloo",
             "rollout_corr_multi_rs", "one_step_off_fsdp", "fully_async_megatron"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
@@ -150,7 +158,12 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
 
     mirror, path, *model = SCRIPTS[name]
     module, args = vendored_call(mirror, path)
-    script = swapped(args, tmp_path, model[0] if model else "tiny:llama") + AFTER.get(name, [])
+    data = DATA
+    if name in IMAGES:
+        geo3k = geo3k_data(tmp_path)
+        data = {**DATA, r"data\.train_files": str(geo3k / "train.parquet"),
+                r"data\.val_files": str(geo3k / "test.parquet")}
+    script = swapped(args, tmp_path, model[0] if model else "tiny:llama", data) + AFTER.get(name, [])
     recipe, overrides = parse_args(script, classify.entry_config(module))  # the entry module's config, as verl's
     cfg = load_config(overrides, recipe=recipe)
     plan = preflight(cfg)
@@ -174,6 +187,9 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
         assert not plan.lora.merge and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
     if name == "cispo_fsdp":
         assert plan.policy_loss == "cispo" and "actor/pg_loss" in step
+    if name in IMAGES:  # the script names vLLM; the HF engine ran it, and the start-up notes said so
+        assert cfg.actor_rollout_ref.rollout.name == "hf"
+        assert any("runs on the HF engine instead" in note for note in plan.warnings)
     check_method(name, plan, step)
 
 

@@ -5,11 +5,10 @@ the engine, the HF export. The engine and the trainer see the same images at the
 carries them: at both steps their log-probs agree (step 2 after an update that moved every tensor), and the export
 loads in transformers with every tensor trained."""
 
-import io
 from pathlib import Path
 
-import numpy as np
 import pytest
+from e2e_checks import geo3k_data
 
 # `make test-extended` (about a minute): `make test` checks the parts (the model against transformers at TP1 / TP2 /
 # PP2, the processor, the 3-D positions, the refusals) and stays within CI's budget.
@@ -18,29 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.extended, pytest.mark.timeout(600), p
 
 @pytest.fixture
 def geo3k(tmp_path) -> Path:
-    """verl's Geometry3K layout written by ``meshrl preprocess geo3k`` from a local copy of images of several
-    sizes."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from PIL import Image
-
-    from meshrl.data import preprocess
-
-    def png(height: int, width: int, seed: int) -> bytes:
-        buffer = io.BytesIO()
-        pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(buffer, format="PNG")
-        return buffer.getvalue()
-
-    copy = tmp_path / "geometry3k"
-    (copy / "data").mkdir(parents=True)
-    for split, count in (("train", 8), ("test", 2)):
-        rows = [{"images": [{"bytes": png(40 + 14 * i, 60 + 9 * i, i), "path": f"{split}_{i}.png"}],
-                 "problem": f"<image>Find x in triangle {i}.", "answer": str(3 + i)} for i in range(count)]
-        pq.write_table(pa.Table.from_pylist(rows), copy / "data" / f"{split}-00000-of-00001.parquet")
-    out = tmp_path / "geo3k"
-    preprocess.preprocess("geo3k", out, local_dataset_path=copy, log=lambda _: None)
-    return out
+    return geo3k_data(tmp_path)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])

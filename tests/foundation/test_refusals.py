@@ -125,4 +125,4 @@ def test_meshrl_refusals_finds_the_rules_about_a_key(capsys):
     assert capsys.readouterr().out.startswith("no_such.key: not a key of verl's or meshrl's schema")
     cli(["refusals", "data.image_patch_size"])  # the key policy's own word first
     assert capsys.readouterr().out.startswith("data.image_patch_size: refused when set away from its default: "
-                                              "multi-modal training")
+                                              "not built for meshrl's vision-language models yet")

@@ -209,8 +209,14 @@ def test_engine_arguments_vllm_lacks_are_refused_with_a_suggestion():
     with pytest.raises(ValueError,
                        match=r"engine_kwargs\.vllm\.max_logprob: not an argument .* did you mean max_logprobs"):
         EngineConfig(vllm_kwargs={"max_logprob": 7})
-    with pytest.raises(ValueError, match=r"disable_mm_preprocessor_cache: .*did you mean mm_processor_cache_gb"):
-        EngineConfig(vllm_kwargs={"disable_mm_preprocessor_cache": True})
+    with pytest.raises(ValueError, match=r"mm_processor_cache_size: .*did you mean .*mm_processor_cache_gb"):
+        EngineConfig(vllm_kwargs={"mm_processor_cache_size": 1})
+
+
+def test_an_engine_argument_vllm_renamed_reaches_it_under_its_new_name():
+    """verl's image scripts pass disable_mm_preprocessor_cache, which vLLM 0.32 spells mm_processor_cache_gb=0."""
+    assert EngineConfig(vllm_kwargs={"disable_mm_preprocessor_cache": True}).vllm_kwargs == {"mm_processor_cache_gb": 0}
+    assert EngineConfig(vllm_kwargs={"disable_mm_preprocessor_cache": False}).vllm_kwargs == {}
 
 
 def test_load_formats_meshrl_cannot_load_are_refused():

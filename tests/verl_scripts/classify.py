@@ -70,8 +70,9 @@ def cpu_swaps() -> list[str]:
                           for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"))]
 
 
-def converted_checkpoint() -> Path:
-    """tiny:llama as ``meshrl convert hf-to-mcore`` writes it (the scripts' step 1), built once into meshrl's cache."""
+def converted_checkpoint(folder: Path | None = None) -> Path:
+    """The HF ``folder`` (tiny:llama's by default) as ``meshrl convert hf-to-mcore`` writes it (the scripts' step 1),
+    built once into meshrl's cache."""
     import subprocess
     import sys
 
@@ -79,11 +80,13 @@ def converted_checkpoint() -> Path:
     from meshrl.models.tiny import tiny_model_dir, tiny_spec
     from meshrl.runtime import cache_dir
 
-    def build(tmp: Path) -> None:
-        subprocess.run([sys.executable, "-m", "meshrl.parallel.convert_cli", "hf-to-mcore", "--hf",
-                        str(tiny_model_dir(tiny_spec("llama"))), "--out", str(tmp)], check=True, capture_output=True)
+    folder = folder or tiny_model_dir(tiny_spec("llama"))
 
-    return cached_dir(cache_dir() / "models" / f"{tiny_spec('llama').name()}-mcore", "latest", build)
+    def build(tmp: Path) -> None:
+        subprocess.run([sys.executable, "-m", "meshrl.parallel.convert_cli", "hf-to-mcore", "--hf", str(folder),
+                        "--out", str(tmp)], check=True, capture_output=True)
+
+    return cached_dir(cache_dir() / "models" / f"{folder.name}-mcore", "latest", build)
 # Paths a script sets only where it uses the feature, swapped (appended as CPU_SWAPS are) where it sets them: a reward
 # file of verl's repository scores verl's data; meshrl's test reward (GSM8K rows in verl's dict form, with GDPO's
 # components accuracy_reward and format_reward beside the score) stands in for it, as the data's paths are swapped.
