@@ -70,24 +70,6 @@ def layouts_shard_the_model(c: Checked) -> list[str]:
     return [line for section, layout in roles for line in layout_problem_lines(spec, layout, section)]
 
 
-@refusal("model", "actor_rollout_ref.model.enable_gradient_checkpointing",
-         "actor_rollout_ref.actor.megatron.override_transformer_config")
-def deepstack_runs_without_full_recompute(c: Checked) -> list[str]:
-    """Qwen3-VL's deepstack features are added to decoder layers' outputs by hooks around the forward
-    (``vision_language.images_in_embeddings``); megatron's full-layer recompute re-runs those layers in the backward
-    without them, so the actor's gradients would be wrong. Refused (``transformer_config`` refuses it at build too)."""
-    from meshrl.workers.model_setup import transformer_overrides
-
-    arr = c.cfg.actor_rollout_ref
-    if not model_spec(c.hf_config).deepstack_layers or \
-            transformer_overrides(arr.model, arr.actor.megatron).get("recompute_granularity") != "full":
-        return []
-    return ["actor_rollout_ref.model.enable_gradient_checkpointing: full-layer recompute (it, or "
-            "override_transformer_config.recompute_granularity=full) is not built with Qwen3-VL's deepstack features "
-            "(added by hooks megatron's recompute does not re-run); turn it off, or set "
-            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective"]
-
-
 def layout_problem_lines(spec: ModelSpec, layout, section: str) -> list[str]:
     """``layout_problems`` of a run plan's ``layout`` (``ParallelLayout``) as ``<section>.<key>: why`` lines;
     ``section``: the role's ``megatron`` section (``critic.megatron``)."""

@@ -60,9 +60,8 @@ from typing import Any, Callable
 
 import torch
 
-from meshrl.config.refusals import Checked, refusal
 from meshrl.protocol import Batch
-from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch, total_training_steps
+from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch
 from meshrl.trainer.sample_queue import SampleQueue, staleness_budget
 from meshrl.trainer.stream_groups import StreamGroups
 from meshrl.trainer.tracking import Timer
@@ -70,25 +69,6 @@ from meshrl.workers.actor_rollout_ref import actor_offload
 from meshrl.workers.sequences import POLICY_VERSION
 
 STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
-
-
-@refusal("data", "trainer.total_training_steps", "rollout.total_rollout_steps")
-def rollout_budget(c: Checked) -> list[str]:
-    """The fully async and one-step-off trainers' steps × prompts per step must not exceed the prompts their
-    rollouter starts (``rollout.total_rollout_steps``, at most the training set × ``trainer.total_epochs``)."""
-    from meshrl.trainer.trainer_modes import trainer_class
-
-    cfg = c.cfg
-    if not issubclass(trainer_class(cfg), AsyncRLTrainer):
-        return []
-    budget, steps = staleness_budget(cfg, len(c.train_data)), total_training_steps(cfg, len(c.train_data))
-    total, needed = budget.total_rollout_steps, steps * budget.required_samples
-    if total is None or needed <= total:
-        return []
-    return [f"trainer.total_training_steps: {steps} steps of {budget.required_samples} prompts "
-            f"(actor.ppo_mini_batch_size x async_training.require_batches) need {needed} prompts, and the rollouter "
-            f"starts {total} (rollout.total_rollout_steps, at most the training set x trainer.total_epochs): raise "
-            "those or lower trainer.total_training_steps"]
 
 
 def why_serial(cfg, plan) -> str | None:

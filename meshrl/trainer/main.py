@@ -275,7 +275,8 @@ RULE_MODULES = ("meshrl.config.validate", "meshrl.trainer.early_checks", "meshrl
                 "meshrl.parallel.vision_language",
                 "meshrl.parallel.lora_limits", "meshrl.workers.reward_model_checks", "meshrl.rewards.judge",
                 "meshrl.rollout.engines", "meshrl.rollout.serving_limits", "meshrl.workers.cluster",
-                "meshrl.trainer.main", "meshrl.rollout.interactions.config", "meshrl.trainer.async_trainer")
+                "meshrl.trainer.main", "meshrl.rollout.interactions.config", "meshrl.trainer.trainer_modes",
+                "meshrl.workers.model_setup")
 
 
 def load_rules() -> None:

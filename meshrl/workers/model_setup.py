@@ -1,10 +1,13 @@
 """What a training role (the policy and its reference, the critic, the reward model) builds from its config
-section, the same way for each: the optimizer's settings, megatron's transformer overrides, the starting weights,
-LoRA adapters."""
+section, the same way for each: the optimizer's settings, megatron's transformer overrides (and the ``model`` stage's
+rule on what they may not ask of the model), the starting weights, LoRA adapters."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from meshrl.config.refusals import Checked, refusal
+from meshrl.models.families import model_spec
 
 
 def optimizer_config(optim, distributed: bool):
@@ -69,3 +72,19 @@ def with_lora(chunks, plan):
     if plan.adapter_path:
         load_adapter(chunks, plan.adapter_path)
     return chunks
+
+
+@refusal("model", "actor_rollout_ref.model.enable_gradient_checkpointing",
+         "actor_rollout_ref.actor.megatron.override_transformer_config")
+def deepstack_runs_without_full_recompute(c: Checked) -> list[str]:
+    """Qwen3-VL's deepstack features are added to decoder layers' outputs by hooks around the forward
+    (``vision_language.images_in_embeddings``); megatron's full-layer recompute re-runs those layers in the backward
+    without them, so the actor's gradients would be wrong. Refused (``transformer_config`` refuses it at build too)."""
+    arr = c.cfg.actor_rollout_ref
+    if not model_spec(c.hf_config).deepstack_layers or \
+            transformer_overrides(arr.model, arr.actor.megatron).get("recompute_granularity") != "full":
+        return []
+    return ["actor_rollout_ref.model.enable_gradient_checkpointing: full-layer recompute (it, or "
+            "override_transformer_config.recompute_granularity=full) is not built with Qwen3-VL's deepstack features "
+            "(added by hooks megatron's recompute does not re-run); turn it off, or set "
+            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective"]

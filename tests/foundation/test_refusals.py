@@ -94,7 +94,7 @@ def test_a_stage_lists_every_problem_of_its_rules_at_once():
 
 
 def test_the_fully_async_rollouters_budget_is_checked_against_the_prompts():
-    from meshrl.trainer.async_trainer import rollout_budget
+    from meshrl.trainer.trainer_modes import rollout_budget
 
     cfg = load_config(["trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=True",
                        "async_training.require_batches=2", "trainer.total_training_steps=3",

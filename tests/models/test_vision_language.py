@@ -218,7 +218,7 @@ def test_deepstack_layers_must_be_on_the_first_chunk_and_not_recomputed(qwen3_co
 
 def test_a_run_with_full_recompute_on_deepstack_is_refused(qwen3_config, config):
     from meshrl.config.run_plan import build_run_plan
-    from meshrl.parallel.model_builder import deepstack_runs_without_full_recompute
+    from meshrl.workers.model_setup import deepstack_runs_without_full_recompute
 
     def problems(hf_config, *overrides):
         cfg = load_config([f"actor_rollout_ref.model.path={tiny_vl_model_dir('qwen3_vl')}", *overrides],
