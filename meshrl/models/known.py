@@ -135,6 +135,26 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                     rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
                                                          original_max_position_embeddings=4096, beta_fast=32.0,
                                                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+    # Vision-language (verl's geo3k scripts): the language model under text_config, the tower under vision_config
+    "Qwen/Qwen2.5-VL-7B-Instruct": dict(
+        model_type="qwen2_5_vl", tie_word_embeddings=False,
+        text_config=dict(num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                         intermediate_size=18944, vocab_size=152064, rms_norm_eps=1e-6, max_position_embeddings=128000,
+                         tie_word_embeddings=False, rope_scaling=dict(type="mrope", mrope_section=[16, 24, 24]),
+                         rope_theta=1000000.0, use_sliding_window=False),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31])),
+    "Qwen/Qwen3-VL-8B-Instruct": dict(
+        model_type="qwen3_vl", tie_word_embeddings=False,
+        text_config=dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6,
+                         max_position_embeddings=262144, tie_word_embeddings=False,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_interleaved=True,
+                                              mrope_section=[24, 20, 20])),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")),
 }
 
 

@@ -27,6 +27,8 @@ PUBLISHED_B = {
     "Qwen/Qwen1.5-MoE-A2.7B": 14.3, "Qwen/Qwen3-30B-A3B": 30.5, "mistralai/Mixtral-8x7B-Instruct-v0.1": 46.7,
     "moonshotai/Moonlight-16B-A3B": 16.0,  # its card's "16B" (meshrl counts 15.96 B; 2.91 B active, the card's "3B")
     "deepseek-ai/DeepSeek-V3": 671,  # the paper's count, without the MTP layer (the hub's 685 B)
+    # vision-language: language model and vision tower
+    "Qwen/Qwen2.5-VL-7B-Instruct": 8.29, "Qwen/Qwen3-VL-8B-Instruct": 8.77,
 }
 # ... and the parameters one token uses, as the cards publish them ("A2.7B", "A3B", Mistral's 12.9 B,
 # DeepSeek-V3's 37 B)
@@ -36,9 +38,10 @@ PUBLISHED_ACTIVE_B = {"Qwen/Qwen1.5-MoE-A2.7B": 2.7, "Qwen/Qwen3-30B-A3B": 3.3,
 
 
 def spec_of(model: str, **changes):
+    """The model's spec with ``changes`` to its language model's config (a vision-language model's text_config)."""
     config = load_hf_config(model)
     for key, value in changes.items():
-        setattr(config, key, value)
+        setattr(config.get_text_config(), key, value)
     return model_spec(config)
 
 
@@ -48,7 +51,10 @@ def test_known_models_are_all_checked():
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED_B))
 def test_total_matches_published_count(model):
-    total = stage_parameters(spec_of(model))
+    from meshrl.parallel.vision import tower_parameters
+
+    spec = spec_of(model)
+    total = stage_parameters(spec) + (tower_parameters(load_hf_config(model)) if spec.vision else 0)
     assert total / 1e9 == pytest.approx(PUBLISHED_B[model], rel=0.01)
 
 
@@ -84,7 +90,9 @@ def test_all_to_all_volume_per_step():
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED_B))
 def test_count_is_linear_in_layers(model):
-    dense = spec_of(model).dense_layers  # DeepSeek-V3's first layers are dense: count from the first MoE layer
+    # DeepSeek-V3's first layers are dense: count from the first MoE layer; Qwen3-VL's deepstack needs its layers
+    spec = spec_of(model)
+    dense = max(spec.dense_layers, spec.deepstack_layers)
     counts = [stage_parameters(spec_of(model, num_hidden_layers=dense + n)) for n in (1, 2, 3, 8)]
     per_layer = layer_parameters(spec_of(model))
     assert counts[1] - counts[0] == counts[2] - counts[1] == per_layer
