@@ -70,9 +70,12 @@ SCRIPTS = {
     # verl's Qwen2.5-VL GRPO on Geometry3K (FSDP keys, gradient checkpointing, vLLM with its image-cache switch) on
     # the tiny Qwen2.5-VL and Geometry3K-layout data: the HF engine stands in for vLLM on CPU, said at start
     "qwen25vl_fsdp": ("volcengine/verl", "examples/grpo_trainer/run_qwen2_5_vl-7b.sh", "tiny:qwen2_5_vl"),
+    # its Megatron form: TP2 (swapped to 1), actor and reference from a converted checkpoint, offloads, a KL loss
+    "qwen25vl_megatron": ("volcengine/verl", "examples/grpo_trainer/run_qwen2_5_vl-7b-megatron.sh",
+                          "tiny:qwen2_5_vl"),
 }
 # the scripts whose data are images: Geometry3K-layout data (e2e_checks.geo3k_data) instead of GSM8K
-IMAGES = {"qwen25vl_fsdp"}
+IMAGES = {"qwen25vl_fsdp", "qwen25vl_megatron"}
 ASYNC = {"one_step_off_fsdp": "one_step_off", "fully_async_megatron": "fully_async",
          "one_step_off_dapo_ris": "one_step_off"}
 # verl's rollout-correction scripts run in bypass mode: the trainer computes no log-probs of its own to compare with
@@ -98,12 +101,12 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
 # trains GRPO's path (test_algorithms_e2e.py's grpo case); GDPO's reward components reach its estimator in
 # tests/trainer/test_advantage_glue.py; rollout correction (IS, rejection, bypass mode) trains in
 # test_algorithms_e2e.py's remax and ppo cases; Qwen3-MoE matches HF in tests/parallel/test_moe_parallel.py.
-# verl's Qwen2.5-VL script: its model trains the same path in tests/e2e/test_vision_language_e2e.py (extended) and
-# matches transformers in tests/parallel/test_parallel_multiproc.py (vision_language); its keys validate in the unit
+# verl's Qwen2.5-VL scripts: their model trains the same path in tests/e2e/test_vision_language_e2e.py (extended) and
+# matches transformers in tests/parallel/test_parallel_multiproc.py (vision_language); their keys validate in the unit
 # tests.
-EXTENDED = {"qwen25vl_fsdp", "qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2",
-            "gdpo_fsdp", "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp", "sapo_moe_fsdp", "rollout_corr_rloo",
-            "rollout_corr_multi_rs", "one_step_off_fsdp", "fully_async_megatron"}
+EXTENDED = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp",
+            "lora_megatron_rollout_tp2", "gdpo_fsdp", "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp",
+            "sapo_moe_fsdp", "rollout_corr_rloo", "rollout_corr_multi_rs", "one_step_off_fsdp", "fully_async_megatron"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
 # conflict with its deprecated twin, e.g. ppo_micro_batch_size vs ppo_micro_batch_size_per_gpu).
@@ -164,6 +167,12 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
         data = {**DATA, r"data\.train_files": str(geo3k / "train.parquet"),
                 r"data\.val_files": str(geo3k / "test.parquet")}
     script = swapped(args, tmp_path, model[0] if model else "tiny:llama", data) + AFTER.get(name, [])
+    if name == "qwen25vl_megatron":  # the script's step 1, `meshrl convert hf-to-mcore`, on the tiny model
+        from meshrl.models.tiny_vision import tiny_vl_model_dir
+
+        checkpoint = classify.converted_checkpoint(tiny_vl_model_dir("qwen2_5_vl"))
+        script += [f"actor_rollout_ref.{role}.megatron.dist_checkpointing_path={checkpoint}"
+                   for role in ("actor", "ref")]
     recipe, overrides = parse_args(script, classify.entry_config(module))  # the entry module's config, as verl's
     cfg = load_config(overrides, recipe=recipe)
     plan = preflight(cfg)
