@@ -297,12 +297,12 @@ def transformer_config(spec: ModelSpec, parallel: state.ParallelConfig, dtype: t
         warnings.warn("sequence_parallel=True at tensor_model_parallel_size=1: off, as in verl (it splits "
                       "activations over TP ranks)", stacklevel=2)
         kwargs["sequence_parallel"] = False
-    if spec.deepstack_layers and kwargs.get("recompute_granularity") == "full":
-        # megatron re-runs a recomputed layer in the backward, after vision_language's hooks that add the deepstack
-        # features have gone: its activations (and the tower's gradient) would come out without them
-        raise ValueError("recompute_granularity=full with Qwen3-VL's deepstack features is not built in meshrl (the "
-                         "features are added by hooks around the forward, which megatron's layer recompute does not "
-                         "see); use selective recompute or none")
+    if spec.deepstack_layers and kwargs.get("recompute_granularity") == "full" and \
+            kwargs.get("recompute_method") != "uniform":
+        # the deepstack layers' recompute takes their features as checkpoint arguments in megatron's uniform loop only
+        # (vision_language.recompute_deepstack_layers)
+        raise ValueError(f"recompute_method={kwargs.get('recompute_method')} with Qwen3-VL's deepstack features is not "
+                         "built in meshrl; use recompute_method=uniform (model.enable_gradient_checkpointing's)")
     if spec.mla and kwargs["sequence_parallel"]:
         raise ValueError("sequence_parallel with multi-latent attention is not built in meshrl (megatron's local MLA "
                          "and meshrl's TP fix of its RoPE-key gradient are checked without it); set "
@@ -493,6 +493,8 @@ def _gpt_chunks(hf_config, critic: bool, dtype: torch.dtype, config_overrides: d
                 functools.partial(layers.softcap_logits, cap=spec.final_logit_softcap))
         if pre and spec.vision:
             vision_language.attach_vision_tower(model, hf_config, dtype, config.sequence_parallel)
+            if spec.deepstack_layers and config.recompute_granularity == "full":
+                vision_language.recompute_deepstack_layers(model)
             # verl's actor.freeze_vision_tower: no gradient, so no DDP buffer or optimizer state for the tower
             model.vision_tower.requires_grad_(not freeze_vision_tower)
         if pre and spec.embedding_scale:

@@ -176,8 +176,8 @@ def images_in_embeddings(model: torch.nn.Module, images: ImageInputs | None) -> 
     Sequence parallelism: the embedding's output and each layer's are this TP rank's shard of the sequence, and the
     rank writes into its own rows only (the tower's gradient is then a partial sum, summed over TP as its parameters
     are marked: ``attach_vision_tower``). Without it every TP rank holds the whole sequence and receives its whole
-    gradient. Megatron's full-layer recompute would re-run the layers without these hooks: ``model_builder`` refuses
-    it with deepstack."""
+    gradient. Megatron's full-layer recompute would re-run the layers without these hooks: a training forward of a
+    recomputing decoder (``recompute_deepstack_layers``) takes the features from here and adds them itself."""
     tower = getattr(model, "vision_tower", None)
     if tower is None or images is None:
         yield
@@ -206,13 +206,81 @@ def images_in_embeddings(model: torch.nn.Module, images: ImageInputs | None) -> 
                                   shard), context
 
     handles = [model.embedding.register_forward_hook(scatter, with_kwargs=True)]
-    handles += [layer.register_forward_hook(functools.partial(add_deepstack, index))
-                for index, layer in enumerate(deepstack_layers)]
+    # a training forward of a recomputing decoder adds them itself, as arguments of its checkpoints (megatron runs its
+    # plain layer loop in eval mode: the hooks add them there)
+    recomputed = getattr(model.decoder, DEEPSTACK_FEATURES, None) is not None and model.decoder.training
+    if recomputed:
+        setattr(model.decoder, DEEPSTACK_FEATURES, lambda: (ran["input_ids"], ran["deepstack"], shard))
+    else:
+        handles += [layer.register_forward_hook(functools.partial(add_deepstack, index))
+                    for index, layer in enumerate(deepstack_layers)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if recomputed:
+            setattr(model.decoder, DEEPSTACK_FEATURES, _NO_FEATURES)
+
+
+# The attribute of a recomputing deepstack decoder (recompute_deepstack_layers) through which images_in_embeddings
+# hands it the micro-batch's (input ids, deepstack features, sequence shard); _NO_FEATURES between micro-batches.
+DEEPSTACK_FEATURES = "meshrl_deepstack_features"
+
+
+def _no_features():
+    return None
+
+
+_NO_FEATURES = _no_features
+
+
+def recompute_deepstack_layers(model: torch.nn.Module) -> None:
+    """Megatron's full-layer recompute (``recompute_method="uniform"``, ``recompute_num_layers`` layers per
+    checkpoint: what ``model.enable_gradient_checkpointing`` means) for a decoder whose first layers take deepstack
+    features. megatron's own recompute reruns a checkpoint's layers in the backward from its saved inputs; features
+    added by hooks around the forward would be missing there, and with them their gradient (the tower's). Here each
+    checkpoint takes the features its layers add as arguments, so the rerun adds them again and returns their
+    gradient, as Megatron-Bridge's Qwen3-VL block does; the rest is megatron's uniform loop."""
+    from megatron.core import tensor_parallel
+
+    block = model.decoder
+    config = block.config
+    image_token = model.meshrl_image_token_id
+
+    def checkpointed_forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb, attention_bias,
+                             packed_seq_params, use_inner_quantization_context, padding_mask=None):
+        given = getattr(block, DEEPSTACK_FEATURES)()
+        input_ids, features, shard = given if given is not None else (None, (), None)
+
+        def run(start: int, end: int):
+            def forward(hidden, mask, ctx, ctx_mask, rope, *added):
+                for index in range(start, end):
+                    hidden, ctx = block._get_layer(index)(
+                        hidden_states=hidden, attention_mask=mask, context=ctx, context_mask=ctx_mask,
+                        rotary_pos_emb=rope, attention_bias=attention_bias, inference_context=None,
+                        packed_seq_params=packed_seq_params, padding_mask=padding_mask)
+                    number = block._get_layer(index).layer_number - 1  # the model's numbering
+                    if number < len(added):
+                        hidden = add_image_features(hidden, input_ids, added[number], image_token, shard)
+                return hidden, ctx
+            return forward
+
+        step = config.recompute_num_layers
+        for start in range(0, block.num_layers_per_pipeline_rank, step):
+            end = min(start + step, block.num_layers_per_pipeline_rank)
+            numbers = [block._get_layer(i).layer_number - 1 for i in range(start, end)]
+            added = tuple(features[: max(numbers) + 1]) if features and min(numbers) < len(features) else ()
+            hidden_states, context = tensor_parallel.checkpoint(
+                run(start, end), config.distribute_saved_activations, hidden_states, attention_mask, context,
+                context_mask, rotary_pos_emb, *added)
+        return hidden_states
+
+    if config.recompute_method != "uniform":
+        raise ValueError(f"recompute_method={config.recompute_method} with deepstack features is not built in meshrl "
+                         "(the uniform method is: model.enable_gradient_checkpointing's)")
+    block._checkpointed_forward = checkpointed_forward
+    setattr(block, DEEPSTACK_FEATURES, _NO_FEATURES)
 
 
 @refusal("model", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.name",

@@ -77,14 +77,14 @@ def with_lora(chunks, plan):
 @refusal("model", "actor_rollout_ref.model.enable_gradient_checkpointing",
          "actor_rollout_ref.actor.megatron.override_transformer_config")
 def deepstack_runs_without_full_recompute(c: Checked) -> list[str]:
-    """Qwen3-VL's deepstack features are added to decoder layers' outputs by hooks around the forward
-    (``vision_language.images_in_embeddings``); megatron's full-layer recompute re-runs those layers in the backward
-    without them, so the actor's gradients would be wrong. Refused (``transformer_config`` refuses it at build too)."""
+    """Qwen3-VL's deepstack layers recompute with their features as checkpoint arguments in megatron's uniform loop
+    (``vision_language.recompute_deepstack_layers``, what ``enable_gradient_checkpointing`` means); full recompute by
+    another method is refused (``transformer_config`` refuses it at build too)."""
     arr = c.cfg.actor_rollout_ref
-    if not model_spec(c.hf_config).deepstack_layers or \
-            transformer_overrides(arr.model, arr.actor.megatron).get("recompute_granularity") != "full":
+    overrides = transformer_overrides(arr.model, arr.actor.megatron)
+    if not model_spec(c.hf_config).deepstack_layers or overrides.get("recompute_granularity") != "full" or \
+            overrides.get("recompute_method") == "uniform":
         return []
-    return ["actor_rollout_ref.model.enable_gradient_checkpointing: full-layer recompute (it, or "
-            "override_transformer_config.recompute_granularity=full) is not built with Qwen3-VL's deepstack features "
-            "(added by hooks megatron's recompute does not re-run); turn it off, or set "
-            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective"]
+    return [f"actor_rollout_ref.actor.megatron.override_transformer_config: recompute_method="
+            f"{overrides.get('recompute_method')} with full recompute is not built with Qwen3-VL's deepstack features; "
+            "set recompute_method=uniform (what model.enable_gradient_checkpointing sets), or selective recompute"]

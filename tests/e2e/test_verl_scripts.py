@@ -73,9 +73,11 @@ SCRIPTS = {
     # its Megatron form: TP2 (swapped to 1), actor and reference from a converted checkpoint, offloads, a KL loss
     "qwen25vl_megatron": ("volcengine/verl", "examples/grpo_trainer/run_qwen2_5_vl-7b-megatron.sh",
                           "tiny:qwen2_5_vl"),
+    # Qwen3-VL's FSDP script: gradient checkpointing over the deepstack layers (their features as checkpoint arguments)
+    "qwen3vl_fsdp": ("verl-project/verl", "examples/grpo_trainer/run_qwen3_vl_8b_fsdp.sh", "tiny:qwen3_vl"),
 }
 # the scripts whose data are images: Geometry3K-layout data (e2e_checks.geo3k_data) instead of GSM8K
-IMAGES = {"qwen25vl_fsdp", "qwen25vl_megatron"}
+IMAGES = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp"}
 ASYNC = {"one_step_off_fsdp": "one_step_off", "fully_async_megatron": "fully_async",
          "one_step_off_dapo_ris": "one_step_off"}
 # verl's rollout-correction scripts run in bypass mode: the trainer computes no log-probs of its own to compare with
@@ -104,8 +106,8 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
 # verl's Qwen2.5-VL scripts: their model trains the same path in tests/e2e/test_vision_language_e2e.py (extended) and
 # matches transformers in tests/parallel/test_parallel_multiproc.py (vision_language); their keys validate in the unit
 # tests.
-EXTENDED = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3_grpo", "lora_fsdp", "ppo_megatron", "cispo_fsdp",
-            "lora_megatron_rollout_tp2", "gdpo_fsdp", "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp",
+EXTENDED = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp", "qwen3_grpo", "lora_fsdp", "ppo_megatron",
+            "cispo_fsdp", "lora_megatron_rollout_tp2", "gdpo_fsdp", "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp",
             "sapo_moe_fsdp", "rollout_corr_rloo", "rollout_corr_multi_rs", "one_step_off_fsdp", "fully_async_megatron"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could

@@ -194,7 +194,7 @@ def test_deepstack_features_add_at_the_pad_tokens_in_order_and_by_shard():
         add_image_features(hidden, ids, features[:4], pad)
 
 
-def test_deepstack_layers_must_be_on_the_first_chunk_and_not_recomputed(qwen3_config):
+def test_deepstack_layers_must_be_on_the_first_chunk_and_recomputed_by_the_uniform_method(qwen3_config):
     import dataclasses
 
     from meshrl.parallel.model_builder import transformer_config
@@ -211,12 +211,17 @@ def test_deepstack_layers_must_be_on_the_first_chunk_and_not_recomputed(qwen3_co
         assert "deepstack features are added after layers 0..2" in problems[0][1]
     with pytest.raises(ValueError, match="deepstack features need a vision tower"):
         dataclasses.replace(spec, vision=False)
-    with pytest.raises(ValueError, match="recompute_granularity=full with Qwen3-VL's deepstack"):
+    with pytest.raises(ValueError, match="recompute_method=block with Qwen3-VL's deepstack"):
         transformer_config(spec, state.ParallelConfig(), torch.float32, recompute_granularity="full",
-                           recompute_method="uniform", recompute_num_layers=1)
+                           recompute_method="block", recompute_num_layers=1)
+    transformer_config(spec, state.ParallelConfig(), torch.float32, recompute_granularity="full",
+                       recompute_method="uniform", recompute_num_layers=1)
 
 
-def test_a_run_with_full_recompute_on_deepstack_is_refused(qwen3_config, config):
+def test_full_recompute_with_deepstack_is_refused_but_by_the_uniform_method(qwen3_config, config):
+    """enable_gradient_checkpointing (megatron's uniform method) recomputes the deepstack layers with their features
+    as checkpoint arguments (vision_language.recompute_deepstack_layers; exact to transformers in the multi-process
+    launches); another method is refused."""
     from meshrl.config.run_plan import build_run_plan
     from meshrl.workers.model_setup import deepstack_runs_without_full_recompute
 
@@ -226,8 +231,10 @@ def test_a_run_with_full_recompute_on_deepstack_is_refused(qwen3_config, config)
         return deepstack_runs_without_full_recompute(Checked(cfg, build_run_plan(cfg), hf_config))
 
     assert problems(qwen3_config) == []
-    (line,) = problems(qwen3_config, "actor_rollout_ref.model.enable_gradient_checkpointing=True")
-    assert line.startswith("actor_rollout_ref.model.enable_gradient_checkpointing: full-layer recompute")
-    selective = "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective"
-    assert problems(qwen3_config, "actor_rollout_ref.model.enable_gradient_checkpointing=True", selective) == []
-    assert problems(config, "actor_rollout_ref.model.enable_gradient_checkpointing=True") == []  # no deepstack
+    assert problems(qwen3_config, "actor_rollout_ref.model.enable_gradient_checkpointing=True") == []
+    override = "+actor_rollout_ref.actor.megatron.override_transformer_config"
+    block = [f"{override}.recompute_granularity=full", f"{override}.recompute_method=block",
+             f"{override}.recompute_num_layers=1"]
+    (line,) = problems(qwen3_config, *block)
+    assert line.startswith("actor_rollout_ref.actor.megatron.override_transformer_config: recompute_method=block")
+    assert problems(config, *block) == []  # no deepstack

@@ -794,6 +794,12 @@ def run_phase(name: str, layout: dict, workdir: Path) -> dict:
                 if name == "tp2":
                     rec.run(f"vision_language.{vl_type}_sequence_parallel",
                             lambda: check_vision_language(vl, sequence_parallel=True))
+            # Qwen3-VL's deepstack layers under full recompute (their features as checkpoint arguments), at PP2 and at
+            # TP2 with sequence parallelism
+            recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                             sequence_parallel=name == "tp2")
+            rec.run("vision_language.qwen3_vl_recompute",
+                    lambda: check_vision_language(tiny_vl_model_dir("qwen3_vl"), **recompute))
         if name == "tp2":
             rec.run("optimizer", lambda: check_optimizer(llama))
             rec.run("checkpoint_save", lambda: check_checkpoint_save(llama, workdir))
