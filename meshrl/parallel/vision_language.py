@@ -107,14 +107,15 @@ def vision_pieces(hf_config) -> list[Piece]:
                   "vision_config") for name, hf_name in tower.hf_names().items()]
 
 
-def _pad_rows(input_ids: torch.Tensor, image_token_id: int, count: int,
-              sequence_shard: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``mask``, ``order``), both ``[s, b]`` in megatron's sequence-first layout (this TP rank's ``[s / tp, b]`` rows
-    under sequence parallelism: ``sequence_shard`` = (rank, size)): where ``input_ids`` (``[b, s]``) holds the image
-    pad token, and there which feature row it takes (the k-th pad counted row by row takes row k). ``ValueError``
-    when the micro-batch has other than ``count`` pads (the features' rows)."""
+def _features_at_pads(input_ids: torch.Tensor, features: torch.Tensor, dtype: torch.dtype, image_token_id: int,
+                      sequence_shard: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``mask`` ``[s, b, 1]``, ``taken`` ``[s, b, h]``) in megatron's sequence-first layout (this TP rank's
+    ``[s / tp, b]`` rows under sequence parallelism: ``sequence_shard`` = (rank, size)): where ``input_ids``
+    (``[b, s]``) holds the image pad token, and there the row of ``features`` (cast to ``dtype``) it takes (the k-th
+    pad counted row by row takes row k; elsewhere a row of no meaning). ``ValueError`` when the micro-batch has other
+    than one pad per feature row."""
     mask = input_ids == image_token_id
-    pads = int(mask.sum())
+    pads, count = int(mask.sum()), features.shape[0]
     if pads != count:
         raise ValueError(f"the micro-batch has {pads} image pad tokens but its images give {count} "
                          "features: the prompts' image placeholders and the images carried with them disagree")
@@ -126,7 +127,7 @@ def _pad_rows(input_ids: torch.Tensor, image_token_id: int, count: int,
         rank, size = sequence_shard
         rows = mask.shape[0] // size
         mask, order = mask[rank * rows:(rank + 1) * rows], order[rank * rows:(rank + 1) * rows]
-    return mask, order
+    return mask.unsqueeze(-1), features.to(dtype)[order.clamp(min=0)]
 
 
 def scatter_image_features(embeddings: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor,
@@ -138,9 +139,8 @@ def scatter_image_features(embeddings: torch.Tensor, input_ids: torch.Tensor, fe
 
     Raises ``ValueError`` when the micro-batch's pad tokens and its images' features differ in number (the
     processor's expansion and the images carried with the batch disagree)."""
-    mask, order = _pad_rows(input_ids, image_token_id, features.shape[0], sequence_shard)
-    taken = features.to(embeddings.dtype)[order.clamp(min=0)]
-    return torch.where(mask.unsqueeze(-1), taken, embeddings)
+    mask, taken = _features_at_pads(input_ids, features, embeddings.dtype, image_token_id, sequence_shard)
+    return torch.where(mask, taken, embeddings)
 
 
 def add_image_features(hidden: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor, image_token_id: int,
@@ -148,9 +148,8 @@ def add_image_features(hidden: torch.Tensor, input_ids: torch.Tensor, features: 
     """``hidden`` (laid out as ``scatter_image_features``' ``embeddings``) plus ``features`` at the image pad tokens,
     the k-th pad adding row k, unchanged elsewhere: transformers' ``Qwen3VLTextModel._deepstack_process``
     (``h[pads] = h[pads] + f``, ``f`` cast to ``h``'s dtype). ``ValueError`` as ``scatter_image_features``."""
-    mask, order = _pad_rows(input_ids, image_token_id, features.shape[0], sequence_shard)
-    taken = features.to(hidden.dtype)[order.clamp(min=0)]
-    return torch.where(mask.unsqueeze(-1), hidden + taken, hidden)
+    mask, taken = _features_at_pads(input_ids, features, hidden.dtype, image_token_id, sequence_shard)
+    return torch.where(mask, hidden + taken, hidden)
 
 
 def _deepstack_layers(model: torch.nn.Module, count: int) -> list[torch.nn.Module]:
@@ -189,7 +188,11 @@ def images_in_embeddings(model: torch.nn.Module, images: ImageInputs | None) -> 
              if config.sequence_parallel else None)
     spec = getattr(model, "meshrl_spec", None)
     deepstack_layers = _deepstack_layers(model, spec.deepstack_layers) if spec is not None else []
-    ran: dict = {}  # what the embedding's hook hands the layers' hooks within this forward
+    # a training forward of a recomputing decoder adds the deepstack features itself, as arguments of its checkpoints
+    # (megatron runs its plain layer loop in eval mode: the layers' hooks add them there)
+    recomputed = getattr(model.decoder, DEEPSTACK_INPUTS, None) if model.decoder.training else None
+    # what the embedding's hook hands the layers' hooks (or the recomputing decoder) within this forward
+    ran: dict = {} if recomputed is None else recomputed
 
     def scatter(module, args, kwargs, output):
         input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
@@ -197,7 +200,7 @@ def images_in_embeddings(model: torch.nn.Module, images: ImageInputs | None) -> 
         if len(vision.deepstack) != len(deepstack_layers):
             raise ValueError(f"the vision tower gives {len(vision.deepstack)} deepstack features but the model adds "
                              f"{len(deepstack_layers)} (ModelSpec.deepstack_layers)")
-        ran.update(input_ids=input_ids, deepstack=vision.deepstack)
+        ran.update(input_ids=input_ids, deepstack=vision.deepstack, shard=shard)
         return scatter_image_features(output, input_ids, vision.embeds, model.meshrl_image_token_id, shard)
 
     def add_deepstack(index: int, module, args, output):
@@ -206,12 +209,7 @@ def images_in_embeddings(model: torch.nn.Module, images: ImageInputs | None) -> 
                                   shard), context
 
     handles = [model.embedding.register_forward_hook(scatter, with_kwargs=True)]
-    # a training forward of a recomputing decoder adds them itself, as arguments of its checkpoints (megatron runs its
-    # plain layer loop in eval mode: the hooks add them there)
-    recomputed = getattr(model.decoder, DEEPSTACK_FEATURES, None) is not None and model.decoder.training
-    if recomputed:
-        setattr(model.decoder, DEEPSTACK_FEATURES, lambda: (ran["input_ids"], ran["deepstack"], shard))
-    else:
+    if recomputed is None:
         handles += [layer.register_forward_hook(functools.partial(add_deepstack, index))
                     for index, layer in enumerate(deepstack_layers)]
     try:
@@ -219,20 +217,13 @@ def images_in_embeddings(model: torch.nn.Module, images: ImageInputs | None) -> 
     finally:
         for handle in handles:
             handle.remove()
-        if recomputed:
-            setattr(model.decoder, DEEPSTACK_FEATURES, _NO_FEATURES)
+        if recomputed is not None:
+            recomputed.clear()
 
 
-# The attribute of a recomputing deepstack decoder (recompute_deepstack_layers) through which images_in_embeddings
-# hands it the micro-batch's (input ids, deepstack features, sequence shard); _NO_FEATURES between micro-batches.
-DEEPSTACK_FEATURES = "meshrl_deepstack_features"
-
-
-def _no_features():
-    return None
-
-
-_NO_FEATURES = _no_features
+# A recomputing deepstack decoder's dict (recompute_deepstack_layers), in which images_in_embeddings hands it the
+# micro-batch's input ids, deepstack features and sequence shard; empty between micro-batches.
+DEEPSTACK_INPUTS = "meshrl_deepstack_inputs"
 
 
 def recompute_deepstack_layers(model: torch.nn.Module) -> None:
@@ -241,7 +232,8 @@ def recompute_deepstack_layers(model: torch.nn.Module) -> None:
     features. megatron's own recompute reruns a checkpoint's layers in the backward from its saved inputs; features
     added by hooks around the forward would be missing there, and with them their gradient (the tower's). Here each
     checkpoint takes the features its layers add as arguments, so the rerun adds them again and returns their
-    gradient, as Megatron-Bridge's Qwen3-VL block does; the rest is megatron's uniform loop."""
+    gradient, as Megatron-Bridge's Qwen3-VL block does; the rest is megatron's uniform loop (other methods are refused
+    by ``model_builder.transformer_config``)."""
     from megatron.core import tensor_parallel
 
     block = model.decoder
@@ -250,8 +242,8 @@ def recompute_deepstack_layers(model: torch.nn.Module) -> None:
 
     def checkpointed_forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb, attention_bias,
                              packed_seq_params, use_inner_quantization_context, padding_mask=None):
-        given = getattr(block, DEEPSTACK_FEATURES)()
-        input_ids, features, shard = given if given is not None else (None, (), None)
+        given = getattr(block, DEEPSTACK_INPUTS)
+        input_ids, features, shard = given.get("input_ids"), given.get("deepstack", ()), given.get("shard")
 
         def run(start: int, end: int):
             def forward(hidden, mask, ctx, ctx_mask, rope, *added):
@@ -276,11 +268,8 @@ def recompute_deepstack_layers(model: torch.nn.Module) -> None:
                 context_mask, rotary_pos_emb, *added)
         return hidden_states
 
-    if config.recompute_method != "uniform":
-        raise ValueError(f"recompute_method={config.recompute_method} with deepstack features is not built in meshrl "
-                         "(the uniform method is: model.enable_gradient_checkpointing's)")
     block._checkpointed_forward = checkpointed_forward
-    setattr(block, DEEPSTACK_FEATURES, _NO_FEATURES)
+    setattr(block, DEEPSTACK_INPUTS, {})
 
 
 @refusal("model", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.name",

@@ -125,6 +125,23 @@ class VisionAttention(nn.Module):
         return self.proj(segment_attention(q, k, v, bounds).reshape(n, -1))
 
 
+class VisionBlock(nn.Module):
+    """Pre-norm ViT block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``, the attention over each of ``bounds``'
+    segments with the 2-D rotary ``rope``. The tower gives its norms (``norm``: width -> module) and MLP; the module
+    names are its checkpoints'."""
+
+    def __init__(self, config: Any, norm: Callable[[int], nn.Module], mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1 = norm(config.hidden_size)
+        self.norm2 = norm(config.hidden_size)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bounds: Sequence[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, bounds)
+        return x + self.mlp(self.norm2(x))
+
+
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos(a), sin(a))``, each ``[N, head_dim]`` fp32, of the patches at ``positions`` (``[N, 2]``: row, column
     in the frame); the angles ``a`` of the module docstring."""

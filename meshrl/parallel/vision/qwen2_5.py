@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from meshrl.parallel.vision.common import (
-    PatchEmbed, RMSNorm, VisionAttention, VisionOutput, VisionTower, activation, frame_bounds, grid_list,
+    PatchEmbed, RMSNorm, VisionBlock, VisionOutput, VisionTower, activation, frame_bounds, grid_list,
     merge_block_positions, rotary_cos_sin)
 
 
@@ -53,19 +53,10 @@ class Qwen2_5VisionMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Qwen2_5VisionBlock(nn.Module):
-    """Pre-norm block: ``x + attn(rmsnorm1(x))``, then ``x + mlp(rmsnorm2(x))``."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(config.hidden_size, eps=1e-6)
-        self.norm2 = RMSNorm(config.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = Qwen2_5VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bounds: Sequence[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, bounds)
-        return x + self.mlp(self.norm2(x))
+def qwen2_5_vision_block(config: Any) -> VisionBlock:
+    """The pre-norm block with RMSNorms and the SwiGLU MLP."""
+    return VisionBlock(config, lambda width: RMSNorm(width, eps=1e-6),
+                       Qwen2_5VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
 
 
 class Qwen2_5PatchMerger(nn.Module):
@@ -116,7 +107,7 @@ class Qwen2_5VisionTower(VisionTower):
         self.fullatt_block_indexes = frozenset(config.fullatt_block_indexes)
         self.patch_embed = PatchEmbed(config.in_channels, config.temporal_patch_size, config.patch_size,
                                       config.hidden_size, bias=False)
-        self.blocks = nn.ModuleList(Qwen2_5VisionBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(qwen2_5_vision_block(config) for _ in range(config.depth))
         self.merger = Qwen2_5PatchMerger(config.hidden_size, config.out_hidden_size, config.spatial_merge_size)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionOutput:

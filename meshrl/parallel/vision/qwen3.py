@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from meshrl.parallel.vision.common import (
-    PatchEmbed, VisionAttention, VisionOutput, VisionTower, activation, frame_bounds, grid_list,
+    PatchEmbed, VisionBlock, VisionOutput, VisionTower, activation, frame_bounds, grid_list,
     merge_block_positions, rotary_cos_sin)
 
 
@@ -57,19 +57,10 @@ class Qwen3VisionMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class Qwen3VisionBlock(nn.Module):
-    """Pre-norm block: ``x + attn(layernorm1(x))``, then ``x + mlp(layernorm2(x))``."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = Qwen3VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bounds: Sequence[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, bounds)
-        return x + self.mlp(self.norm2(x))
+def qwen3_vision_block(config: Any) -> VisionBlock:
+    """The pre-norm block with LayerNorms and the two-layer MLP."""
+    return VisionBlock(config, lambda width: nn.LayerNorm(width, eps=1e-6),
+                       Qwen3VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
 
 
 class Qwen3PatchMerger(nn.Module):
@@ -137,7 +128,7 @@ class Qwen3VisionTower(VisionTower):
         self.patch_embed = PatchEmbed(config.in_channels, config.temporal_patch_size, config.patch_size,
                                       config.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
-        self.blocks = nn.ModuleList(Qwen3VisionBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(qwen3_vision_block(config) for _ in range(config.depth))
         self.merger = Qwen3PatchMerger(config.hidden_size, config.out_hidden_size, self.merge, False)
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3PatchMerger(config.hidden_size, config.out_hidden_size, self.merge, True)
