@@ -11,16 +11,23 @@ Hugging Face) lives under one folder, ``cache_dir()``, never scattered in the ho
 it first. It only sets variables the user has not set, so a user's choice always wins.
 
 What a killed run leaves is cleared here too: a dead driver's processes and temporary folder (``prune_run_temp_dirs``,
-``stop_leftovers``) and the shared memory of a killed vLLM process tree (``remove_orphaned_shared_memory``).
+``stop_leftovers``) and the shared memory of a killed vLLM process tree (``remove_orphaned_shared_memory``); and the
+helpers a process forks for a task it waits on die with it (``forks_die_with_this_process``).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import functools
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -137,27 +144,91 @@ def prune_run_temp_dirs(base: Path) -> list[Path]:
     return stale
 
 
-def stop_leftovers(folder: Path) -> list[int]:
+def stop_leftovers(folder: Path, settle_s: float = 10.0) -> list[int]:
     """Kill the processes whose ``TMPDIR`` is the run temporary folder ``folder`` of a dead driver: that run's
     leftovers (every process a run starts inherits its folder). After a ``kill -9`` of the driver, Ray's dashboard and
     runtime-env agents first report their raylet's death to the GCS, dead too, and wait up to 60 s for it
     (``ray._private.utils.publish_error_to_driver``) before they exit; a worker still saving a checkpoint forks
     megatron's writers, which, orphaned, wait forever on their dead parent's queue. So every such process is first
     stopped (SIGSTOP: it can fork no more) and the processes are looked for again until no new one appears; then all
-    are killed. Returns the pids killed."""
+    are killed, and looked for once more when they are gone. The next look waits until every process just sent
+    SIGSTOP is seen stopped: the signal takes effect when the process returns to user space, so one inside ``fork``
+    finishes it first and its child appears after a look made at once (the leftover writer of CI's stop 50).
+    ``settle_s`` bounds the waiting (a process in uninterruptible sleep stops late). Returns the pids killed."""
+    deadline = time.monotonic() + settle_s
     stopped: dict[int, psutil.Process] = {}
     while True:
         found = [proc for proc in _processes_with_tmpdir(folder) if proc.pid not in stopped]
-        if not found:
-            break
-        for proc in found:
+        if found:
+            for proc in found:
+                with contextlib.suppress(psutil.Error):
+                    proc.suspend()
+                    stopped[proc.pid] = proc
+            _wait_until(found, _STOPPED, deadline)
+            continue
+        for proc in stopped.values():
             with contextlib.suppress(psutil.Error):
-                proc.suspend()
-                stopped[proc.pid] = proc
-    for proc in stopped.values():
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    return sorted(stopped)
+                proc.kill()
+        _wait_until(list(stopped.values()), _GONE, min(deadline, time.monotonic() + 1.0))
+        if time.monotonic() > deadline or not any(proc.pid not in stopped for proc in _processes_with_tmpdir(folder)):
+            return sorted(stopped)
+
+
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+_STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, *_GONE)
+
+
+def _wait_until(processes: list[psutil.Process], states: tuple[str, ...], deadline: float) -> None:
+    """Until each of ``processes`` is in one of ``states`` or gone, or ``deadline``; polled, not waited for: a
+    child of this process is not reaped here (its ``Popen`` keeps its exit code)."""
+    waiting = list(processes)
+    while waiting and time.monotonic() < deadline:
+        still = []
+        for proc in waiting:
+            with contextlib.suppress(psutil.Error):
+                if proc.status() not in states:
+                    still.append(proc)
+        waiting = still
+        if waiting:
+            time.sleep(0.005)
+
+
+# The process and thread inside ``forks_die_with_this_process`` (None outside): a child forked there dies with them.
+_dying_with: tuple[int, int] | None = None
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@contextlib.contextmanager
+def forks_die_with_this_process():
+    """Within the block, a child this thread forks (``os.fork``: ``multiprocessing``'s fork context) gets SIGKILL
+    when the forking thread ends (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing changes). For helpers the block
+    waits for, such as megatron's checkpoint writers: when the Ray actor saving is killed (its driver died, the
+    machine ran short of memory), each writer otherwise waits forever on a queue its dead parent was to fill, holding
+    a copy of the actor's memory. Only this thread's forks: another thread's child may outlive its forking thread."""
+    global _dying_with
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    _register_die_with_parent()
+    previous, _dying_with = _dying_with, (os.getpid(), threading.get_ident())
+    try:
+        yield
+    finally:
+        _dying_with = previous
+
+
+@functools.cache
+def _register_die_with_parent() -> None:
+    os.register_at_fork(after_in_child=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    if _dying_with is None or _dying_with[1] != threading.get_ident():  # the forking thread is the child's own
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != _dying_with[0]:  # the parent died before the request: nobody will send the signal
+        os._exit(1)
 
 
 def _processes_with_tmpdir(folder: Path) -> list[psutil.Process]:

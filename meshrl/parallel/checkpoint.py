@@ -38,6 +38,7 @@ from meshrl.parallel import state
 from meshrl.parallel.model_builder import unwrap
 from meshrl.parallel.offload import _optimizer_tensors
 from meshrl.parallel.optimizer import initialize_state
+from meshrl.runtime import forks_die_with_this_process
 
 LATEST = "latest"
 _META = "meshrl.json"
@@ -135,7 +136,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks: list[torch.nn.Mo
         # and give every checkpoint the same format.
         initialize_state(optimizer)
     sharded = _sharded_state(chunks, optimizer, scheduler, extra, is_loading=False)
-    dist_checkpointing.save(sharded, str(tmp))
+    with forks_die_with_this_process():  # megatron's writers: orphaned, they would wait forever
+        dist_checkpointing.save(sharded, str(tmp))
     dist.barrier()
     if rank0:
         gpt = unwrap(chunks[0])

@@ -90,3 +90,52 @@ def test_a_dead_drivers_leftover_processes_are_stopped_with_its_folder(tmp_path)
         for process in (*processes.values(), forker):
             process.kill()
             process.wait()
+
+
+# A worker saving a checkpoint: megatron's writer forked (multiprocessing's fork context) inside the block, a child
+# forked outside it, each writing its pid; then it waits, as the writer's parent waits for the writer.
+SAVER = """
+import multiprocessing, os, sys, time
+from meshrl.runtime import forks_die_with_this_process
+
+def child(path):
+    with open(path, "w") as out:
+        out.write(str(os.getpid()))
+    time.sleep(60)
+
+folder = sys.argv[1]
+with forks_die_with_this_process():
+    multiprocessing.get_context("fork").Process(target=child, args=(folder + "/writer",)).start()
+multiprocessing.get_context("fork").Process(target=child, args=(folder + "/other",)).start()
+time.sleep(60)
+"""
+
+
+def test_a_writer_forked_while_saving_dies_with_its_killed_parent(tmp_path):
+    """``kill -9`` of a Ray actor while it saves (its driver died, memory ran short): the writer it forked inside
+    ``forks_die_with_this_process`` dies with it instead of waiting forever for its dead parent; a child forked
+    outside the block is left alone (what the writer did before)."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / name).exists() and (tmp_path / name).read_text() for name in ("writer", "other")):
+            assert time.monotonic() < deadline and saver.poll() is None
+            time.sleep(0.05)
+        writer, other = (psutil.Process(int((tmp_path / name).read_text())) for name in ("writer", "other"))
+        saver.send_signal(signal.SIGKILL)
+        saver.wait()
+        gone, alive = psutil.wait_procs([writer, other], timeout=5)
+        assert [p.pid for p in gone] == [writer.pid] and [p.pid for p in alive] == [other.pid]
+    finally:
+        saver.kill()
+        for name in ("writer", "other"):
+            if (tmp_path / name).exists() and (tmp_path / name).read_text():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int((tmp_path / name).read_text()), signal.SIGKILL)
