@@ -108,27 +108,35 @@ def sdpa_core_attention_class():
             which computes and stores all t^2 scores. Each slot goes in as a batch of one (``[1, heads, s, d]``):
             torch's CPU flash kernel takes 4-D inputs only, and a 3-D call falls back to the math path, which
             keeps every slot's ``[heads, s, s]`` probabilities for the backward (SmolLM2 at TP3, one 2,048-token
-            slot: 1.36 GiB more saved over 30 layers, ``bench/sequence_parallel.py``)."""
+            slot: 1.36 GiB more saved over 30 layers, ``bench/sequence_parallel.py``).
+
+            The slots are cut with one ``split`` per tensor, not sliced one by one: a slice's backward allocates a
+            zero tensor of the whole packed size for each slot and the engine then adds them up, where a split's
+            backward concatenates the slots' gradients once (SmolLM2, two 3,006-token micro-batches of 40 slots:
+            38 GB of zero-filled gradients per update, the most of its page faults under the fixed mmap threshold)."""
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
             if self.config.context_parallel_size > 1:
                 return self._packed_context(query, key, value, cu)
             bounds = cu.tolist()
+            sizes = [bounds[0], *(end - start for start, end in zip(bounds[:-1], bounds[1:])),
+                     query.shape[0] - bounds[-1]]
+            queries, keys, values = (t.split(sizes) for t in (query, key, value))
+            starts = {start: index for index, start in enumerate(bounds[:-1], start=1)}
             prefixes = getattr(params, "segments", None) or [None] * (len(bounds) - 1)
-            slots = [self._slot(query, key, value, start, end, prefix)
-                     for start, end, prefix in zip(bounds[:-1], bounds[1:], prefixes) if end > start]
+            slots = []
+            for index, prefix in enumerate(prefixes, start=1):
+                if not sizes[index]:
+                    continue
+                q, k, v = (pieces[index].transpose(0, 1)[None] for pieces in (queries, keys, values))
+                if prefix is None:
+                    out = self._causal(q, k, v)
+                else:  # a response of the shared-prompt layout: the prompt's real tokens lead its slot
+                    begin, length = prefix
+                    k, v = (torch.cat([pieces[starts[begin]][:length], pieces[index]]).transpose(0, 1)[None]
+                            for pieces in (keys, values))
+                    out = self._masked(q, k, v, prefix_mask(length, sizes[index], self.window, query.device))
+                slots.append(out[0].transpose(0, 1))
             return torch.cat(slots).reshape(query.shape[0], self.hidden_size_per_partition)
-
-        def _slot(self, query, key, value, start, end, prefix):
-            """One slot's ``[s, heads, d]`` output: causal inside it, and with ``prefix`` = (start, length) (a
-            response in the shared-prompt layout, ``meshrl.parallel.shared_prefix``) also over those keys first."""
-            if prefix is None:
-                q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
-                return self._causal(q, k, v)[0].transpose(0, 1)
-            begin, length = prefix
-            q = query[start:end].transpose(0, 1)[None]
-            k, v = (torch.cat([t[begin:begin + length], t[start:end]]).transpose(0, 1)[None] for t in (key, value))
-            mask = prefix_mask(length, end - start, self.window, query.device)
-            return self._masked(q, k, v, mask)[0].transpose(0, 1)
 
         def _packed_context(self, query, key, value, cu):
             """``[t, heads, d]`` -> ``[t, heads * d]`` for this CP rank's chunks of every slot of ``cu`` (global slot
