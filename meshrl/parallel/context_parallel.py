@@ -76,15 +76,15 @@ def sum_over_context(local: torch.Tensor, group) -> torch.Tensor:
     return reduce_from_tensor_model_parallel_region(local, group=group)
 
 
-def chunk_keys(gathered: torch.Tensor, slot_start: int, slot_length: int, rank: int,
+def chunk_keys(firsts: torch.Tensor, seconds: torch.Tensor, rank: int,
                size: int) -> list[tuple[int, int, torch.Tensor]]:
-    """For the slot at local row offset ``slot_start`` of local length ``slot_length``, given ``[CP, t, ...]`` (keys
-    and values of every CP rank, :func:`gather_over_context`): per local chunk of this rank, ``(local_start,
-    first_position, keys)``: the chunk's start in the local row, its first query's position in the slot, and the
-    slot's keys at positions ``0 .. first_position + c - 1`` (all its causal queries may see)."""
-    half = slot_length // 2
+    """For one slot, given ``[CP, c, ...]`` keys and values of every CP rank's first and second local chunk of it
+    (pieces of :func:`gather_over_context`'s result; c is half the slot's local length): per local chunk of this
+    rank, ``(which, first_position, keys)``: the chunk (0: this rank's first, 1: its second), its first query's
+    position in the slot, and the slot's keys at positions ``0 .. first_position + c - 1`` (all its causal queries
+    may see)."""
+    half = firsts.shape[1]
     # chunk j of the slot: rank j's first local chunk for j < CP, rank 2·CP-1-j's second otherwise
-    chunks = [gathered[j, slot_start:slot_start + half] if j < size
-              else gathered[2 * size - 1 - j, slot_start + half:slot_start + slot_length] for j in range(2 * size)]
-    return [(local_start, index * half, torch.cat(chunks[:index + 1]))
-            for local_start, index in ((slot_start, rank), (slot_start + half, 2 * size - 1 - rank))]
+    chunks = [firsts[j] if j < size else seconds[2 * size - 1 - j] for j in range(2 * size)]
+    return [(which, index * half, torch.cat(chunks[:index + 1]))
+            for which, index in ((0, rank), (1, 2 * size - 1 - rank))]

@@ -148,14 +148,17 @@ def sdpa_core_attention_class():
             size, rank, width = group.size(), group.rank(), key.shape[-1]
             gathered = context_parallel.gather_over_context(torch.cat([key, value], dim=-1), group)
             bounds = (cu // size).tolist()
+            halves = [(end - start) // 2 for start, end in zip(bounds[:-1], bounds[1:])]
+            sizes = [bounds[0], *(half for half in halves for _ in range(2)), query.shape[0] - bounds[-1]]
+            queries, keys = query.split(sizes), gathered.split(sizes, dim=1)  # split, not sliced: see _packed
             out = []
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                half = (end - start) // 2
+            for slot, half in enumerate(halves):
                 if not half:
                     continue
-                for local_start, first, keys in context_parallel.chunk_keys(gathered, start, end - start, rank, size):
-                    q = query[local_start:local_start + half].transpose(0, 1)[None]
-                    k, v = (t.transpose(0, 1)[None] for t in (keys[..., :width], keys[..., width:]))
+                pieces = (1 + 2 * slot, 2 + 2 * slot)
+                for which, first, seen in context_parallel.chunk_keys(*(keys[i] for i in pieces), rank, size):
+                    q = queries[pieces[which]].transpose(0, 1)[None]
+                    k, v = (t.transpose(0, 1)[None] for t in seen.split([width, seen.shape[-1] - width], dim=-1))
                     if first == 0:
                         out.append(self._causal(q, k, v)[0].transpose(0, 1))
                     else:

@@ -57,7 +57,9 @@ def test_each_chunk_sees_its_slots_keys_up_to_its_own_last_position(size: int) -
     for rank, part in enumerate(shards):
         for slot, (start, end) in enumerate(zip(local_cu[:-1], local_cu[1:])):
             half = (end - start) // 2
-            for local_start, first, seen in context_parallel.chunk_keys(gathered, start, end - start, rank, size):
+            pieces = (gathered[:, start:start + half], gathered[:, start + half:end])
+            for which, first, seen in context_parallel.chunk_keys(*pieces, rank, size):
+                local_start = start + which * half
                 queries = part.positions[local_start:local_start + half] - int(cu[slot])
                 assert torch.equal(queries, torch.arange(first, first + half))
                 assert torch.equal(seen[:, 0], torch.arange(int(cu[slot]), int(cu[slot]) + first + half).float())
