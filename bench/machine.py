@@ -199,16 +199,17 @@ def write_result(name: str, result: dict, plot) -> Path:
 
 
 class ServedVariant:
-    """``python -m MODULE --serve VARIANT ARGS...`` started from the repo root with ``threads`` OpenMP threads
-    (plus ``env``): it answers each command line written to its stdin with one JSON line, after a first
+    """``python -m MODULE --serve VARIANT ARGS...`` started from the repo root (or ``cwd``) with ``threads`` OpenMP
+    threads (plus ``env``): it answers each command line written to its stdin with one JSON line, after a first
     line once it is ready. Each variant in its own process keeps its memory its own, and the parent can
     interleave the variants' steps so all see the same background load."""
 
-    def __init__(self, module: str, variant: str, args: list[str], threads: int, env: dict | None = None) -> None:
+    def __init__(self, module: str, variant: str, args: list[str], threads: int, env: dict | None = None,
+                 cwd: Path | None = None) -> None:
         command = [sys.executable, "-m", module, "--serve", variant, *args]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore", **(env or {})}
         self.variant = variant
-        self.process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], env=env, text=True,
+        self.process = subprocess.Popen(command, cwd=cwd or Path(__file__).resolve().parents[1], env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.read()  # ready
 
