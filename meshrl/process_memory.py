@@ -23,7 +23,11 @@ so it is passed in the environment of the processes meshrl starts; a ``glibc.mal
 Measured on vs_trl's meshrl side (``python -m bench.vs_trl --dtype fp32 --sides meshrl --steps 3``, SmolLM2-135M,
 2 cores; one run each, a noisy machine, figures in ``bench/README.md``): the whole run's peak RSS 7.6 GiB with the
 fixed threshold, 9.9-10.0 GiB with glibc's dynamic one, 11.15 GiB before meshrl set either (and before the CPU
-engine's level-2 sleep); the fixed threshold's update took a quarter to a third longer than the dynamic one's.
+engine's level-2 sleep). The fixed threshold's update then took a quarter to a third longer than the dynamic one's;
+most of its page faults were the packed attention's per-slot slices, whose backward allocated a zero tensor of the
+whole packed size per slot (38 GB per update). Cut with one ``split`` instead, the update under the fixed threshold
+is 3% slower than under the dynamic one for 3.2 GiB less at its peak (``python -m bench.allocator``: 44.2 vs 43.0 s,
+1.74M vs 0.09M faults, +6.43 vs +9.60 GiB; 54.5 s and 4.23M faults before the change).
 
 ``MESHRL_MALLOC_MMAP_THRESHOLD`` (bytes, or ``dynamic`` for glibc's own behaviour) overrides the default
 (``DEFAULT_MMAP_THRESHOLD``); anything else is refused. Not glibc (musl, macOS): nothing to set, a no-op.
