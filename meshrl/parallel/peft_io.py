@@ -1,7 +1,8 @@
 """LoRA adapters (``meshrl.parallel.lora``) <-> PEFT's format, and the merged weights the engine serves.
 
 PEFT's folder: ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``target_modules``, ...)
-and ``adapter_model.safetensors`` with, per adapted HF module ``model.layers.N.<module>.<name>``,
+and ``adapter_model.safetensors`` with, per adapted HF module ``model.layers.N.<module>.<name>`` (a
+vision-language model's language model is ``model.language_model``, and its vision tower is excluded),
 
     base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight   [r, in]
     base_model.model.model.layers.N.self_attn.q_proj.lora_B.weight   [out, r]
@@ -75,14 +76,20 @@ def settings_of(chunks: list[torch.nn.Module]) -> LoraSettings:
     return settings
 
 
-def _peft_key(key: Key) -> str:
-    return f"{PREFIX}model.layers.{key.layer}.{key.module}.{key.part}.lora_{key.which}.weight"
+def _layers(chunks: list[torch.nn.Module]) -> str:
+    """The start of PEFT's key of an adapter in decoder layer N: ``{_layers}.N.<module>...`` (the language model's
+    module path: a vision-language model's sits under ``model.language_model``)."""
+    return f"{PREFIX}{unwrap(chunks[0]).meshrl_spec.lm_module_prefix}layers"
 
 
-def _expert_peft_key(layer: int, param: str, which: str, params: tuple[str, ...]) -> str:
+def _peft_key(key: Key, layers: str) -> str:
+    return f"{layers}.{key.layer}.{key.module}.{key.part}.lora_{key.which}.weight"
+
+
+def _expert_peft_key(layers: str, layer: int, param: str, which: str, params: tuple[str, ...]) -> str:
     """PEFT's key of routed-expert parameter ``param`` among the targeted ``params`` (nesting: module docstring)."""
     nesting = "base_layer." * (len(params) - 1 - params.index(param))
-    return f"{PREFIX}model.layers.{layer}.{EXPERTS_MODULE}.{nesting}lora_{which}.weight"
+    return f"{layers}.{layer}.{EXPERTS_MODULE}.{nesting}lora_{which}.weight"
 
 
 def expert_params(settings: LoraSettings) -> tuple[str, ...]:
@@ -181,7 +188,7 @@ def _iter_tensors(chunks: list[torch.nn.Module], grads: bool = False) -> Iterato
         del tensor
 
 
-def _expert_tensors(layer: int, found: dict[Key, torch.Tensor], params: tuple[str, ...]
+def _expert_tensors(layers: str, layer: int, found: dict[Key, torch.Tensor], params: tuple[str, ...]
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """PEFT's ``(key, tensor)`` of one layer's routed-expert adapters from each expert's A and B."""
     experts = sorted({key.expert for key in found})
@@ -190,37 +197,46 @@ def _expert_tensors(layer: int, found: dict[Key, torch.Tensor], params: tuple[st
         a = torch.cat([found[Key(layer, EXPERTS_MODULE, e, parts[0], "A")] for e in experts])
         b = torch.stack([torch.cat([found[Key(layer, EXPERTS_MODULE, e, part, "B")] for part in parts])
                          for e in experts], dim=-1)  # [out, r, E]
-        yield _expert_peft_key(layer, param, "A", params), a
-        yield _expert_peft_key(layer, param, "B", params), b.reshape(b.shape[0], -1)
+        yield _expert_peft_key(layers, layer, param, "A", params), a
+        yield _expert_peft_key(layers, layer, param, "B", params), b.reshape(b.shape[0], -1)
 
 
 def iter_adapter_weights(chunks: list[torch.nn.Module], grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(peft_key, full tensor)`` for every adapter tensor (see the module docstring for the contract);
     with ``grads=True`` their accumulated gradients (DDP ``main_grad``) instead, for checks. A layer's routed
     experts are yielded as PEFT's two parameters once all of them have been gathered."""
-    params = expert_params(settings_of(chunks))
+    params, layers = expert_params(settings_of(chunks)), _layers(chunks)
     experts: dict[Key, torch.Tensor] = {}
     for key, tensor in _iter_tensors(chunks, grads):
         if experts and key.layer != next(iter(experts)).layer:
-            yield from _expert_tensors(next(iter(experts)).layer, experts, params)
+            yield from _expert_tensors(layers, next(iter(experts)).layer, experts, params)
             experts = {}
         if key.module == EXPERTS_MODULE:
             experts[key] = tensor
         else:
-            yield _peft_key(key), tensor
+            yield _peft_key(key, layers), tensor
     if experts:
-        yield from _expert_tensors(next(iter(experts)).layer, experts, params)
+        yield from _expert_tensors(layers, next(iter(experts)).layer, experts, params)
 
 
-def adapter_config(settings: LoraSettings, base_model: str | None, experts: bool = False) -> dict:
+# PEFT's regular expression for the modules a vision-language model's adapters leave out (verl's exclude_modules in
+# its VL LoRA scripts): the vision tower, whose MLP reuses the language model's names (gate_proj, ...)
+VISION_TOWER_MODULES = ".*visual.*"
+
+
+def adapter_config(settings: LoraSettings, base_model: str | None, experts: bool = False,
+                   vision: bool = False) -> dict:
     """PEFT's ``LoraConfig`` fields for ``settings`` (``lora_alpha / r`` is the scaling); ``experts``: the model
-    has routed experts, whose adapters are ``target_parameters``."""
+    has routed experts, whose adapters are ``target_parameters``; ``vision``: the model has a vision tower, which
+    meshrl's adapters leave alone (``exclude_modules``)."""
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
               "lora_dropout": settings.dropout, "target_modules": list(settings.targets), "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
               "init_lora_weights": True, "base_model_name_or_path": base_model}
     if experts and target_parameters(settings):
         config["target_parameters"] = target_parameters(settings)
+    if vision:
+        config["exclude_modules"] = VISION_TOWER_MODULES
     return config
 
 
@@ -247,7 +263,8 @@ def save_adapter(chunks: list[torch.nn.Module], out_dir: str | os.PathLike,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(settings, base_model, has_experts(chunks)), indent=2))
+    config = adapter_config(settings, base_model, has_experts(chunks), unwrap(chunks[0]).meshrl_spec.vision)
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     publish_dir(tmp, out, aside=out.with_name(f"{out.name}.tmp-{os.getpid()}-replaced"))
     return out
 
@@ -293,16 +310,16 @@ def load_adapter(chunks: list[torch.nn.Module], folder: str | os.PathLike) -> No
     folder = Path(folder)
     settings = settings_of(chunks)
     check_adapter_config(folder, settings, has_experts(chunks))
-    params = expert_params(settings)
+    params, layers = expert_params(settings), _layers(chunks)
     num_experts = getattr(unwrap(chunks[0]).meshrl_spec, "num_experts", 0)
     with safe_open(folder / WEIGHTS_FILE, framework="pt") as handle:
         names = set(handle.keys())
         for key, (adapter, param) in _local(chunks).items():
             if key.module == EXPERTS_MODULE:
                 param_name = next(name for name in params if key.part in EXPERT_PARAMS[name])
-                peft_key = _expert_peft_key(key.layer, param_name, key.which, params)
+                peft_key = _expert_peft_key(layers, key.layer, param_name, key.which, params)
             else:
-                peft_key = _peft_key(key)
+                peft_key = _peft_key(key, layers)
             if peft_key not in names:
                 raise ValueError(f"the LoRA adapter in {folder} has no {peft_key}")
             tensor = handle.get_tensor(peft_key)
@@ -333,14 +350,15 @@ def adapter_pairs(chunks: list[torch.nn.Module], hf_config) -> dict[str, tuple[t
     spec = model_spec(hf_config)
     names = dict(zip(("gate_proj", "up_proj", "down_proj"), EXPERT_NAMES[spec.expert_names][1:])) if spec.moe else {}
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    layers = f"{spec.lm_prefix}layers"  # the checkpoint's names, which the weight stream carries
     for key, tensor in _iter_tensors(chunks):
         if key.module == EXPERTS_MODULE:
             block = EXPERT_NAMES[spec.expert_names][0]
-            name = f"model.layers.{key.layer}.{block}.experts.{key.expert}.{names[key.part]}.weight"
+            name = f"{layers}.{key.layer}.{block}.experts.{key.expert}.{names[key.part]}.weight"
         elif key.part == "gate":  # the router: the checkpoint's MoE block (Mixtral's block_sparse_moe)
-            name = f"model.layers.{key.layer}.{EXPERT_NAMES[spec.expert_names][0]}.gate.weight"
+            name = f"{layers}.{key.layer}.{EXPERT_NAMES[spec.expert_names][0]}.gate.weight"
         else:
-            name = f"model.layers.{key.layer}.{key.module}.{key.part}.weight"
+            name = f"{layers}.{key.layer}.{key.module}.{key.part}.weight"
         pairs.setdefault(name, {})[key.which] = tensor
     return {name: (pair["A"], pair["B"]) for name, pair in pairs.items()}
 

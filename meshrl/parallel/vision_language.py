@@ -274,15 +274,14 @@ def recompute_deepstack_layers(model: torch.nn.Module) -> None:
 
 @refusal("model", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.name",
          "actor_rollout_ref.actor.freeze_vision_tower",
-         "actor_rollout_ref.rollout.multi_turn.enable", "trainer.async_mode", "trainer.use_v1",
-         "actor_rollout_ref.model.lora_rank", "critic.enable")
+         "actor_rollout_ref.rollout.multi_turn.enable", "trainer.async_mode", "trainer.use_v1", "critic.enable")
 def vision_language_runs(c: Checked) -> list[str]:
     """What a run on a vision-language model does not do yet, refused rather than run on the text alone or failing
     in the workers: a rollout engine other than the HF one on GPU (meshrl does not hand vLLM images yet; on CPU the
     HF engine stands in for vLLM, ``serving_limits.engine_fallback``), multi-turn rollouts (the agent loop passes no
-    images), the asynchronous trainers (their rollouters stream token ids only), LoRA (not checked against PEFT on
-    these models) and a critic (no value model of a vision-language model). And ``freeze_vision_tower`` on a model
-    without one."""
+    images), the asynchronous trainers (their rollouters stream token ids only) and a critic (no value model of a
+    vision-language model). And ``freeze_vision_tower`` on a model without one. LoRA runs: on the language model's
+    linears, the tower frozen (as verl's ``exclude_modules='.*visual.*'``), merged into the HF engine's weights."""
     arr, model_type = c.cfg.actor_rollout_ref, c.hf_config.model_type
     if not model_spec(c.hf_config).vision:
         return [f"actor_rollout_ref.actor.freeze_vision_tower: {model_type} has no vision tower to freeze; set it to "
@@ -299,8 +298,6 @@ def vision_language_runs(c: Checked) -> list[str]:
         key = "trainer.async_mode" if c.cfg.trainer.async_mode else "trainer.v1.trainer_mode"
         problems.append(f"{key}: the asynchronous trainers are {why} (their rollouters stream token ids only); run "
                         "the synchronous trainer")
-    if arr.model.lora_rank:
-        problems.append(f"actor_rollout_ref.model.lora_rank: LoRA is {why} (not checked against PEFT on it); set 0")
     if c.plan.use_critic:
         problems.append(f"critic.enable: a critic is {why} (transformers has no value-head class of it); use a "
                         "critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")

@@ -75,9 +75,12 @@ SCRIPTS = {
                           "tiny:qwen2_5_vl"),
     # Qwen3-VL's FSDP script: gradient checkpointing over the deepstack layers (their features as checkpoint arguments)
     "qwen3vl_fsdp": ("verl-project/verl", "examples/grpo_trainer/run_qwen3_vl_8b_fsdp.sh", "tiny:qwen3_vl"),
+    # verl's VL LoRA script: all-linear adapters on the language model, the tower excluded ('.*visual.*'), merged into
+    # the HF engine's weights
+    "qwen25vl_lora_fsdp": ("verl-project/verl", "examples/tuning/lora/run_qwen2_5_vl_7b_fsdp.sh", "tiny:qwen2_5_vl"),
 }
 # the scripts whose data are images: Geometry3K-layout data (e2e_checks.geo3k_data) instead of GSM8K
-IMAGES = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp"}
+IMAGES = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp", "qwen25vl_lora_fsdp"}
 ASYNC = {"one_step_off_fsdp": "one_step_off", "fully_async_megatron": "fully_async",
          "one_step_off_dapo_ris": "one_step_off"}
 # verl's rollout-correction scripts run in bypass mode: the trainer computes no log-probs of its own to compare with
@@ -105,10 +108,11 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
 # test_algorithms_e2e.py's remax and ppo cases; Qwen3-MoE matches HF in tests/parallel/test_moe_parallel.py.
 # verl's Qwen2.5-VL scripts: their model trains the same path in tests/e2e/test_vision_language_e2e.py (extended) and
 # matches transformers in tests/parallel/test_parallel_multiproc.py (vision_language); their keys validate in the unit
-# tests.
-EXTENDED = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp", "qwen3_grpo", "lora_fsdp", "ppo_megatron",
-            "cispo_fsdp", "lora_megatron_rollout_tp2", "gdpo_fsdp", "gmpo_fsdp", "gspo_fsdp", "otb_fsdp", "sapo_fsdp",
-            "sapo_moe_fsdp", "rollout_corr_rloo", "rollout_corr_multi_rs", "one_step_off_fsdp", "fully_async_megatron"}
+# tests; LoRA on both VL models matches PEFT in tests/parallel/test_lora_vision_language.py.
+EXTENDED = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp", "qwen25vl_lora_fsdp", "qwen3_grpo", "lora_fsdp",
+            "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2", "gdpo_fsdp", "gmpo_fsdp", "gspo_fsdp",
+            "otb_fsdp", "sapo_fsdp", "sapo_moe_fsdp", "rollout_corr_rloo", "rollout_corr_multi_rs", "one_step_off_fsdp",
+            "fully_async_megatron"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
 # conflict with its deprecated twin, e.g. ppo_micro_batch_size vs ppo_micro_batch_size_per_gpu).
@@ -192,7 +196,7 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
         assert plan.use_critic and step["critic/optimizer_steps"] >= 1
     if name == "rm_ppo":  # the reward model's scores are the rewards
         assert plan.use_reward_model and step["score/mean"] == step["score/reward_model_mean"]
-    if name.startswith("lora"):  # adapters on a frozen base; the reference is the policy with them off
+    if "lora" in name:  # adapters on a frozen base; the reference is the policy with them off
         assert plan.lora is not None and final["actor/optimizer_steps"] >= 1
     if name == "lora_megatron_rollout_tp2":  # the engine served the adapters alone (not merged weights) at TP2
         assert not plan.lora.merge and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2

@@ -98,7 +98,7 @@ def test_context_parallelism_and_what_a_run_does_not_do_yet_are_refused(config):
     assert refused("actor_rollout_ref.rollout.name=hf") == []
     assert refused("actor_rollout_ref.rollout.name=vllm") == ["actor_rollout_ref.rollout.name"]
     assert refused("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.model.lora_rank=8",
-                   "algorithm.adv_estimator=gae") == ["actor_rollout_ref.model.lora_rank", "critic.enable"]
+                   "algorithm.adv_estimator=gae") == ["critic.enable"]  # LoRA runs (test_lora_vision_language.py)
     cfg = load_config([], recipe="cpu_tiny_grpo")  # a text model: nothing of it
     assert vision_language_runs(Checked(cfg, validate_config(cfg), AutoConfig.from_pretrained(smollm2_hf_dir()))) == []
 

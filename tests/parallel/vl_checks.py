@@ -98,12 +98,7 @@ def hf_reference(path: Path, items: list[dict]) -> tuple[list[torch.Tensor], dic
     model = model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     log_probs = []
     for item in items:
-        images = item["images"] or {}
-        # transformers 5 tells image pads by mm_token_type_ids (1) when it computes the 3-D positions itself
-        kinds = (item["ids"] == model.config.image_token_id).long()[None]
-        logits = model(input_ids=item["ids"][None], mm_token_type_ids=kinds, **images).logits[0]
-        lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, item["ids"][1:, None])[:, 0]
-        lp = torch.cat([lp.new_zeros(1), lp])
+        lp = hf_log_probs(model, item)
         (lp * item["weights"]).sum().backward()
         log_probs.append(lp.detach())
     # transformers 5's parameter names -> the checkpoint's (Qwen2.5-VL's released naming, which its loader converts
@@ -111,6 +106,24 @@ def hf_reference(path: Path, items: list[dict]) -> tuple[list[torch.Tensor], dic
     grads = revert_weight_conversion(model, {n: p.grad.detach().clone() for n, p in model.named_parameters()
                                              if p.grad is not None})
     return log_probs, grads
+
+
+def hf_log_probs(model, item: dict) -> torch.Tensor:
+    """transformers' log-probs of one sample (``samples``) from its own 3-D positions: position t holds
+    log p(token t | tokens < t), 0 at t = 0."""
+    images = item["images"] or {}
+    # transformers 5 tells image pads by mm_token_type_ids (1) when it computes the 3-D positions itself
+    kinds = (item["ids"] == model.config.image_token_id).long()[None]
+    logits = model(input_ids=item["ids"][None], mm_token_type_ids=kinds, **images).logits[0]
+    lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, item["ids"][1:, None])[:, 0]
+    return torch.cat([lp.new_zeros(1), lp])
+
+
+def sample_log_probs(batches: list[dict], outputs: list[dict]) -> list[torch.Tensor]:
+    """meshrl's per-sample log-probs (the real tokens of each row, in ``samples``' order) from its micro-batches'
+    outputs."""
+    return [out["log_probs"][row][mb["attention_mask"][row].bool()]
+            for mb, out in zip(batches, outputs) for row in range(mb["input_ids"].shape[0])]
 
 
 REFERENCE: dict[str, tuple] = {}
@@ -137,13 +150,7 @@ def check_vision_language(path: Path, **build_kwargs) -> dict:
         request = OutputRequest(remove_padding=packed)
         schedule.forward_backward(chunks, batches, _loss, request)
         outputs = schedule.forward_only(chunks, batches, request)
-        lp_diff = 0.0
-        sample = 0
-        for mb, out in zip(batches, outputs):
-            for row in range(mb["input_ids"].shape[0]):
-                got = out["log_probs"][row][mb["attention_mask"][row].bool()]
-                lp_diff = max(lp_diff, float((got - ref_lp[sample]).abs().max()))
-                sample += 1
+        lp_diff = max(float((got - ref).abs().max()) for got, ref in zip(sample_log_probs(batches, outputs), ref_lp))
         grads = {name: t.cpu() for name, t in hf_conversion.iter_hf_weights(chunks, config, grads=True)}
         rel = max(float((grads[n] - ref_grads[n]).abs().max()) / max(float(ref_grads[n].abs().max()), 1e-6)
                   for n in ref_grads if n in grads)

@@ -39,9 +39,10 @@ MIRRORS = {
 FOLDERS = ("remax_trainer", "gpg_trainer", "grpo_trainer", "ppo_trainer", "rloo_trainer",
            "reinforce_plus_plus_trainer", "cispo_trainer", "dppo_trainer", "gdpo_trainer", "gmpo_trainer",
            "gspo_trainer", "otb_trainer", "sapo_trainer", "rollout_correction")
-# verl's MoE scripts outside those folders: router replay, LoRA on experts (the MoE issue's scripts)
-MOE_SCRIPTS = ("examples/router_replay/run_qwen3_30b_a3b_megatron.sh",
-               "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh")
+# verl's scripts outside those folders that an issue names: router replay and LoRA on experts (the MoE issue's),
+# LoRA on a vision-language model (the vision-language issue's)
+NAMED_SCRIPTS = ("examples/router_replay/run_qwen3_30b_a3b_megatron.sh",
+                 "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh", "examples/tuning/lora/run_qwen2_5_vl_7b_fsdp.sh")
 # the asynchronous trainers' scripts (each folder's shell/*.sh)
 ASYNC_SHELLS = ("verl/experimental/one_step_off_policy/shell/", "verl/experimental/fully_async_policy/shell/")
 # verl's trainer entry modules (main_ppo*: the synchronous trainer; then the one-step-off and fully async ones)
@@ -103,7 +104,7 @@ def list_scripts(git_dir: str) -> list[str]:
     names = subprocess.run(["git", "-C", git_dir, "ls-tree", "-r", "--name-only", "HEAD", "examples/",
                             *ASYNC_SHELLS], check=True, capture_output=True, text=True).stdout.split()
     return sorted(n for n in names if n.endswith(".sh") and (n.split("/")[1] in FOLDERS or n.startswith(ASYNC_SHELLS)
-                                                              or n in MOE_SCRIPTS))
+                                                              or n in NAMED_SCRIPTS))
 
 
 def run_script(text: str, rel_path: str, sandbox: Path) -> list[dict]:

@@ -131,6 +131,13 @@ class ModelSpec:
     deepstack_layers: int = 0
     lm_prefix: str = "model."
 
+    @property
+    def lm_module_prefix(self) -> str:
+        """The language model's module path in transformers 5's class of the family, which PEFT's adapter names follow
+        (not the checkpoint's names, ``lm_prefix``): ``model.language_model.`` in a ``*ForConditionalGeneration`` with
+        a vision tower, ``model.`` in the causal LMs."""
+        return "model.language_model." if self.vision else "model."
+
     def __post_init__(self) -> None:
         # A spec read back from a checkpoint's JSON holds a list here.
         object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
