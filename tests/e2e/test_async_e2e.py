@@ -72,13 +72,13 @@ def test_colocate_async_trains_groups_cut_by_a_step_on_the_next_weights(train, t
 def test_fully_async_stops_its_rollouter_at_a_sync_and_finishes_the_cut_samples_on_the_new_weights(train, tmp_path,
                                                                                                   capsys):
     """verl's ``partial_rollout`` (its default): at staleness 1 the rollouter generates the next batch on the
-    workers' threads during the update, one sequence at a time and 32 tokens each (slower than the tiny model's
+    workers' threads during the update, one sequence at a time and 64 tokens each (slower than the tiny model's
     update), so each sync stops it mid-batch; the samples it cut go on after the sync on the new weights and are
     trained with tokens of two versions, none staler than the bound."""
     _, steps = train("trainer.test_freq=-1", f"trainer.total_training_steps={CUT_STEPS}",
                      "trainer.async_mode=fully_async", "async_training.staleness_threshold=1",
                      "async_training.trigger_parameter_sync_step=1", "async_training.require_batches=2",
-                     "algorithm.rollout_correction.bypass_mode=True", "data.max_response_length=32",
+                     "algorithm.rollout_correction.bypass_mode=True", "data.max_response_length=64",
                      "actor_rollout_ref.rollout.ignore_eos=True", "actor_rollout_ref.rollout.max_num_seqs=1",
                      run_dir=tmp_path / "partial")
     assert "a parameter sync waits" not in capsys.readouterr().err  # the partial rollout, not the waiting rollouter
