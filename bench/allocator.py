@@ -43,13 +43,12 @@ def serve(variant: str, args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoConfig
 
-    from bench.shared_prompts import grouped_micro_batch
+    from bench.shared_prompts import grouped_micro_batch, policy_gradient_loss
     from meshrl import process_memory
     from meshrl.models.embedded import smollm2_hf_dir
     from meshrl.parallel import hf_conversion, model_builder, optimizer, state
     from meshrl.parallel.forward import OutputRequest
     from meshrl.runtime import configure_environment
-    from meshrl.workers.sequences import response_part
 
     threshold = process_memory.limit_heap_growth()  # what a worker does first
     configure_environment()
@@ -63,10 +62,6 @@ def serve(variant: str, args: argparse.Namespace) -> None:
     opt, sched = optimizer.build_optimizer(chunks, optimizer.OptimizerConfig(lr=1e-7, clip_grad=1.0))
     request = OutputRequest(remove_padding=True, shared_prompts=True)
 
-    def loss_fn(outputs, micro):
-        log_probs = response_part(outputs["log_probs"], micro)
-        return -(log_probs * micro["advantages"] * micro["response_mask"]).sum() / micro["n_tokens"], {}
-
     print(json.dumps({"ready": True, "mmap_threshold": threshold,
                       "tokens": sum(int(m["attention_mask"].sum()) for m in micro_batches)}), flush=True)
     for line in sys.stdin:
@@ -76,7 +71,7 @@ def serve(variant: str, args: argparse.Namespace) -> None:
         start_rss = process_memory.rss_bytes()
         process_memory.reset_peak_rss()
         before = resource.getrusage(resource.RUSAGE_SELF)
-        wall = timed(lambda: optimizer.train_step(chunks, opt, sched, micro_batches, loss_fn, request))
+        wall = timed(lambda: optimizer.train_step(chunks, opt, sched, micro_batches, policy_gradient_loss, request))
         after = resource.getrusage(resource.RUSAGE_SELF)
         peak = process_memory.peak_rss_bytes()
         process_memory.trim_heap()
@@ -115,6 +110,7 @@ def main() -> None:
         return
 
     from meshrl.process_memory import allocator_environment
+    from meshrl.runtime import cache_dir
 
     passed = ["--prompts", str(args.prompts), "--n", str(args.n), "--prompt", *map(str, args.prompt),
               "--response", *map(str, args.response), "--micro-batches", str(args.micro_batches),
@@ -126,7 +122,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="allocator-") as scratch:
         if args.baseline:
             name = f"fixed@{args.baseline}"
-            variants[name], folders[name] = allocator_environment(), baseline_folder(args.baseline, Path(scratch))
+            # this checkout's cache: the worktree would convert the embedded model again into its own .cache
+            variants[name] = {**allocator_environment(), "MESHRL_CACHE_DIR": str(cache_dir())}
+            folders[name] = baseline_folder(args.baseline, Path(scratch))
         try:
             load_before = load_average()
             for name, extra in variants.items():

@@ -55,6 +55,14 @@ def grouped_micro_batch(prompts: int, n: int, prompt: tuple[int, int], response:
     return micro
 
 
+def policy_gradient_loss(outputs: dict, micro: dict):
+    """``-sum(log_prob * advantage * mask) / n_tokens`` over the response tokens of ``grouped_micro_batch``'s rows."""
+    from meshrl.workers.sequences import response_part
+
+    log_probs = response_part(outputs["log_probs"], micro)
+    return -(log_probs * micro["advantages"] * micro["response_mask"]).sum() / micro["n_tokens"], {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=4)
@@ -72,7 +80,6 @@ def main() -> None:
     from meshrl.parallel import forward, hf_conversion, model_builder, optimizer, schedule, state
     from meshrl.parallel.forward import OutputRequest
     from meshrl.runtime import configure_environment
-    from meshrl.workers.sequences import response_part
 
     configure_environment()
     torch.set_num_threads(args.threads)
@@ -85,12 +92,8 @@ def main() -> None:
     opt, sched = optimizer.build_optimizer(chunks, optimizer.OptimizerConfig(lr=1e-7, clip_grad=1.0))
     requests = {variant: OutputRequest(remove_padding=True, shared_prompts=variant == "shared") for variant in VARIANTS}
 
-    def loss_fn(outputs, mb):
-        log_probs = response_part(outputs["log_probs"], mb)
-        return -(log_probs * mb["advantages"] * mb["response_mask"]).sum() / mb["n_tokens"], {}
-
     def update(variant: str) -> float:
-        return timed(lambda: optimizer.train_step(chunks, opt, sched, [micro], loss_fn, requests[variant]))
+        return timed(lambda: optimizer.train_step(chunks, opt, sched, [micro], policy_gradient_loss, requests[variant]))
 
     def log_probs(variant: str) -> float:
         return timed(lambda: schedule.forward_only(chunks, [micro], requests[variant]))
