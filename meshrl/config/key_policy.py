@@ -157,7 +157,12 @@ INERT = {
                                "actor and critic train, whatever it says",
     "*.checkpoint.strict": MBRIDGE_EXPORT,
     "*.checkpoint.mbridge_config": MBRIDGE_EXPORT,
-    "data.return_multi_modal_inputs": "meshrl trains text-only policies: rows carry no multi-modal inputs",
+    # verl's dataset stores it and reads it nowhere (both mirrors); meshrl makes a prompt's pixel values where they are
+    # used (meshrl.data.dataset.RLDataset.multi_modal_inputs)
+    "data.return_multi_modal_inputs": "verl's dataset keeps it and reads it nowhere: a vision-language run carries "
+                                      "each prompt's images to the engine and the trainer either way",
+    # verl sets it on the critic's tokenizer, which renders nothing: the critic scores the policy's token ids
+    "critic.model.custom_chat_template": "the critic renders no conversation: it scores the policy's token ids",
     "data.return_full_prompt": "verl's dataset keeps it and reads it nowhere",
     "data.validation_shuffle": "validation metrics are means over every validation prompt, which their order does not "
                                "change (data.val_max_samples picks the prompts before it)",
@@ -351,9 +356,6 @@ REFUSED = {
     "actor_rollout_ref.actor.calculate_entropy": "the policy's entropy is computed, and logged as actor/entropy, when "
                                                  "the loss uses it (actor.entropy_coeff != 0); computing it for the "
                                                  "metric alone is not built: leave it False",
-    "*.model.custom_chat_template": "a chat template other than the tokenizer's is not built: put it in the "
-                                    "tokenizer_config.json (chat_template) of the model folder, or point "
-                                    "model.tokenizer_path at a tokenizer that has it",
     "*.model.hf_config_path": "a model config from another folder is not built: meshrl reads the model folder's "
                               "config.json; put it there",
     "critic.model.lora*": CRITIC_LORA,

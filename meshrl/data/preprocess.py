@@ -10,6 +10,9 @@ r"""Turn the raw GSM8K / MATH / MATH-500 / MAWPS files into parquet in verl's ro
     python -m meshrl.data.preprocess geo3k   --local_dataset_path DIR --local_dir ~/data/geo3k
                                             # Geometry3K from a local copy of hiyouga/geometry3k (its parquet
                                             # files: train / test / validation); images kept in the rows
+    python -m meshrl.data.preprocess geo3k_multiturn_w_tool --local_dataset_path DIR
+                                            # the same with verl's tool-calling system message and each row's
+                                            # calc_geo3k_reward ground truth (~/data/geo3k_multiturn_w_tool)
 
 Each row (the layout verl's ``examples/data_preprocess`` scripts write, so configs and custom reward
 functions written for verl read it unchanged)::
@@ -41,7 +44,11 @@ Geometry3K (verl's ``examples/data_preprocess/geo3k.py``; not packaged, so read 
 ``hiyouga/geometry3k``, whose ``problem`` texts start with ``<image>``): ``prompt`` is the problem and verl's
 instruction (reasoning in ``<think>``, the answer in ``\boxed{}``), ``images`` the row's images as stored (a list
 of ``{"bytes", "path"}``), ``ground_truth`` its ``answer``; ``data_source`` "hiyouga/geometry3k". Each split of
-the copy (its files' names start with the split) is written.
+the copy (its files' names start with the split) is written. ``geo3k_multiturn_w_tool`` is verl's
+``examples/data_preprocess/geo3k_multiturn_w_tool.py``: the same rows with verl's system message asking for the
+``calc_geo3k_reward`` tool (``meshrl.rollout.tools.geo3k``) before the final answer, and in ``extra_info`` the tool's
+ground truth (``tools_kwargs.calc_geo3k_reward.create_kwargs.ground_truth``, ``need_tools_kwargs``), for verl's
+Geometry3K multi-turn scripts.
 
 Idempotent: a file whose embedded metadata (raw file SHA-256 + layout version, plus the split rule
 for MAWPS) matches is left as is; files are written to a temporary name and renamed, so an
@@ -79,6 +86,11 @@ GEO3K_SOURCE = "hiyouga/geometry3k"
 GEO3K_INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the final "
                      r"answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer "
                      r"MUST BE put in \boxed{}.")
+# verl's geo3k_multiturn_w_tool system message (the trailing space is verl's)
+GEO3K_TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
+                     "Reasoning step by step before any tool call. You should use the `calc_geo3k_reward` tool after "
+                     "step by step solving the question, before generate final answer at least once and refine your "
+                     "answer if necessary. ")
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
@@ -138,6 +150,21 @@ def _geo3k_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": answer},
         "extra_info": {"split": split, "index": index, "answer": answer, "question": problem},
+    }
+
+
+def _geo3k_multiturn_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    problem, answer = raw["problem"], raw["answer"]
+    return {
+        "data_source": GEO3K_SOURCE,
+        "prompt": [{"role": "system", "content": GEO3K_TOOL_SYSTEM},
+                   {"role": "user", "content": f"{problem} {GEO3K_INSTRUCTION}"}],
+        "images": raw["images"],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question": problem,
+                       "need_tools_kwargs": True,
+                       "tools_kwargs": {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": answer}}}},
     }
 
 
@@ -214,7 +241,8 @@ _ROW_BUILDERS: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] =
 }
 
 # Datasets not packaged: read from a local copy of the hub's files (``--local_dataset_path``), split by file name.
-LOCAL_COPIES: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] = {"geo3k": _geo3k_row}
+LOCAL_COPIES: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] = {
+    "geo3k": _geo3k_row, "geo3k_multiturn_w_tool": _geo3k_multiturn_row}
 PACKAGED: tuple[str, ...] = tuple(_ROW_BUILDERS) + tuple(generated.GENERATED_TASKS)  # embedded:<dataset>/<split>
 DATASETS: tuple[str, ...] = PACKAGED + tuple(LOCAL_COPIES)
 
@@ -225,7 +253,7 @@ def local_splits(dataset: str, folder: str | Path) -> dict[str, list[Path]]:
     files = sorted(root.rglob("*.parquet")) if root.is_dir() else []
     if not files:
         raise ValueError(f"--local_dataset_path {root}: no parquet files there; download the hub's "
-                         f"{GEO3K_SOURCE if dataset == 'geo3k' else dataset} files into it (its data/*.parquet)")
+                         f"{GEO3K_SOURCE if dataset in LOCAL_COPIES else dataset} files into it (its data/*.parquet)")
     splits: dict[str, list[Path]] = {}
     for path in files:
         splits.setdefault(re.split(r"[-.]", path.name, maxsplit=1)[0], []).append(path)

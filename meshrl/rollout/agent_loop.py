@@ -26,6 +26,12 @@ appending: the engine's sampled ids as they came and each tool or user delta. No
 trainer's tokens are the engine's byte for byte (a transcript re-tokenised from text could merge tokens
 across turn boundaries, and the trained log-probs would not be those of what was sampled).
 
+**Images** (a vision-language model's prompts, verl's Geometry3K tool scripts): every turn of a conversation is
+generated with its prompt's images (``generate(..., images=...)``; ``rollout.mode=sync``, on the HF engine where
+vLLM cannot serve the model). The tool and user deltas are text, so the image pads stay in the prompt and the
+trainer's 3-D positions continue past them as text, as transformers' ``get_rope_index`` numbers a sequence
+(``meshrl.workers.sequences.mrope_columns``).
+
 **The tool and user deltas** (``MessageTokens``): the template renders a fixed conversation ``[user,
 assistant]``, and the same followed by the new messages (the tool messages, or the interaction's user
 message) with the generation prompt; the delta is the second's tokens after the first one's end-of-turn
@@ -178,6 +184,7 @@ class _Sample:
     prompt: list[int]
     tools_kwargs: Mapping[str, Any]
     conversation: Conversation | None = None  # the interaction's side, with an interaction config
+    images: Mapping[str, Any] | None = None  # the prompt's pixel values and grids (a vision-language model's)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -210,21 +217,32 @@ class AgentLoop:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  extra_infos: Sequence[Mapping[str, Any] | None] | None = None,
-                 messages: Sequence[Sequence[Mapping[str, Any]]] | None = None
+                 messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+                 images: Sequence[Mapping[str, Any] | None] | None = None
                  ) -> tuple[list[Completion], list[AgentStats]]:
         """``sampling.n`` conversations per prompt, prompt-major. ``extra_infos[i]`` is prompt i's ``extra_info``
         (its ``tools_kwargs`` and ``interaction_kwargs``), ``messages[i]`` its chat messages (verl's
-        ``raw_prompt``, which interactions read). Returns their completions and statistics.
+        ``raw_prompt``, which interactions read), ``images[i]`` its images' ``pixel_values`` / ``image_grid_thw``
+        (a vision-language model's; None for a prompt without): every turn of its conversations is generated with
+        them, the prompt's image pads staying where they are at the start of each turn's input. Returns their
+        completions and statistics.
 
         Raises:
-            ValueError: with interactions, ``messages`` is missing or a row's ``interaction_kwargs`` name none.
+            ValueError: with interactions, ``messages`` is missing or a row's ``interaction_kwargs`` name none;
+                images on the async engine (it takes token ids only).
         """
         infos = list(extra_infos) if extra_infos is not None else [{}] * len(prompts)
         if self.interactions and messages is None:
             raise ValueError("interactions read the conversation as chat messages: pass the prompts' raw_prompt "
                              "(data.return_raw_chat=True)")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts")
+        if images is not None and any(images) and self.async_engine is not None:
+            raise ValueError("rollout.mode=async carries no images (its requests are token ids): a vision-language "
+                             "model's conversations run with rollout.mode=sync")
         samples = [_Sample(i, j, list(map(int, prompt)), (infos[i] or {}).get("tools_kwargs") or {},
-                           self._conversation(infos[i], messages[i]) if self.interactions else None)
+                           self._conversation(infos[i], messages[i]) if self.interactions else None,
+                           images[i] if images is not None else None)
                    for i, prompt in enumerate(prompts) for j in range(sampling.n)]
         for sample in samples:
             if sample.conversation is not None:
@@ -253,9 +271,11 @@ class AgentLoop:
 
     def _converse_in_batches(self, samples: list[_Sample], turn: SamplingConfig) -> None:
         active = samples
+        with_images = any(s.images for s in samples)
         while active:
             outputs = self.engine.generate([s.prompt + s.tokens for s in active], turn,
-                                           max_tokens=[self._cap(s, turn) for s in active])
+                                           max_tokens=[self._cap(s, turn) for s in active],
+                                           images=[s.images for s in active] if with_images else None)
             calling, asking = [], []
             for sample, out in zip(active, outputs):
                 if calls := self._after_turn(sample, out):

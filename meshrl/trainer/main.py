@@ -86,6 +86,7 @@ def load_inputs(cfg) -> RunInputs:
     from transformers import AutoTokenizer
 
     from meshrl.config import ConfigError
+    from meshrl.data.chat_template import CUSTOM_CHAT_TEMPLATE_KEY, use_chat_template
     from meshrl.data.dataset import load_datasets
     from meshrl.models.resolve import resolve_model_path
     from meshrl.rollout.agent_loop import prompt_tool_schemas
@@ -105,6 +106,10 @@ def load_inputs(cfg) -> RunInputs:
                           "copy the model's tokenizer files (tokenizer.json, "
                           "tokenizer_config.json) into it, or set actor_rollout_ref.model.tokenizer_path to a folder "
                           "that has them", [key]) from None
+    try:
+        use_chat_template(tokenizer, cfg.actor_rollout_ref.model.custom_chat_template)
+    except ValueError as exc:
+        raise ConfigError(str(exc), [CUSTOM_CHAT_TEMPLATE_KEY]) from None
     images = image_reading(cfg, model_dir, tokenizer)
     try:
         train_data, val_data = load_datasets(cfg.data, tokenizer,

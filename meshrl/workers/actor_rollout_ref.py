@@ -61,6 +61,7 @@ class ActorRolloutRefWorker(RankWorker):
         started = time.monotonic()  # before the imports: the libraries' import is most of a start on CPU
         from transformers import AutoTokenizer
 
+        from meshrl.data.chat_template import use_chat_template
         from meshrl.models.hf_config import load_model_config
         from meshrl.parallel.model_builder import (build_forward_only_model, build_model, packed_sequences,
                                                     param_dtype, shared_prompts_unsupported)
@@ -75,7 +76,10 @@ class ActorRolloutRefWorker(RankWorker):
         self._init_distributed(address, self.plan.actor_layout, actor.megatron.seed, threads)
         trust = {"trust_remote_code": arr.model.trust_remote_code}
         self.hf_config = load_model_config(self.model_dir, arr.model.override_config, **trust)
-        self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir, **trust)
+        # the driver rendered the prompts with the same template (meshrl.data.chat_template); the multi-turn loop
+        # renders the tool and user turns with it
+        self.tokenizer = use_chat_template(AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_dir,
+                                                                         **trust), arr.model.custom_chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.tokenizer.eos_token_id
         distributed_opt = actor.megatron.use_distributed_optimizer
@@ -193,15 +197,15 @@ class ActorRolloutRefWorker(RankWorker):
             self.sync_weights()
         offload, onload = self._offload_hooks()
         with colocated_rollout(self.engine, offload_trainer=offload, onload_trainer=onload):
+            # a vision-language model's prompts carry their images (only engines that take them get any)
+            images = {"images": list(prompts[MULTI_MODAL_INPUTS])} if MULTI_MODAL_INPUTS in prompts else {}
             if self.agent_loop is None:
-                # a vision-language model's prompts carry their images (only engines that take them get any)
-                images = {"images": list(prompts[MULTI_MODAL_INPUTS])} if MULTI_MODAL_INPUTS in prompts else {}
                 completions = (self.async_engine or self.engine).generate([list(p) for p in prompts["prompt_ids"]],
                                                                           sampling, **images)
             else:
                 completions, stats = self.agent_loop.generate(
                     [list(p) for p in prompts["prompt_ids"]], sampling, list(prompts["extra_info"]),
-                    list(prompts["raw_prompt"]) if "raw_prompt" in prompts else None)
+                    list(prompts["raw_prompt"]) if "raw_prompt" in prompts else None, **images)
         out = responses_batch(prompts, completions, sampling.n, self.response_length, self.pad_id)
         if self.agent_loop is not None:
             out.set(AGENT_STATS, stats)

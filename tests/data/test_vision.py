@@ -72,6 +72,24 @@ def test_geo3k_rows_are_verls_from_a_local_copy(geo3k_copy, geo3k, capsys):
     assert "geo3k is not packaged: give --local_dataset_path" in capsys.readouterr().err
 
 
+def test_geo3k_multiturn_rows_are_verls_with_the_tools_ground_truth(geo3k_copy, tmp_path):
+    """verl's geo3k_multiturn_w_tool.py layout: its system message, the problem with the instruction, and the
+    calc_geo3k_reward tool's ground truth in tools_kwargs (what meshrl.rollout.tools.geo3k reads)."""
+    pp.preprocess("geo3k_multiturn_w_tool", tmp_path, local_dataset_path=geo3k_copy, log=lambda _: None)
+    raw = pq.read_table(geo3k_copy / "data" / "test-00000-of-00001.parquet").to_pylist()
+    rows = pq.read_table(tmp_path / "test.parquet").to_pylist()
+    assert len(rows) == len(raw) == 2
+    for i, (row, src) in enumerate(zip(rows, raw, strict=True)):
+        assert row["prompt"] == [{"role": "system", "content": pp.GEO3K_TOOL_SYSTEM},
+                                 {"role": "user", "content": f"{src['problem']} {pp.GEO3K_INSTRUCTION}"}]
+        assert row["images"] == src["images"] and row["data_source"] == "hiyouga/geometry3k"
+        assert row["reward_model"] == {"style": "rule", "ground_truth": src["answer"]}
+        assert row["extra_info"] == {"split": "test", "index": i, "answer": src["answer"], "question": src["problem"],
+                                     "need_tools_kwargs": True, "tools_kwargs": {"calc_geo3k_reward": {
+                                         "create_kwargs": {"ground_truth": src["answer"]}}}}
+    assert "use the `calc_geo3k_reward` tool" in pp.GEO3K_TOOL_SYSTEM
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_image_prompts_hold_one_pad_per_merged_patch_and_run_in_transformers(geo3k, model_type):
     """Against transformers: the image processor's own patch count for each image's size, and the model's forward

@@ -28,10 +28,10 @@ def with_extended(names: Iterable[str], extended: set[str]) -> list:
     return [pytest.param(name, marks=[pytest.mark.extended] if name in extended else []) for name in names]
 
 
-def geo3k_data(folder: Path) -> Path:
-    """verl's Geometry3K layout (``train.parquet``, ``test.parquet`` under ``folder/geo3k``) written by ``meshrl
-    preprocess geo3k`` from a local copy in the hub's layout, eight training and two test problems with images of
-    several sizes."""
+def geo3k_data(folder: Path, dataset: str = "geo3k") -> Path:
+    """verl's Geometry3K layout (``train.parquet``, ``test.parquet`` under ``folder/<dataset>``) written by ``meshrl
+    preprocess <dataset>`` (``geo3k``, or ``geo3k_multiturn_w_tool`` for the tool scripts) from a local copy in the
+    hub's layout, eight training and two test problems with images of several sizes."""
     import io
 
     import numpy as np
@@ -53,5 +53,5 @@ def geo3k_data(folder: Path) -> Path:
         rows = [{"images": [{"bytes": png(40 + 14 * i, 60 + 9 * i, i), "path": f"{split}_{i}.png"}],
                  "problem": f"<image>Find x in triangle {i}.", "answer": str(3 + i)} for i in range(count)]
         pq.write_table(pa.Table.from_pylist(rows), copy / "data" / f"{split}-00000-of-00001.parquet")
-    preprocess.preprocess("geo3k", folder / "geo3k", local_dataset_path=copy, log=lambda _: None)
-    return folder / "geo3k"
+    preprocess.preprocess(dataset, folder / dataset, local_dataset_path=copy, log=lambda _: None)
+    return folder / dataset

@@ -4,8 +4,10 @@ The argument lines are vendored (``tests/verl_scripts/arguments.json``, extracte
 ``extract.py``). Swapped: the model and data paths (the tiny Llama, the packaged GSM8K), the hardware sizes (one CPU
 process, parallel sizes 1; the process count also where a script leaves it at verl's default), the batch sizes, lengths
 and token budgets the script sets (CPU-sized), the run length (one step, no validation, no checkpoint; 16 training
-prompts loaded), where the run writes, and the logger (``wandb`` is not installed here; console and jsonl instead).
-Everything else is the script's.
+prompts loaded), where the run writes, the logger (``wandb`` is not installed here; console and jsonl instead), and
+where verl's own config files live (a script's ``--config-path`` into verl's checkout and the tool config it names:
+the vendored copies, ``classify.with_verl_files``). verl's SGLang engine, not installed here, becomes vLLM, meshrl's
+(``ENGINE``). Everything else is the script's.
 """
 
 import json
@@ -78,9 +80,22 @@ SCRIPTS = {
     # verl's VL LoRA script: all-linear adapters on the language model, the tower excluded ('.*visual.*'), merged into
     # the HF engine's weights
     "qwen25vl_lora_fsdp": ("verl-project/verl", "examples/tuning/lora/run_qwen2_5_vl_7b_fsdp.sh", "tiny:qwen2_5_vl"),
+    # verl's Geometry3K multi-turn tool scripts (--config-path into verl's examples: its chat template with tool calls
+    # and image items, multi_turn, return_multi_modal_inputs=False; its Geo3kTool config), FSDP and Megatron forms,
+    # on data from `meshrl preprocess geo3k_multiturn_w_tool`: every turn generated with the prompt's image
+    "geo3k_multiturn_fsdp": ("volcengine/verl", "examples/sglang_multiturn/geo3k/run_qwen2.5-3b_geo3k_multiturn.sh",
+                             "tiny:qwen2_5_vl"),
+    "geo3k_multiturn_megatron": ("volcengine/verl",
+                                 "examples/sglang_multiturn/geo3k/run_qwen2.5-3b_megatron_geo3k_multiturn.sh",
+                                 "tiny:qwen2_5_vl"),
 }
 # the scripts whose data are images: Geometry3K-layout data (e2e_checks.geo3k_data) instead of GSM8K
-IMAGES = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp", "qwen25vl_lora_fsdp"}
+IMAGES = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp", "qwen25vl_lora_fsdp", "geo3k_multiturn_fsdp",
+          "geo3k_multiturn_megatron"}
+# the multi-turn tool scripts' data: verl's geo3k_multiturn_w_tool layout (the tool's ground truth in each row)
+MULTI_TURN = {"geo3k_multiturn_fsdp", "geo3k_multiturn_megatron"}
+# verl's engines that are not installed here, and meshrl's engine in their place (the one swap beyond paths and sizes)
+ENGINE = {"sglang": "vllm"}
 ASYNC = {"one_step_off_fsdp": "one_step_off", "fully_async_megatron": "fully_async",
          "one_step_off_dapo_ris": "one_step_off"}
 # verl's rollout-correction scripts run in bypass mode: the trainer computes no log-probs of its own to compare with
@@ -88,7 +103,14 @@ ASYNC = {"one_step_off_fsdp": "one_step_off", "fully_async_megatron": "fully_asy
 BYPASS = {"rollout_corr_rloo", "rollout_corr_multi_rs", "one_step_off_fsdp", "fully_async_megatron"}
 # Swaps appended after the CPU sizes, by script name.
 AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
-                                       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]}
+                                       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+         # its CP2 x VPP2 layout on one process (CP is refused for vision-language models: meshrl.parallel.
+         # vision_language), and a prompt budget for the tool schema its template renders into the system message
+         "geo3k_multiturn_megatron": [*(f"actor_rollout_ref.{role}.megatron.{key}" for role in ("actor", "ref")
+                                        for key in ("context_parallel_size=1",
+                                                    "virtual_pipeline_model_parallel_size=null")),
+                                      "data.max_prompt_length=1024"],
+         "geo3k_multiturn_fsdp": ["data.max_prompt_length=1024"]}
 # `make test-extended` (see the Makefile); every script's arguments load and validate in the unit tests
 # (tests/foundation/test_verl_features.py, test_verl_invocation.py for --config-path / --config-name). Qwen3's
 # layers match HF at TP2 and PP2 (tests/parallel/test_parallel_multiproc.py) and reach vLLM (test_family_vllm.py); LoRA
@@ -108,11 +130,14 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
 # test_algorithms_e2e.py's remax and ppo cases; Qwen3-MoE matches HF in tests/parallel/test_moe_parallel.py.
 # verl's Qwen2.5-VL scripts: their model trains the same path in tests/e2e/test_vision_language_e2e.py (extended) and
 # matches transformers in tests/parallel/test_parallel_multiproc.py (vision_language); their keys validate in the unit
-# tests; LoRA on both VL models matches PEFT in tests/parallel/test_lora_vision_language.py.
+# tests; LoRA on both VL models matches PEFT in tests/parallel/test_lora_vision_language.py. The Geometry3K multi-turn
+# scripts: every turn sampled with the image and trained at transformers' positions in
+# tests/rollout/test_agent_images.py, their keys (verl's config files, the template, the tool) pass preflight on the
+# tiny Qwen2.5-VL in tests/foundation/test_verl_features.py.
 EXTENDED = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp", "qwen25vl_lora_fsdp", "qwen3_grpo", "lora_fsdp",
             "ppo_megatron", "cispo_fsdp", "lora_megatron_rollout_tp2", "gdpo_fsdp", "gmpo_fsdp", "gspo_fsdp",
             "otb_fsdp", "sapo_fsdp", "sapo_moe_fsdp", "rollout_corr_rloo", "rollout_corr_multi_rs", "one_step_off_fsdp",
-            "fully_async_megatron"}
+            "fully_async_megatron", "geo3k_multiturn_fsdp", "geo3k_multiturn_megatron"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # CPU sizes for the size keys a script sets (only those it sets: setting a key it leaves alone could
 # conflict with its deprecated twin, e.g. ppo_micro_batch_size vs ppo_micro_batch_size_per_gpu).
@@ -132,11 +157,15 @@ DATA = {r"data\.train_files": "embedded:gsm8k/train", r"data\.val_files": "embed
         r"reward_model\.model\.path": "tiny-rm:llama", **classify.PATH_SWAPS}
 
 
-def vendored_call(mirror: str, path: str) -> tuple[str, list[str]]:
-    """The script's verl entry module and its arguments."""
+def vendored_script(mirror: str, path: str) -> dict:
     scripts = json.loads(VENDORED.read_text())["scripts"]
     (script,) = [s for s in scripts if s["mirror"] == mirror and s["path"] == path]
-    (call,) = script["calls"]
+    return script
+
+
+def vendored_call(mirror: str, path: str) -> tuple[str, list[str]]:
+    """The script's verl entry module and its arguments."""
+    (call,) = vendored_script(mirror, path)["calls"]
     return call["module"], call["args"]
 
 
@@ -150,8 +179,10 @@ def swapped(args: list[str], run_dir: Path, model: str, data: dict[str, str] = D
     swaps = {MODEL_KEYS: model, **data, **SIZES, **(sizes or {})}
     out = []
     for arg in args:
-        key, sep, _ = arg.lstrip("+").partition("=")
+        key, sep, value = arg.lstrip("+").partition("=")
         replacement = next((v for pattern, v in swaps.items() if sep and re.fullmatch(pattern, key)), None)
+        if key == "actor_rollout_ref.rollout.name" and value in ENGINE:
+            replacement = ENGINE[value]
         out.append(arg if replacement is None else f"{key}={replacement}")
     # the machine's size where the script leaves verl's default (8 GPUs a node: verl's rollout-correction scripts)
     keys = {arg.lstrip("+").partition("=")[0] for arg in args}
@@ -167,9 +198,10 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
 
     mirror, path, *model = SCRIPTS[name]
     module, args = vendored_call(mirror, path)
+    args = classify.with_verl_files(args, vendored_script(mirror, path).get("files", {}), tmp_path / "verl")
     data = DATA
     if name in IMAGES:
-        geo3k = geo3k_data(tmp_path)
+        geo3k = geo3k_data(tmp_path, "geo3k_multiturn_w_tool" if name in MULTI_TURN else "geo3k")
         data = {**DATA, r"data\.train_files": str(geo3k / "train.parquet"),
                 r"data\.val_files": str(geo3k / "test.parquet")}
     script = swapped(args, tmp_path, model[0] if model else "tiny:llama", data) + AFTER.get(name, [])
@@ -205,6 +237,11 @@ def test_verl_script_trains_one_cpu_step(name, tmp_path):
     if name in IMAGES:  # the script names vLLM; the HF engine ran it, and the start-up notes said so
         assert cfg.actor_rollout_ref.rollout.name == "hf"
         assert any("runs on the HF engine instead" in note for note in plan.warnings)
+    if name in MULTI_TURN:  # conversations with verl's template and its tool, the images carried to every turn
+        assert cfg.actor_rollout_ref.rollout.multi_turn.enable and cfg.actor_rollout_ref.model.custom_chat_template
+        # every sample (4 prompts x 2) went through the agent loop (the random model calls no tool in 12 tokens: later
+        # turns of an image prompt are tests/rollout/test_agent_images.py's)
+        assert step["agent/turn_1/samples"] == 8 and "agent/finish/length" in step
     check_method(name, plan, step)
 
 

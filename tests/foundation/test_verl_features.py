@@ -65,6 +65,29 @@ def test_verls_qwen2_5_vl_scripts_pass_preflight_on_the_tiny_qwen2_5_vl(script):
                       for role in ("actor", "ref"))) == []
 
 
+@pytest.mark.parametrize("script", [
+    "volcengine/verl:examples/sglang_multiturn/geo3k/run_qwen2.5-3b_geo3k_multiturn.sh",
+    "volcengine/verl:examples/sglang_multiturn/geo3k/run_qwen2.5-3b_geo3k_multiturn_4xgpu.sh",
+    "volcengine/verl:examples/sglang_multiturn/geo3k/run_qwen2.5-3b_megatron_geo3k_multiturn.sh"])
+def test_verls_geo3k_multi_turn_scripts_pass_preflight_on_the_tiny_qwen2_5_vl(script, tmp_path):
+    """verl's config files where the user keeps them (--config-path): its chat template is the policy's, its
+    Geo3kTool is meshrl's, multi-turn runs on a vision-language model; SGLang (not installed) swapped for vLLM, which
+    the HF engine stands in for on CPU."""
+    from meshrl.rollout.agent_loop import tool_runner
+    from meshrl.rollout.tools.geo3k import Geo3kAnswerTool
+
+    (entry,) = [s for s in json.loads(classify.ARGUMENTS.read_text())["scripts"] if classify.script_id(s) == script]
+    args = classify.with_verl_files(SCRIPTS[script], entry["files"], tmp_path)
+    after = ["actor_rollout_ref.model.path=tiny:qwen2_5_vl", "actor_rollout_ref.rollout.name=vllm"]
+    assert problems(args, *after) == []
+    recipe, overrides = parse_args([*args, *classify.cpu_swaps(), *after])
+    cfg = load_config(overrides, recipe=recipe)
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in cfg.actor_rollout_ref.model.custom_chat_template
+    runner = tool_runner(cfg.actor_rollout_ref.rollout.multi_turn)
+    assert isinstance(runner.tools["calc_geo3k_reward"], Geo3kAnswerTool)
+    runner.shutdown()
+
+
 def test_a_rollout_correction_script_passes_preflight():
     """verl's algorithm.rollout_correction (sequence IS, batch-normalised; token_k1 rejection "0.6_1.6")."""
     assert problems(SCRIPTS["verl-project/verl:examples/grpo_trainer/run_qwen3_vl_30b_a3b_fsdp.sh"]) == []

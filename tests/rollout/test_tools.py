@@ -9,6 +9,7 @@ import pytest
 
 from meshrl.rollout.tools import Invocation, Tool, ToolAnswer, ToolConfigError, ToolRunner, load_tools
 from meshrl.rollout.tools.calculator import CalculatorTool, evaluate
+from meshrl.rollout.tools.geo3k import Geo3kAnswerTool
 from meshrl.rollout.tools.gsm8k import Gsm8kAnswerTool
 from meshrl.rollout.tools.python import PythonTool
 
@@ -110,6 +111,43 @@ def test_gsm8k_tool_checks_the_answer_against_the_samples_ground_truth():
     assert tool.call({"answer": "72"}, {"ground_truth": "72"}) == ToolAnswer("Current parsed answer='72' reward=1.0")
     assert tool.call({"answer": "#### 70"}, {"ground_truth": "72"}) == \
         ToolAnswer("Current parsed answer='#### 70' reward=0.0", -0.05)
+    with pytest.raises(ValueError, match="no ground truth"):
+        tool.call({"answer": "1"}, {})
+
+
+# verl's examples/sglang_multiturn/config/tool_config/geo3k_tool_config.yaml (early-2026 verl)
+VERL_GEO3K_TOOLS = """\
+tools:
+  - class_name: "verl.tools.geo3k_tool.Geo3kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_geo3k_reward"
+        description: "A tool for calculating the reward of geo3k."
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the geo3k problem, must be a digits"
+          required: ["answer"]
+"""
+
+
+def test_geo3k_tool_grades_the_answer_as_given_against_the_samples_ground_truth(tmp_path):
+    """verl's Geo3kTool: the answer needs no \\boxed{} and is graded by equivalence (no format part), verl's text
+    and tool reward; verl's tool config file builds it."""
+    path = tmp_path / "geo3k_tool_config.yaml"
+    path.write_text(VERL_GEO3K_TOOLS)
+    tool, = load_tools(path)
+    assert isinstance(tool, Geo3kAnswerTool) and tool.name == "calc_geo3k_reward"
+    assert tool.call({"answer": "2\\sqrt{3}"}, {"ground_truth": "2 \\sqrt { 3 }"}) == \
+        ToolAnswer("Current parsed answer='2\\\\sqrt{3}' reward=1.0")
+    assert tool.call({"answer": 0.5}, {"ground_truth": "\\frac{1}{2}"}).text == "Current parsed answer='0.5' reward=1.0"
+    assert tool.call({"answer": "\\boxed{3}"}, {"ground_truth": "4"}) == \
+        ToolAnswer("Current parsed answer='\\\\boxed{3}' reward=0.0", -0.05)
     with pytest.raises(ValueError, match="no ground truth"):
         tool.call({"answer": "1"}, {})
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -140,6 +141,17 @@ def path_swaps(args: list[str]) -> list[str]:
             if re.fullmatch(pattern, key)]
 
 
+def with_verl_files(args: list[str], files: dict[str, str], folder: Path) -> list[str]:
+    """``args`` with verl's checkout (``/verl``, as ``arguments.json`` names it) moved to ``folder``, where the
+    script's recorded ``files`` (its verl config files, ``extract.verl_files_read``) are written: the path swap a user
+    makes who keeps verl's example configs elsewhere."""
+    for path, text in files.items():
+        target = folder / path.removeprefix("/verl/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return [re.sub(r"(^|=)/verl/", lambda m: f"{m.group(1)}{folder}/", arg) for arg in args]
+
+
 def entry_config(module: str) -> str | None:
     """The config a call of verl's entry ``module`` loads without --config-name (``ENTRY_CONFIGS``)."""
     return ENTRY_CONFIGS[next(m for m in ENTRY_CONFIGS if module.startswith(m))]
@@ -170,7 +182,8 @@ def classify_script(script: dict) -> dict:
         return {"outcome": "no call", "keys": []}
     # Every script in the folders makes one trainer call (extract.py records them all).
     (call,) = script["calls"]
-    return classify(call["args"], call["module"])
+    with tempfile.TemporaryDirectory() as folder:
+        return classify(with_verl_files(call["args"], script.get("files", {}), Path(folder)), call["module"])
 
 
 def feature_of(key: str) -> str:

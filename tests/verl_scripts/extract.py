@@ -18,7 +18,9 @@ The sandbox's environment is the representative one a user launches in:
 
 Nothing the scripts call runs: the PATH holds only text tools (awk, sed, ...) and a fixed ``date``;
 any other command (python, downloads, mkdir, ray) is a no-op, with ``python -c`` failing.
-The output lists, per script, its mirror, path and each recorded call's module and arguments; the
+The output lists, per script, its mirror, path and each recorded call's module and arguments, and under ``files``
+the text of the config files of verl's repository a call reads (``VERL_ROOT``: its ``--config-path`` folder's
+``--config-name`` config, a tool config it names), which the tests lay out again (``classify.verl_files``); the
 mirrors' commits are recorded so a refresh is reproducible.
 """
 
@@ -40,15 +42,20 @@ FOLDERS = ("remax_trainer", "gpg_trainer", "grpo_trainer", "ppo_trainer", "rloo_
            "reinforce_plus_plus_trainer", "cispo_trainer", "dppo_trainer", "gdpo_trainer", "gmpo_trainer",
            "gspo_trainer", "otb_trainer", "sapo_trainer", "rollout_correction")
 # verl's scripts outside those folders that an issue names: router replay and LoRA on experts (the MoE issue's),
-# LoRA on a vision-language model (the vision-language issue's)
+# LoRA on a vision-language model and the Geometry3K multi-turn tool scripts (the vision-language issue's)
 NAMED_SCRIPTS = ("examples/router_replay/run_qwen3_30b_a3b_megatron.sh",
-                 "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh", "examples/tuning/lora/run_qwen2_5_vl_7b_fsdp.sh")
+                 "examples/tuning/lora/run_qwen3_30b_a3b_megatron.sh", "examples/tuning/lora/run_qwen2_5_vl_7b_fsdp.sh",
+                 "examples/sglang_multiturn/geo3k/run_qwen2.5-3b_geo3k_multiturn.sh",
+                 "examples/sglang_multiturn/geo3k/run_qwen2.5-3b_geo3k_multiturn_4xgpu.sh",
+                 "examples/sglang_multiturn/geo3k/run_qwen2.5-3b_megatron_geo3k_multiturn.sh")
 # the asynchronous trainers' scripts (each folder's shell/*.sh)
 ASYNC_SHELLS = ("verl/experimental/one_step_off_policy/shell/", "verl/experimental/fully_async_policy/shell/")
 # verl's trainer entry modules (main_ppo*: the synchronous trainer; then the one-step-off and fully async ones)
 MODULE_PREFIXES = ("verl.trainer.main_ppo", "verl.experimental.one_step_off_policy.main_ppo",
                    "verl.experimental.fully_async_policy.fully_async_main")
 HOME = "/home/user"
+VERL_ROOT = "/verl"  # the sandbox's verl checkout, as the recorded arguments name it
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 FIXED_DATE = "20260101"
 # Variables some scripts read without a default (they exit otherwise): where the user keeps things.
 REQUIRED_ENV = {
@@ -124,10 +131,37 @@ def run_script(text: str, rel_path: str, sandbox: Path) -> list[dict]:
     for path in sorted(calls_dir.iterdir()):
         argv = path.read_bytes().decode().split("\0")[:-1]
         # Paths a script derives from its own location point into the sandbox: name verl's root instead.
-        argv = [a.replace(str(root), "/verl") for a in argv]
+        argv = [a.replace(str(root), VERL_ROOT) for a in argv]
         start = next(i for i, a in enumerate(argv) if a.startswith(MODULE_PREFIXES))
         calls.append({"module": argv[start], "args": argv[start + 1:]})
     return calls
+
+
+def verl_files_read(args: list[str], git_dir: str) -> dict[str, str]:
+    """Path under ``VERL_ROOT`` -> text of each config file of verl's repository (at the mirror's HEAD) that ``args``
+    name: a value ``VERL_ROOT/...`` ending in one of ``CONFIG_SUFFIXES``, and the ``--config-name`` config in a
+    ``--config-path`` under ``VERL_ROOT``. Code files (a reward function in verl's tree) are not read: the tests swap
+    them for their own (``classify.PATH_SWAPS``)."""
+    named = {"--config-path": None, "--config-name": None}
+    values = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if key in named and sep:
+            named[key] = value
+        elif sep:
+            values.append(value)
+    if named["--config-path"] and named["--config-name"]:
+        name = named["--config-name"]
+        values.append(f"{named['--config-path']}/{name}{'' if name.endswith('.yaml') else '.yaml'}")
+    files = {}
+    for value in values:
+        if not value.startswith(VERL_ROOT + "/") or not value.endswith(CONFIG_SUFFIXES):
+            continue
+        shown = subprocess.run(["git", "-C", git_dir, "show", f"HEAD:{value[len(VERL_ROOT) + 1:]}"],
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            files[value] = shown.stdout
+    return files
 
 
 def make_sandbox(sandbox: Path) -> None:
@@ -155,8 +189,10 @@ def extract(mirrors: dict[str, str]) -> dict:
             for rel_path in list_scripts(git_dir):
                 text = subprocess.run(["git", "-C", git_dir, "show", f"HEAD:{rel_path}"], check=True,
                                       capture_output=True, text=True).stdout
-                out["scripts"].append({"mirror": name, "path": rel_path,
-                                       "calls": run_script(text, rel_path, sandbox)})
+                calls = run_script(text, rel_path, sandbox)
+                files = {k: v for call in calls for k, v in verl_files_read(call["args"], git_dir).items()}
+                out["scripts"].append({"mirror": name, "path": rel_path, "calls": calls, **({"files": files} if files
+                                                                                           else {})})
     return out
 
 

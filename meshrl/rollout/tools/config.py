@@ -23,14 +23,16 @@ import yaml
 from meshrl.rollout.tools.base import Tool, ToolConfigError, check_schema
 from meshrl.rollout.tools.calculator import CalculatorTool
 from meshrl.rollout.tools.function import load_function_tools
+from meshrl.rollout.tools.geo3k import Geo3kAnswerTool
 from meshrl.rollout.tools.gsm8k import Gsm8kAnswerTool
 from meshrl.rollout.tools.python import PythonTool
 
 VERL_TOOLS: dict[str, type[Tool]] = {
     "verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kAnswerTool,
+    "verl.tools.geo3k_tool.Geo3kTool": Geo3kAnswerTool,
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": PythonTool,
 }
-MESHRL_TOOLS = (CalculatorTool, Gsm8kAnswerTool, PythonTool)
+MESHRL_TOOLS = (CalculatorTool, Geo3kAnswerTool, Gsm8kAnswerTool, PythonTool)
 
 
 def tool_class(class_name: str) -> type[Tool]:
