@@ -273,15 +273,17 @@ def recompute_deepstack_layers(model: torch.nn.Module) -> None:
 
 
 @refusal("model", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.name",
-         "actor_rollout_ref.actor.freeze_vision_tower", "trainer.async_mode", "trainer.use_v1", "critic.enable")
+         "actor_rollout_ref.actor.freeze_vision_tower", "trainer.use_v1", "trainer.v1.trainer_mode", "critic.enable")
 def vision_language_runs(c: Checked) -> list[str]:
     """What a run on a vision-language model does not do yet, refused rather than run on the text alone or failing
     in the workers: a rollout engine other than the HF one on GPU (meshrl does not hand vLLM images yet; on CPU the
-    HF engine stands in for vLLM, ``serving_limits.engine_fallback``), the asynchronous trainers (their rollouters
-    stream token ids only) and a critic (no value model of a vision-language model). And ``freeze_vision_tower`` on a
-    model without one. LoRA runs: on the language model's linears, the tower frozen (as verl's
-    ``exclude_modules='.*visual.*'``), merged into the HF engine's weights. Multi-turn rollouts run: every turn is
-    generated with the prompt's images (``meshrl.rollout.agent_loop``)."""
+    HF engine stands in for vLLM, ``serving_limits.engine_fallback``), verl V1's asynchronous modes (their partial
+    rollout drives vLLM request by request) and a critic (no value model of a vision-language model). And
+    ``freeze_vision_tower`` on a model without one. LoRA runs: on the language model's linears, the tower frozen (as
+    verl's ``exclude_modules='.*visual.*'``), merged into the HF engine's weights. Multi-turn rollouts run: every turn
+    is generated with the prompt's images (``meshrl.rollout.agent_loop``). The one-step-off and fully async trainers
+    run: their rollouter takes the prompts' images as the synchronous trainer does (``rl_trainer.prompts_batch``), on
+    the HF engine, whose generation a parameter sync waits for (no partial rollout)."""
     arr, model_type = c.cfg.actor_rollout_ref, c.hf_config.model_type
     if not model_spec(c.hf_config).vision:
         return [f"actor_rollout_ref.actor.freeze_vision_tower: {model_type} has no vision tower to freeze; set it to "
@@ -291,10 +293,11 @@ def vision_language_runs(c: Checked) -> list[str]:
     if arr.rollout.name != "hf":  # on CPU the HF engine stands in, named (serving_limits.engine_fallback)
         problems.append(f"actor_rollout_ref.rollout.name: {arr.rollout.name} {why}: meshrl does not hand vLLM the "
                         "images yet; set rollout.name=hf (transformers' generate with the images)")
-    if c.cfg.trainer.async_mode or (c.cfg.trainer.use_v1 and c.cfg.trainer.v1.trainer_mode != "sync"):
-        key = "trainer.async_mode" if c.cfg.trainer.async_mode else "trainer.v1.trainer_mode"
-        problems.append(f"{key}: the asynchronous trainers are {why} (their rollouters stream token ids only); run "
-                        "the synchronous trainer")
+    if c.cfg.trainer.use_v1 and c.cfg.trainer.v1.trainer_mode != "sync" and not c.cfg.trainer.async_mode:
+        problems.append(f"trainer.v1.trainer_mode={c.cfg.trainer.v1.trainer_mode}: verl V1's asynchronous modes are "
+                        f"{why} (their partial rollout drives vLLM request by request, and vLLM is not handed images "
+                        "yet); run the one-step-off or fully async trainer (verl's fully_async_policy scripts), or "
+                        "trainer.v1.trainer_mode=sync")
     if c.plan.use_critic:
         problems.append(f"critic.enable: a critic is {why} (transformers has no value-head class of it); use a "
                         "critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")

@@ -58,12 +58,13 @@ SCRIPTS = {
     "rollout_corr_multi_rs": ("verl-project/verl", "examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh"),
     # verl's asynchronous trainers' scripts (their entry modules: meshrl.trainer.one_step_off_main, fully_async_main):
     # one-step-off GRPO on GSM8K (FSDP keys, hybrid_engine=False, a rollout pool of its own); fully async GRPO with a
-    # KL loss at Megatron TP2 (train_batch_size=0: the trainer's batch is ppo_mini_batch_size x require_batches; its
-    # Qwen2.5-VL and geometry data swapped for the tiny Llama and GSM8K, as every script's model and data are)
+    # KL loss at Megatron TP2 (train_batch_size=0: the trainer's batch is ppo_mini_batch_size x require_batches) on the
+    # tiny Qwen2.5-VL and Geometry3K-layout data: the rollouter generates from the images on the HF engine
     "one_step_off_fsdp": ("verl-project/verl",
                           "verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh"),
     "fully_async_megatron": ("verl-project/verl",
-                             "verl/experimental/fully_async_policy/shell/geo3k_qwen25vl_7b_megatron_4_4.sh"),
+                             "verl/experimental/fully_async_policy/shell/geo3k_qwen25vl_7b_megatron_4_4.sh",
+                             "tiny:qwen2_5_vl"),
     # one-step-off DAPO with verl's rollout correction in decoupled mode (sequence rejection, the old-log-prob pass):
     # the dapo reward manager's overlong penalty (its lengths CPU-sized like the others) and the policy's HF config
     # override (max_position_embeddings), which the trainer's model and the engine both take
@@ -91,7 +92,7 @@ SCRIPTS = {
 }
 # the scripts whose data are images: Geometry3K-layout data (e2e_checks.geo3k_data) instead of GSM8K
 IMAGES = {"qwen25vl_fsdp", "qwen25vl_megatron", "qwen3vl_fsdp", "qwen25vl_lora_fsdp", "geo3k_multiturn_fsdp",
-          "geo3k_multiturn_megatron"}
+          "geo3k_multiturn_megatron", "fully_async_megatron"}
 # the multi-turn tool scripts' data: verl's geo3k_multiturn_w_tool layout (the tool's ground truth in each row)
 MULTI_TURN = {"geo3k_multiturn_fsdp", "geo3k_multiturn_megatron"}
 # verl's engines that are not installed here, and meshrl's engine in their place (the one swap beyond paths and sizes)
@@ -123,7 +124,7 @@ AFTER = {"lora_megatron_rollout_tp2": ["trainer.n_gpus_per_node=2",
 # script's keys load and validate in the unit tests; one_step_off_dapo_ris runs an asynchronous trainer from a verl
 # script through its entry module in make test; the fully async trainer trains in test_async_e2e.py (staleness 0 =
 # the synchronous run) and fully_async_megatron's keys (train_batch_size=0 filled from require_batches) validate in the
-# unit tests (test_verl_invocation.py, test_config.py).
+# unit tests (test_verl_invocation.py, test_config.py); its images through the rollouter are only checked here.
 # The method scripts: each loss and estimator is checked against verl's in tests/algorithms/test_verl_reference.py and
 # trains GRPO's path (test_algorithms_e2e.py's grpo case); GDPO's reward components reach its estimator in
 # tests/trainer/test_advantage_glue.py; rollout correction (IS, rejection, bypass mode) trains in

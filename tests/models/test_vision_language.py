@@ -99,6 +99,11 @@ def test_context_parallelism_and_what_a_run_does_not_do_yet_are_refused(config):
     assert refused("actor_rollout_ref.rollout.name=vllm") == ["actor_rollout_ref.rollout.name"]
     assert refused("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.model.lora_rank=8",
                    "algorithm.adv_estimator=gae") == ["critic.enable"]  # LoRA runs (test_lora_vision_language.py)
+    # multi-turn (tests/rollout/test_agent_images.py) and the one-step-off / fully async trainers run; V1's modes not
+    assert refused("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.multi_turn.enable=True") == []
+    assert refused("actor_rollout_ref.rollout.name=hf", "trainer.async_mode=one_step_off") == []
+    assert refused("actor_rollout_ref.rollout.name=vllm", "trainer.use_v1=True", "trainer.v1.trainer_mode="
+                   "colocate_async") == ["actor_rollout_ref.rollout.name", "trainer.v1.trainer_mode=colocate_async"]
     cfg = load_config([], recipe="cpu_tiny_grpo")  # a text model: nothing of it
     assert vision_language_runs(Checked(cfg, validate_config(cfg), AutoConfig.from_pretrained(smollm2_hf_dir()))) == []
 
