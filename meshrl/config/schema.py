@@ -642,6 +642,9 @@ class RolloutConfig:
     ignore_eos: bool = False
     enforce_eager: bool = True
     free_cache_engine: bool = True
+    # verl's RolloutConfig field (its scripts add it with +): False builds the engine without sleep mode, so it never
+    # sleeps between rollouts whatever free_cache_engine says (EngineConfig.from_rollout)
+    enable_sleep_mode: bool = True
     # The engine's first weights (meshrl.rollout.base.LOAD_FORMATS): auto | hf | safetensors | pt read the
     # model folder; dummy (and verl's dummy_megatron / dummy_hf / dummy_dtensor) starts from random weights
     # that the policy worker's first weight sync replaces at start-up (verl's default: no second read of the folder).

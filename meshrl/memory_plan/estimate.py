@@ -177,7 +177,8 @@ def estimate(cfg, gpu_memory_gib: float = 80.0) -> MemoryPlan:
         # releases its KV cache and drops its weights (sleep level 2, vllm_engine), except with LoRA adapter syncs:
         # level 1 there, the weights stay. A forward's activations are freed after it.
         keeps_weights = device != "cuda" and run.lora is not None and not run.lora.merge
-        sleeping_vllm = (vllm["components"] if not rollout.free_cache_engine
+        sleeps = rollout.free_cache_engine and rollout.enable_sleep_mode  # EngineConfig.from_rollout's rule
+        sleeping_vllm = (vllm["components"] if not sleeps
                          else {"vLLM weights": vllm["components"]["vLLM weights"]} if keeps_weights else {})
 
         def phase(name: str, used: set[str], extra: dict[str, float], with_vllm: bool = False) -> Phase:
@@ -354,7 +355,8 @@ def judge(result: MemoryPlan, cfg, policy: RoleMemory, critic: RoleMemory | None
             lever(items.get("vLLM KV cache", 0), f"lower {arr}.rollout.gpu_memory_utilization (now "
                                                  f"{cfg.actor_rollout_ref.rollout.gpu_memory_utilization})")
         elif items.get("vLLM KV cache"):
-            lever(items["vLLM KV cache"], f"set {arr}.rollout.free_cache_engine=True (vLLM sleeps while training)")
+            lever(items["vLLM KV cache"], f"set {arr}.rollout.free_cache_engine=True and enable_sleep_mode=True (vLLM "
+                                          "sleeps while training)")
         if items.get("reward model params") and phase.name != "reward model":
             lever(items["reward model params"], "set reward_model.megatron.param_offload=True")
         if use_ref and items.get("ref params") and phase.name != "log-prob" and not ref_offload:

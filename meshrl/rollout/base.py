@@ -309,7 +309,8 @@ class EngineConfig:
         """Take every field this class shares with a verl-style ``rollout`` section, then ``overrides``.
 
         ``rollout.max_model_len`` None becomes ``prompt_length + response_length`` when both are set;
-        ``vllm_kwargs`` is ``rollout.engine_kwargs.vllm``. An override that is not a field raises (no
+        ``vllm_kwargs`` is ``rollout.engine_kwargs.vllm``; ``rollout.enable_sleep_mode=False`` (verl's: the engine is
+        built without sleep mode) makes ``free_cache_engine`` False. An override that is not a field raises (no
         silent typos).
         """
         names = {f.name for f in fields(cls)}
@@ -321,6 +322,8 @@ class EngineConfig:
         if "max_model_len" not in values and get("prompt_length", None) and get("response_length", None):
             values["max_model_len"] = int(get("prompt_length")) + int(get("response_length"))
         values["vllm_kwargs"] = section_getter(get("engine_kwargs") or {})("vllm") or {}
+        if not get("enable_sleep_mode", True):  # verl: an engine built without sleep mode never sleeps
+            values["free_cache_engine"] = False
         values.update(overrides)
         return cls(**values)
 

@@ -342,3 +342,7 @@ def test_the_cpu_engine_sleeps_without_its_weights_unless_adapters_are_synced():
                   gpu_memory_gib=80)
     assert holding(full) == holding(merged) == ["rollout"]
     assert holding(adapters) == [p.name for p in adapters.phases] and len(adapters.phases) > 1
+    # verl's enable_sleep_mode=False: an engine without sleep mode holds everything in every phase
+    awake = estimate(load_config(["+actor_rollout_ref.rollout.enable_sleep_mode=False"], recipe="cpu_tiny_grpo"),
+                     gpu_memory_gib=80)
+    assert holding(awake) == [p.name for p in awake.phases]

@@ -105,6 +105,9 @@ def test_configs_from_verl_rollout_section():
     assert engine.logprobs_mode == EngineConfig().logprobs_mode == "processed_logprobs"  # verl's default
     raw = RolloutConfig(response_length=8, logprobs_mode="raw_logprobs")
     assert EngineConfig.from_rollout(raw).logprobs_mode == "raw_logprobs"
+    # verl's enable_sleep_mode=False (its fully async scripts' +key): the engine never sleeps
+    assert engine.free_cache_engine and not EngineConfig.from_rollout(RolloutConfig(enable_sleep_mode=False)
+                                                                      ).free_cache_engine
     assert SamplingConfig.from_rollout({"do_sample": False, "response_length": 4}).greedy
     with pytest.raises(TypeError, match="unknown EngineConfig field"):
         EngineConfig.from_rollout(section, kv_cache_bytes=1)
