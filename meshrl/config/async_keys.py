@@ -221,3 +221,41 @@ def with_async_keys(problems: list[str], keys: list[str]) -> list[str]:
         if line.endswith(f": {V1_ASYNC}"):
             return [*problems[:i], f"{', '.join(keys)}, {line}", *problems[i + 1:]]
     return [*problems, f"{', '.join(keys)}: {V1_ASYNC}"]
+
+
+# The older verl's fully async keys of the top-level rollout section (early-2026 verl-project/verl's fully async
+# trainer reads trainer.test_freq and trainer.total_epochs instead): set away from their defaults, they are honoured.
+def _older_key_set(cfg: DictConfig, name: str) -> bool:
+    from meshrl.config.schema import StandaloneRolloutConfig
+
+    return cfg.trainer.async_mode == "fully_async" and cfg.rollout[name] != getattr(StandaloneRolloutConfig, name)
+
+
+def fully_async_test_freq(cfg: DictConfig) -> int:
+    """The fully async trainer's validation frequency, in parameter versions (verl validates right after the sync
+    whose version is a multiple of it): ``trainer.test_freq``, or the older verl's ``rollout.test_freq`` (its
+    rollouter validated "every test_freq parameter updates") where that is set."""
+    return cfg.rollout.test_freq if _older_key_set(cfg, "test_freq") else cfg.trainer.test_freq
+
+
+def fully_async_epochs(cfg: DictConfig) -> int:
+    """The fully async run's passes over the training set: ``trainer.total_epochs``, or with the older verl's
+    ``rollout.total_epochs`` set, the fewer of the two (its rollouter counted its samples from ``trainer.total_epochs``
+    and looped ``rollout.total_epochs`` epochs, stopping at whichever ended first)."""
+    epochs = cfg.trainer.total_epochs
+    return min(epochs, cfg.rollout.total_epochs) if _older_key_set(cfg, "total_epochs") else epochs
+
+
+@refusal("config", "trainer.test_freq", "rollout.test_freq")
+def one_validation_frequency(c: Checked) -> list[str]:
+    """The older verl's ``rollout.test_freq`` and ``trainer.test_freq`` are one setting in meshrl's fully async
+    trainer (``fully_async_test_freq``): both set, to different values, is refused."""
+    from meshrl.config.schema import TrainerConfig
+
+    cfg = c.cfg
+    agreeing = (TrainerConfig.test_freq, cfg.rollout.test_freq)
+    if not _older_key_set(cfg, "test_freq") or cfg.trainer.test_freq in agreeing:
+        return []
+    return [f"rollout.test_freq={cfg.rollout.test_freq}: the older verl's name of the fully async trainer's validation "
+            f"frequency, which trainer.test_freq={cfg.trainer.test_freq} also sets; set one of them (or both to the "
+            "same value)"]

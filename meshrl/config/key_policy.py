@@ -404,10 +404,6 @@ REFUSED = {
     "async_training.compute_prox_log_prob": "the older verl's proximal log-prob pass is not built; use "
                                             "algorithm.rollout_correction (bypass mode, or IS weights against the "
                                             "recomputed old log-probs)",
-    "rollout.total_epochs": "the older verl's rollouter epochs: meshrl's rollouter reads trainer.total_epochs "
-                            "(and rollout.total_rollout_steps); set those",
-    "rollout.test_freq": "the older verl's rollouter validation frequency: meshrl's trainer validates every "
-                         "trainer.test_freq steps; set that",
     "actor_rollout_ref.rollout.nnodes": V1_ASYNC,
     "trainer.v1.separate_async.*": V1_ASYNC,
     "trainer.v1.sync": "verl's V1 sync trainer reads parameter_sync_step from it, to sample the train batch in that "

@@ -48,7 +48,9 @@ counters (a save first lets the generation in flight finish, so no sample is hal
 saved samples as the run that saved them would have, and starts the rest with the checkpoint's weights (which the
 engine takes at load: the resumed run's first version starts there, a new version's first local step). They are taken
 at syncs (``save_due``: verl's ``save_freq`` counts versions); a stop request or the last step between two syncs
-ends the version early (``save``).
+ends the version early (``save``). **Validation** likewise follows verl's fully async trainer: right after the sync of
+every ``test_freq``-th version (``validate_due``; the older verl's ``rollout.test_freq`` is that frequency too), so the
+engine scores the weights it just took, and after the last step, whose version is ended and synced first.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from typing import Any, Callable
 
 import torch
 
+from meshrl.config.async_keys import fully_async_test_freq
 from meshrl.protocol import Batch
 from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch
 from meshrl.trainer.sample_queue import SampleQueue, staleness_budget
@@ -235,7 +238,22 @@ class AsyncRLTrainer(RLTrainer):
         self.finish_generation()
         return last
 
+    def validate_due(self) -> bool:
+        """verl's cadence: right after a sync whose parameter version is a multiple of the frequency
+        (``async_keys.fully_async_test_freq``: ``trainer.test_freq``, the older verl's ``rollout.test_freq``; with one
+        step per version, every that many steps), and after the last step."""
+        freq = fully_async_test_freq(self.cfg)
+        if freq <= 0:
+            return False
+        at_sync = not self.queue.mid_version and self.queue.param_version % freq == 0
+        return at_sync or self.step == self.total_steps
+
     def validate(self) -> dict[str, float]:
+        if self.queue.mid_version and self.step == self.total_steps:
+            # the last step between two syncs: the version ends and its weights reach the engine first, as verl's
+            # fit does before its final validation (validating mid-version would score the previous version's)
+            self.queue.end_version()
+            self.sync(Timer(), {})
         self.finish_generation()  # one engine, one caller at a time
         return super().validate()
 

@@ -134,8 +134,7 @@ class RLTrainer:
             self.step += 1
             last = self.train_step()
             last.update(self.startup_metrics())
-            if self.val_data is not None and trainer.test_freq > 0 and (
-                    self.step % trainer.test_freq == 0 or self.step == self.total_steps):
+            if self.val_data is not None and self.validate_due():
                 last.update(self.validate())
             self.tracker.log(last, step=self.step)
             stop = self.stop_requested()
@@ -329,6 +328,11 @@ class RLTrainer:
 
     def mini_batches(self, batch: Batch, schedule: UpdateSchedule, stream: int = 0) -> list[tuple[Batch, GlobalNorm]]:
         return mini_batches(batch, schedule, seed=[self.cfg.trainer.seed, self.step], stream=stream)
+
+    def validate_due(self) -> bool:
+        """Validation after this step: every ``trainer.test_freq`` steps and after the last (verl's trainer)."""
+        freq = self.cfg.trainer.test_freq
+        return freq > 0 and (self.step % freq == 0 or self.step == self.total_steps)
 
     def validate(self) -> dict[str, float]:
         """Greedy (``rollout.val_kwargs``) generation on the validation set (``data.val_max_samples`` rows);

@@ -93,6 +93,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshrl.config.async_keys import fully_async_epochs
+
 # Why admission refuses (SampleQueue.pause_reason)
 STALENESS, QUEUE_FULL, EXHAUSTED, CLOSED = "staleness", "queue_full", "exhausted", "closed"
 
@@ -120,9 +122,10 @@ class StalenessBudget:
 
     @classmethod
     def from_config(cls, cfg, num_prompts: int | None = None) -> StalenessBudget:
-        """verl's budget of a run: ``num_prompts`` (the training set's) × ``trainer.total_epochs`` samples in all,
-        at most ``rollout.total_rollout_steps`` (verl's ``FullyAsyncRollouter.__init__``)."""
-        total = None if num_prompts is None else num_prompts * cfg.trainer.total_epochs
+        """verl's budget of a run: ``num_prompts`` (the training set's) × ``trainer.total_epochs`` samples in all
+        (``async_keys.fully_async_epochs``: fewer with the older verl's ``rollout.total_epochs``), at most
+        ``rollout.total_rollout_steps`` (verl's ``FullyAsyncRollouter.__init__``)."""
+        total = None if num_prompts is None else num_prompts * fully_async_epochs(cfg)
         limit = cfg.rollout.total_rollout_steps
         if limit is not None:
             total = limit if total is None else min(total, limit)

@@ -52,9 +52,12 @@ class FakeRole:
         self.finished: list[list[int]] = []  # what each run returned
         self.taken: list[list[int]] = []
         self.syncs: list[int] = []  # the number of updates done at each weight sync
+        self.validations: list[int] = []  # the number of updates the engine's weights hold at each validation
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         self.generated.append((mode, sorted(prompts.keys())))
+        if mode == "val":
+            self.validations.append(self.syncs[-1] if self.syncs else 0)
         self.prompts.append([list(p) for p in prompts["prompt_ids"]])
         n = 2 if mode == "train" else 1
         completions = [Completion(p, s, self.response, [-0.5] * len(self.response), "stop")
@@ -353,6 +356,37 @@ def test_an_asynchronous_run_of_two_steps_per_version_saves_at_syncs_and_resumes
     assert stopped.step == 3 and policy.syncs == [1]  # step 3 was the version's first: the save synced first
     saved = CheckpointManager(tmp_path / "run").load_driver_state(tmp_path / "run" / "global_step_3")["async"]
     assert saved["version"] == 2 and stopped.queue.rollout_version == 2
+
+
+@pytest.mark.parametrize("frequency, validated", [("trainer.test_freq=1", [2, 4, 5]),
+                                                 ("rollout.test_freq=2", [4, 5])])
+def test_the_fully_async_trainer_validates_right_after_every_test_freq_th_sync_and_at_the_end(run, tmp_path,
+                                                                                              frequency, validated):
+    """verl's cadence: test_freq counts parameter versions (the older verl's rollout.test_freq too); the engine
+    scores the weights it just took, and the last step, between two syncs, ends its version and syncs first."""
+    _, policy = run("trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=True",
+                    "async_training.partial_rollout=False", "async_training.staleness_threshold=1",
+                    "async_training.require_batches=1", "async_training.trigger_parameter_sync_step=2",
+                    "trainer.total_training_steps=5", "trainer.val_before_train=False", frequency)
+    assert policy.syncs == [2, 4, 5] and policy.validations == validated
+    steps = metrics_by_step(tmp_path / "run")
+    assert [step for step in sorted(steps) if "val/score" in steps[step]] == validated
+
+
+def test_the_older_verls_fully_async_keys_are_one_setting_with_the_newer_ones():
+    from meshrl.config.async_keys import fully_async_epochs, fully_async_test_freq
+
+    fully_async = ["trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=True",
+                   "data.train_batch_size=0", "trainer.test_freq=-1"]  # verl's default test_freq (the recipe's is 2)
+    cfg = load_config([*fully_async, "rollout.test_freq=5", "trainer.total_epochs=20", "rollout.total_epochs=4"],
+                      recipe="cpu_tiny_grpo")
+    validate_config(cfg)
+    assert fully_async_test_freq(cfg) == 5 and fully_async_epochs(cfg) == 4
+    cfg = load_config([*fully_async, "trainer.test_freq=3"], recipe="cpu_tiny_grpo")
+    assert fully_async_test_freq(cfg) == 3 and fully_async_epochs(cfg) == cfg.trainer.total_epochs
+    with pytest.raises(ConfigError, match="rollout.test_freq=5: the older verl's name .* trainer.test_freq=3 also"):
+        validate_config(load_config([*fully_async, "rollout.test_freq=5", "trainer.test_freq=3"],
+                                    recipe="cpu_tiny_grpo"))
 
 
 def test_a_stop_request_saves_the_step_in_progress_and_stops(run, tmp_path):
