@@ -162,15 +162,6 @@ def async_problems(cfg: DictConfig) -> tuple[list[str], list[str], list[str]]:
         check(gen_batch in (None, cfg.data.train_batch_size), "data.gen_batch_size",
               f"null or data.train_batch_size ({cfg.data.train_batch_size}): generating more prompts than a train "
               "batch is DAPO's dynamic sampling (algorithm.filter_groups), not built", gen_batch)
-    # verl's fully async trainer keeps pi_old at the weights of the version's start through the version's local
-    # steps (its save/restore of the model); meshrl's old-log-prob pass uses the weights of the step: the same only
-    # when every step syncs, or in bypass mode (verl's async configs' default: pi_old = the rollout's log-probs).
-    if mode == "fully_async" and not cfg.algorithm.rollout_correction.bypass_mode:
-        check(at.trigger_parameter_sync_step == 1, "async_training.trigger_parameter_sync_step",
-              "1 with algorithm.rollout_correction.bypass_mode=False (the fully async trainer's old-log-prob pass "
-              "would use weights newer than the version that generated the samples: verl keeps that version's for "
-              "the pass, meshrl does not yet); set bypass_mode=True as verl's fully async configs do, or sync every "
-              "step", at.trigger_parameter_sync_step)
     if colocate_async(cfg):
         problems.extend(_colocate_async_problems(cfg))
     else:

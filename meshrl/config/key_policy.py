@@ -401,9 +401,10 @@ REFUSED = {
                                                       "rollouter runs on the training ranks' engines; leave it False",
     "async_training.use_rollout_log_probs": "the older verl's switch for the rollout's log-probs as the old ones: "
                                             "meshrl's is algorithm.rollout_correction.bypass_mode; leave this True",
-    "async_training.compute_prox_log_prob": "the older verl's proximal log-prob pass is not built; use "
-                                            "algorithm.rollout_correction (bypass mode, or IS weights against the "
-                                            "recomputed old log-probs)",
+    "async_training.compute_prox_log_prob": "the older verl's switch for the proximal log-prob pass: set "
+                                            "algorithm.rollout_correction.bypass_mode=False instead, with which "
+                                            "meshrl's fully async trainer computes pi_old with the weights of the "
+                                            "version's start, as that pass did",
     "actor_rollout_ref.rollout.nnodes": V1_ASYNC,
     "trainer.v1.separate_async.*": V1_ASYNC,
     "trainer.v1.sync": "verl's V1 sync trainer reads parameter_sync_step from it, to sample the train batch in that "

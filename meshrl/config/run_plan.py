@@ -414,19 +414,22 @@ def on_policy_update(cfg: DictConfig) -> bool:
     advantages, hence before the update), nor when the estimator takes ``old_log_probs`` or the pass gives
     ``sum_pi_squared`` (``actor.calculate_sum_pi_squared``: the optimal token baselines read both before the
     update), nor when ``algorithm.rollout_correction`` weighs or rejects tokens before the update (its
-    ``rollout_is`` / ``rollout_rs`` read the old log-probs; ``bypass_mode`` takes the engine's instead), nor with
-    ``actor.skip_on_policy_old_log_prob=False``.
+    ``rollout_is`` / ``rollout_rs`` read the old log-probs; ``bypass_mode`` takes the engine's instead), nor in the
+    fully async trainer with several local steps per version (its pi_old is the version's first weights, not the
+    step's: ``meshrl.trainer.async_trainer``), nor with ``actor.skip_on_policy_old_log_prob=False``.
 
     The skipped log-probs still exist: the update returns those of its forward pass (the policy before
     the step) as ``old_log_probs``, so the diagnostics that read them are computed as with the recompute;
     a step without an actor update (``trainer.critic_warmup``) has none and logs none.
     """
     actor = cfg.actor_rollout_ref.actor
+    versions_span_steps = cfg.trainer.async_mode == "fully_async" and cfg.async_training.trigger_parameter_sync_step > 1
     return bool(actor.skip_on_policy_old_log_prob and actor.ppo_epochs == 1
                 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
                 and not cfg.algorithm.use_kl_in_reward and not actor.calculate_sum_pi_squared
                 and "old_log_probs" not in estimator_inputs(cfg.algorithm.adv_estimator)
-                and not rollout_correction_reads_old_log_probs(cfg.algorithm.rollout_correction))
+                and not rollout_correction_reads_old_log_probs(cfg.algorithm.rollout_correction)
+                and not versions_span_steps)
 
 
 def rollout_correction_reads_old_log_probs(section: DictConfig) -> bool:

@@ -111,6 +111,10 @@ class AsyncRLTrainer(RLTrainer):
         # what gives the (dataset row, rows) of the generation in flight: collect(stop), stop=True at a sync
         self._in_flight: Callable[[bool], list[tuple[int, Batch]]] | None = None
         self._fresh = True  # every trajectory of the step's batch came from the weights the trainer evaluates
+        self._local_step = 1
+        # verl's decoupled fully async (bypass_mode=False): pi_old is the version's weights through its local steps
+        self.version_pi_old = (cfg.trainer.async_mode == "fully_async" and self.plan.old_log_prob_pass
+                               and self.budget.trigger_parameter_sync_step > 1)
         for line in self.notes():
             print(f"meshrl: note: {line}", file=sys.stderr)
 
@@ -144,6 +148,7 @@ class AsyncRLTrainer(RLTrainer):
                 consumed = self.queue.take_batch()
             metrics.update(consumed.metrics)
             self._fresh = consumed.metrics[STALENESS_MAX] == 0
+            self._local_step = self.queue.local_trigger_step  # this step's place in its version (1 = first)
             sync_due = self.queue.finish_train_step()
             indices = [index for index, _ in consumed.payloads]
             prompts = prompts_batch(self.train_data, indices, raw_chat=self.raw_chat)
@@ -237,6 +242,18 @@ class AsyncRLTrainer(RLTrainer):
             raise
         self.finish_generation()
         return last
+
+    def old_log_prob_weights(self) -> str:
+        """With several local steps per version and the old-log-prob pass (``rollout_correction.bypass_mode=False``),
+        verl's fully async trainer computes pi_old with the weights of the version's start, those the engine generated
+        with: kept at its first local step, put back for the pass at the later ones (the worker's
+        ``keep_version_weights``); otherwise the step's own weights."""
+        if not self.version_pi_old:
+            return "actor"
+        if self._local_step == 1:
+            self.policy.keep_version_weights()
+            return "actor"
+        return "version"
 
     def validate_due(self) -> bool:
         """verl's cadence: right after a sync whose parameter version is a multiple of the frequency

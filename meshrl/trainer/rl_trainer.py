@@ -184,7 +184,7 @@ class RLTrainer:
                 batch = self.policy.compute_log_probs(batch, model="ref")
         if plan.old_log_prob_pass:
             with timer("old_log_prob"):
-                batch = self.policy.compute_log_probs(batch, model="actor")
+                batch = self.policy.compute_log_probs(batch, model=self.old_log_prob_weights())
         elif plan.rollout_correction.bypass:  # verl's bypass mode: logπ_old ← logπ_rollout
             use_rollout_log_probs(batch)
         if plan.use_critic:
@@ -328,6 +328,10 @@ class RLTrainer:
 
     def mini_batches(self, batch: Batch, schedule: UpdateSchedule, stream: int = 0) -> list[tuple[Batch, GlobalNorm]]:
         return mini_batches(batch, schedule, seed=[self.cfg.trainer.seed, self.step], stream=stream)
+
+    def old_log_prob_weights(self) -> str:
+        """The policy weights the old-log-prob pass runs on (``compute_log_probs``' model): the step's own."""
+        return "actor"
 
     def validate_due(self) -> bool:
         """Validation after this step: every ``trainer.test_freq`` steps and after the last (verl's trainer)."""

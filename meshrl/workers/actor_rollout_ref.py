@@ -106,6 +106,7 @@ class ActorRolloutRefWorker(RankWorker):
         self.ref = self.ref_offloaded = None
         # Pinned host memory for offloads, allocated once and reused every step (pinning is the slow part).
         self.host_buffers = HostBuffers()
+        self._version_weights: list | None = None  # keep_version_weights' copy (the fully async trainer's)
         if self.plan.use_reference and self.plan.lora is None:  # with LoRA: the policy's base, adapters off
             # Forward passes only: no DDP gradient buffer (as large as the fp32 weights) for it.
             ref_dtype = arr.ref.megatron.dtype if arr.ref.megatron.dtype != "auto" else actor.megatron.dtype
@@ -307,8 +308,9 @@ class ActorRolloutRefWorker(RankWorker):
     # ---------------------------------------------------------------------------------- log-probs
     @trims_heap
     def compute_log_probs(self, shard: Batch, model: str) -> Batch | None:
-        """Per-token log-probs of the responses under the policy (``old_log_probs``) or the reference
-        (``ref_log_probs``); forward-only, micro-batches of the ``rollout.log_prob_*`` / ``ref.log_prob_*``
+        """Per-token log-probs of the responses under the policy (``old_log_probs``), under the policy's weights kept
+        at its version's start (``model="version"``: ``keep_version_weights``; ``old_log_probs`` too) or under the
+        reference (``ref_log_probs``); forward-only, micro-batches of the ``rollout.log_prob_*`` / ``ref.log_prob_*``
         keys (``meshrl.config.micro_batching``). The policy's pass also gives ``sum_pi_squared`` (each token's
         Σ_v π_v²) with ``actor.calculate_sum_pi_squared`` (``run_plan``)."""
         from meshrl.parallel.forward import OutputRequest
@@ -317,18 +319,20 @@ class ActorRolloutRefWorker(RankWorker):
         base_of_policy = model == "ref" and self.plan.lora is not None
         chunks, phase, field = {
             "actor": (self.policy, "actor_log_prob", "old_log_probs"),
+            "version": (self.policy, "actor_log_prob", "old_log_probs"),
             "ref": (self.policy if base_of_policy else self.ref, "ref_log_prob", "ref_log_probs"),
         }[model]
         if chunks is None:
             raise RuntimeError("compute_log_probs(model='ref') without a reference model: "
                                "enable algorithm.use_kl_in_reward or actor.use_kl_loss")
         # The samples came from softmax(logits / T): the reference and the policy are evaluated at T too (verl).
-        squares = model == "actor" and self.plan.sum_pi_squared
+        squares = model != "ref" and self.plan.sum_pi_squared
         request = OutputRequest(log_probs=True, temperature=self.plan.temperature, remove_padding=self.remove_padding,
                                 fused_chunk_size=self.plan.fused_chunk_size, sum_pi_squared=squares,
                                 shared_prompts=self.shared_prompts)
         out = {}
         with self._reference_on_device() if model == "ref" else contextlib.nullcontext(), \
+                self._version_weights_in() if model == "version" else contextlib.nullcontext(), \
                 adapters_disabled(chunks) if base_of_policy else contextlib.nullcontext(), \
                 self._recording_routes(model, out):
             got = self.train_engine.forward_outputs(
@@ -344,7 +348,7 @@ class ActorRolloutRefWorker(RankWorker):
     def _recording_routes(self, model: str, out: dict):
         """Router replay (R2): around the policy's old-log-prob pass, record the experts of every token;
         ``out[ROUTES]`` then holds them in row order (``meshrl.workers.routes``). The reference routes natively."""
-        if model != "actor" or not self.replay_routes:
+        if model == "ref" or not self.replay_routes:
             yield
             return
         with router_replay.recording(self.policy) as record:
@@ -354,6 +358,36 @@ class ActorRolloutRefWorker(RankWorker):
 
             out["on_split"] = on_split
             yield
+
+    def keep_version_weights(self) -> None:
+        """Keep a host copy of the policy's trainable weights: the fully async trainer calls this at a version's
+        first local step (the weights the engine was just given), and its later local steps' old-log-prob passes run
+        on the copy (``compute_log_probs(..., model="version")``), as verl's fully async trainer saves and restores
+        the model (``save_model_to_cpu(1)``) with ``rollout_correction.bypass_mode=False``. Frozen weights (a LoRA
+        run's base) do not change within a version and are not copied."""
+        self._version_weights = [p.detach().to("cpu", copy=True) for p in self._trainable_weights()]
+
+    def _trainable_weights(self) -> list:
+        return [p for chunk in self.policy for p in chunk.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def _version_weights_in(self):
+        """The policy holds the weights ``keep_version_weights`` kept inside the block, its own again after."""
+        import torch
+
+        if self._version_weights is None:
+            raise RuntimeError("compute_log_probs(model='version') before keep_version_weights()")
+        weights = self._trainable_weights()
+        current = [p.detach().to("cpu", copy=True) for p in weights]
+        with torch.no_grad():
+            for param, kept in zip(weights, self._version_weights, strict=True):
+                param.copy_(kept)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, own in zip(weights, current, strict=True):
+                    param.copy_(own)
 
     @contextlib.contextmanager
     def _reference_on_device(self):
@@ -587,6 +621,9 @@ class ActorRolloutRefGroup(DispatchGroup):
 
     def sync_weights(self) -> dict[str, float]:
         return self.group.call("sync_weights")[0]
+
+    def keep_version_weights(self) -> None:
+        self.group.call("keep_version_weights")
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
         self.group.call("save_checkpoint", str(folder), step)

@@ -53,6 +53,8 @@ class FakeRole:
         self.taken: list[list[int]] = []
         self.syncs: list[int] = []  # the number of updates done at each weight sync
         self.validations: list[int] = []  # the number of updates the engine's weights hold at each validation
+        self.log_prob_passes: list[str] = []  # compute_log_probs' model, in call order
+        self.kept: list[int] = []  # the number of updates done at each keep_version_weights
 
     def generate(self, prompts: Batch, mode: str) -> Batch:
         self.generated.append((mode, sorted(prompts.keys())))
@@ -111,8 +113,12 @@ class FakeRole:
             self.dropped.append(key)
 
     def compute_log_probs(self, batch: Batch, model: str) -> Batch:
+        self.log_prob_passes.append(model)
         batch.set(f"{'ref' if model == 'ref' else 'old'}_log_probs", batch["rollout_log_probs"].clone())
         return batch
+
+    def keep_version_weights(self) -> None:
+        self.kept.append(len(self.updates))
 
     def compute_values(self, batch: Batch) -> Batch:
         batch.set("values", torch.zeros(batch["response_mask"].shape))
@@ -371,6 +377,17 @@ def test_the_fully_async_trainer_validates_right_after_every_test_freq_th_sync_a
     assert policy.syncs == [2, 4, 5] and policy.validations == validated
     steps = metrics_by_step(tmp_path / "run")
     assert [step for step in sorted(steps) if "val/score" in steps[step]] == validated
+
+
+def test_decoupled_fully_async_computes_pi_old_with_the_weights_of_the_versions_start(run):
+    """bypass_mode=False, two local steps per version (verl's save/restore of the model): the first local step keeps
+    the weights the engine was just given and its pass runs on the step's own (the same), the second on the kept."""
+    _, policy = run("trainer.async_mode=fully_async", "algorithm.rollout_correction.bypass_mode=False",
+                    "async_training.partial_rollout=False", "async_training.staleness_threshold=1",
+                    "async_training.require_batches=1", "async_training.trigger_parameter_sync_step=2",
+                    "trainer.total_training_steps=4", "trainer.test_freq=-1", "data.train_batch_size=0")
+    assert policy.syncs == [2, 4] and policy.kept == [0, 2]  # at each version's start: the synced weights
+    assert [m for m in policy.log_prob_passes if m != "ref"] == ["actor", "version", "actor", "version"]
 
 
 def test_the_older_verls_fully_async_keys_are_one_setting_with_the_newer_ones():

@@ -46,6 +46,12 @@ def test_sum_pi_squared_comes_with_the_old_log_probs_when_asked(results):
     assert r["log_probs_changed"] == 0.0
 
 
+def test_the_kept_version_weights_give_their_log_probs_and_leave_the_policys_own(results):
+    r = results["version_weights"]
+    assert r["version_vs_kept"] == 0.0 and r["weights_put_back"] == 0.0  # copies both ways: bit for bit
+    assert r["moved_vs_kept"] > 1e-3  # the policy moved: the check could fail
+
+
 def test_parameter_dtype_and_mixed_precision_optimizer(results):
     r, dtype = results["precision"], f"torch.{results['dtype']}"
     assert r["param_dtypes"] == [dtype] and r["ref_param_dtypes"] == [dtype]  # norms included

@@ -139,6 +139,30 @@ def check_sum_pi_squared(worker) -> dict:
             "log_probs_changed": float((runs[True]["old_log_probs"] - plain["old_log_probs"]).abs().max())}
 
 
+def check_version_weights(worker) -> dict:
+    """The fully async trainer's pi_old at a version's later local steps (keep_version_weights): the pass on the kept
+    weights gives the log-probs of the weights as they were kept, after the policy moved on, and leaves the policy's
+    own weights in place, bit for bit."""
+    batch = make_batch(seed=11)
+    before = weights(worker)
+    kept_lp = worker.compute_log_probs(batch, model="actor")["old_log_probs"]
+    worker.keep_version_weights()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # the version's first local step's update, in effect
+        for chunk in worker.policy:
+            for p in chunk.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=generator).to(p.dtype))
+    moved = weights(worker)
+    moved_lp = worker.compute_log_probs(batch, model="actor")["old_log_probs"]
+    version_lp = worker.compute_log_probs(batch, model="version")["old_log_probs"]
+    after = weights(worker)
+    restore(worker, before)
+    mask = batch["response_mask"].bool()
+    return {"version_vs_kept": float((version_lp - kept_lp)[mask].abs().max()),
+            "moved_vs_kept": float((moved_lp - kept_lp)[mask].abs().max()),
+            "weights_put_back": max_diff(after, moved)}
+
+
 def check_precision(worker) -> dict:
     """Parameter, gradient and optimizer dtypes; log-probs against an fp32 model with the same
     checkpoint (through the same code path, in the reference's place); one update."""
@@ -376,6 +400,7 @@ def main() -> None:
     torch.set_num_threads(1)
     worker = make_worker([f"actor_rollout_ref.actor.megatron.dtype={args.dtype}"])
     results = {"on_policy": check_on_policy(worker), "sum_pi_squared": check_sum_pi_squared(worker),
+               "version_weights": check_version_weights(worker),
                "precision": check_precision(worker),
                "fixed_micro_batches": check_fixed_micro_batches(worker),
                "remove_padding": check_remove_padding(worker),
