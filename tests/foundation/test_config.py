@@ -323,8 +323,6 @@ def test_the_one_step_off_trainer_reads_the_rollout_section_not_async_training()
      "data.gen_batch_size: must be 1 (or null) with the fully async trainer"),
     (["trainer.async_mode=fully_async", "data.train_batch_size=8", "async_training.require_batches=2"],
      "data.train_batch_size: must be 0 (as verl's fully async scripts set it) or the trainer's batch"),
-    (["trainer.async_mode=fully_async", "async_training.trigger_parameter_sync_step=2",
-      "async_training.require_batches=2"], "1 with algorithm.rollout_correction.bypass_mode=False"),
     (["trainer.async_mode=colocate_async"], "trainer.async_mode: must be null or one of one_step_off, fully_async"),
 ])
 def test_the_asynchronous_trainers_settings_are_checked(overrides, problem):
