@@ -21,10 +21,10 @@ SCRIPTS = {classify.script_id(s): s["calls"][0]["args"]
            for s in json.loads(classify.ARGUMENTS.read_text())["scripts"] if s["calls"]}
 
 
-def problems(args: list[str], *after: str) -> list[str]:
+def problems(args: list[str], *after: str, entry: str | None = None) -> list[str]:
     """The problems ``python -m meshrl.trainer.main`` reports for a verl script's arguments before training (the CPU
-    swaps, then ``after``)."""
-    recipe, overrides = parse_args([*args, *classify.cpu_swaps(), *after])
+    swaps, then ``after``; ``entry``: the config of the script's entry module, ``classify.entry_config``)."""
+    recipe, overrides = parse_args([*args, *classify.cpu_swaps(), *after], entry)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # model_engine=dp's note
@@ -118,12 +118,12 @@ def test_a_verl_lora_script_from_an_adapter_needs_the_adapter_folder():
 
 
 @pytest.mark.parametrize("script, features", [
-    # each missing feature in one message of its own
-    ("volcengine/verl:verl/experimental/fully_async_policy/shell/grpo_30b_a3b_base_math_megatron_96_32_mis.sh",
-     ["proximal log-prob pass", "rollouter validation frequency"]),
+    # each missing feature in one message of its own: another checkpoint engine, its arguments, another rollout engine
+    ("verl-project/verl:verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_sglang_delta_sharded_2_6.sh",
+     ["other backends are not built", "verl's other checkpoint engines", "'sglang'"]),
 ])
 def test_a_script_needing_several_features_gets_one_message_per_feature(script, features):
-    found = problems(SCRIPTS[script])
+    found = problems(SCRIPTS[script], entry="one_step_off_ppo_trainer")
     assert len(found) == len(features)
     assert all(sum(feature in line for line in found) == 1 for feature in features), found
 
