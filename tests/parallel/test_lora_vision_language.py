@@ -87,3 +87,39 @@ def test_lora_on_the_language_model_matches_peft(tp1, tmp_path, model_type: str)
     shutil.copy(path / "config.json", out / "config.json")
     save_file(merged, str(out / "model.safetensors"))
     assert _max_diff(mine, _hf(model_class, out, items)) < 1e-5
+
+
+@pytest.mark.parametrize("model_type, target, exclude, targets, refused", [
+    ("qwen2_5_vl", "all-linear", ".*visual.*", ALL, []),  # verl's VL LoRA script
+    ("qwen2_5_vl", "all-linear", None, ALL, ["vision tower"]),  # PEFT would adapt every tower linear too
+    ("qwen2_5_vl", ["q_proj", "v_proj"], None, ("q_proj", "v_proj"), []),  # the tower has no such names
+    ("qwen2_5_vl", ["gate_proj", "up_proj"], None, ("gate_proj", "up_proj"), ["vision tower"]),  # its MLP has
+    ("qwen3_vl", ["gate_proj", "up_proj"], None, ("gate_proj", "up_proj"), []),  # Qwen3-VL's tower MLP: linear_fc*
+    ("qwen2_5_vl", r".*\.(q|v)_proj", None, ("q_proj", "v_proj"), []),
+    # resolved by meshrl against a text model's paths; in transformers' VL class the regex selects nothing
+    ("qwen2_5_vl", r"model\.layers\.\d+\.self_attn\.(q|v)_proj", None, ("q_proj", "v_proj"), ["no projection"]),
+])
+def test_settings_with_which_peft_would_adapt_other_modules_are_refused(model_type, target, exclude, targets, refused):
+    """PEFT's selection in transformers' own class (the modules verl's FSDP LoRA adapts) against meshrl's adapters on
+    the language model: a tower module or another projection is refused, naming what PEFT would adapt; PEFT itself,
+    on the same class, adapts what the refusals say."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists
+    from transformers import AutoConfig
+
+    from meshrl.models.families import family
+    from meshrl.models.hf_classes import hf_class
+    from meshrl.models.tiny_vision import tiny_vl_model_dir
+    from meshrl.parallel.lora_limits import vision_language_lora_problems
+
+    config = AutoConfig.from_pretrained(tiny_vl_model_dir(model_type))
+    found = vision_language_lora_problems(config, target, exclude, targets)
+    assert len(found) == len(refused) and all(word in line for word, line in zip(refused, found)), found
+    with torch.device("meta"):
+        model = hf_class(family(model_type).policy_class)._from_config(config)
+    peft_config = _maybe_include_all_linear_layers(LoraConfig(target_modules=target, exclude_modules=exclude), model)
+    chosen = [name for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and check_target_module_exists(peft_config, name)]
+    assert any(".visual." in name for name in chosen) == ("vision tower" in refused)
+    language = {name.rsplit(".", 1)[-1] for name in chosen if ".language_model." in name}
+    assert (language == set(targets)) == ("no projection" not in refused)
