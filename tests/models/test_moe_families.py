@@ -106,17 +106,39 @@ def test_moe_settings_on_a_dense_model_are_refused() -> None:
                                          moe_aux_loss_coeff=0.01)
 
 
-def test_the_transformers_engine_is_refused_for_moe_models_at_preflight():
-    """Its modules fuse each layer's experts while the sync streams them one by one (the first sync would fail
-    on 48 unknown names of tiny:qwen2_moe): refused before any worker starts, naming the engine to use."""
-    from meshrl.config import ConfigError, load_config
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_the_transformers_engine_takes_the_experts_one_by_one_into_its_fused_modules(model_type):
+    """transformers 5 fuses each layer's experts (experts.gate_up_proj / down_proj) while the sync streams the
+    checkpoint's tensors one by one: the engine, started from random weights, synced with the checkpoint's own
+    tensors gives transformers' logits of the checkpoint exactly (and did not before); preflight takes rollout.name=hf
+    on the model."""
+    import glob
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.config import load_config
+    from meshrl.models.tiny import tiny_model_dir
+    from meshrl.rollout.base import EngineConfig
+    from meshrl.rollout.hf_engine import HFEngine
     from meshrl.trainer.main import preflight
 
-    base = ["actor_rollout_ref.model.path=tiny:qwen2_moe"]
-    with pytest.raises(ConfigError, match=r"rollout\.name: the transformers engine \(hf\) cannot take qwen2_moe"):
-        preflight(load_config([*base, "actor_rollout_ref.rollout.name=hf"], recipe="cpu_tiny_grpo"))
-    preflight(load_config([*base, "actor_rollout_ref.rollout.name=vllm"], recipe="cpu_tiny_grpo"))
-    preflight(load_config(["actor_rollout_ref.rollout.name=hf"], recipe="cpu_tiny_grpo"))  # a dense model
+    folder = tiny_model_dir(tiny_spec(model_type))
+    tensors = {name: tensor for path in glob.glob(f"{folder}/*.safetensors")
+               for name, tensor in load_file(path).items()}
+    engine = HFEngine(folder, EngineConfig(name="hf", load_format="dummy", enable_prefix_caching=False))
+    assert {name: tuple(shape) for name, shape in engine.expected_weights().items()} == \
+        {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7]])
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert (engine.model(ids).logits - expected).abs().max() > 1e-3  # random weights before the sync
+        engine.load_weights(tensors.items())
+        assert torch.equal(engine.model(ids).logits, expected)
+    engine.shutdown()
+    preflight(load_config([f"actor_rollout_ref.model.path=tiny:{model_type}", "actor_rollout_ref.rollout.name=hf"],
+                          recipe="cpu_tiny_grpo"))
 
 
 def test_lora_on_moe_is_planned_at_preflight_and_moe_tensor_parallelism_in_vllm_refused():
