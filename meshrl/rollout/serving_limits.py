@@ -91,7 +91,8 @@ def vllm_cpu_mla_problem(hf_config) -> str | None:
         return None
     return (f"vLLM on CPU serves multi-latent attention with kv_lora_rank {VLLM_CPU_MLA_LATENT[0]} and "
             f"qk_rope_head_dim {VLLM_CPU_MLA_LATENT[1]} only (its MLA decode kernel); {spec.model_type} has "
-            f"{spec.kv_lora_rank} and {spec.qk_rope_head_dim}, which it cannot serve: roll out on a GPU")
+            f"{spec.kv_lora_rank} and {spec.qk_rope_head_dim}, which it cannot serve: roll out with the transformers "
+            "engine (rollout.name=hf), or on a GPU")
 
 
 def vllm_cpu_expert_parallel_problem(expert_parallel_size: int) -> str | None:
