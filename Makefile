@@ -7,8 +7,8 @@ PY := .venv/bin/python
 export TORCHDYNAMO_DISABLE ?= 1
 # Heavy tests: multi-process (gloo), real vLLM engines and end-to-end runs. `make test` runs those not
 # marked `extended` (heavy tests whose path another heavy test runs); `make test-extended` runs the extended
-# ones. Budget: `make test` within 30 minutes on CI's slow 2-core machines; measured 29:41 (32:51 with set-up) on a
-# fresh clone on a 2-core Intel Xeon VM (2026-11-29, a slow run of it: 26:37 earlier; CI's last landing took 37:18)
+# ones. Budget: `make test` within 30 minutes on CI's slow 2-core machines; measured 31:31 (35:19 with set-up) on a
+# fresh clone on a 2-core Intel Xeon VM (2026-11-29 evening; 29:41 and 26:37 earlier that day; CI's last landing took 34:54)
 # (tests/durations.md: seconds per file; tests/README.md maps each capability to its test).
 HEAVY := (multiproc or vllm or e2e or slow) and not extended
 # Two pytest worker processes (pytest-xdist), each test file on one of them: an end-to-end run keeps about one
