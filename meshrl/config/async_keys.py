@@ -81,6 +81,12 @@ def asks_for_async(key: str) -> bool:
     return key.split(".", 1)[0] in ASYNC_SECTIONS
 
 
+def versions_span_steps(cfg: DictConfig) -> bool:
+    """The fully async trainer trains several local steps per parameter version (``trigger_parameter_sync_step`` >
+    1): the weights the engine generated with are not the step's after a version's first step."""
+    return cfg.trainer.async_mode == "fully_async" and cfg.async_training.trigger_parameter_sync_step > 1
+
+
 def fill_fully_async_batch(cfg: DictConfig) -> None:
     """The fully async trainer's batch is ``required_samples = actor.ppo_mini_batch_size × require_batches`` prompts
     (verl's trainer reads no other; its scripts set ``data.train_batch_size=0``): a 0 there, or the schema's default

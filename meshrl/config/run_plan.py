@@ -54,6 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshrl.algorithms.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, POLICY_LOSSES, Registry
 from meshrl.algorithms.rollout_correction import RolloutCorrectionSettings
+from meshrl.config.async_keys import versions_span_steps
 from meshrl.config.refusals import refuse
 from meshrl.config.lora_keys import LoraPlan, lora_plan
 from meshrl.config.micro_batching import ROLE_SECTIONS, MicroBatching, data_parallel_size, micro_batching
@@ -423,13 +424,12 @@ def on_policy_update(cfg: DictConfig) -> bool:
     a step without an actor update (``trainer.critic_warmup``) has none and logs none.
     """
     actor = cfg.actor_rollout_ref.actor
-    versions_span_steps = cfg.trainer.async_mode == "fully_async" and cfg.async_training.trigger_parameter_sync_step > 1
     return bool(actor.skip_on_policy_old_log_prob and actor.ppo_epochs == 1
                 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
                 and not cfg.algorithm.use_kl_in_reward and not actor.calculate_sum_pi_squared
                 and "old_log_probs" not in estimator_inputs(cfg.algorithm.adv_estimator)
                 and not rollout_correction_reads_old_log_probs(cfg.algorithm.rollout_correction)
-                and not versions_span_steps)
+                and not versions_span_steps(cfg))
 
 
 def rollout_correction_reads_old_log_probs(section: DictConfig) -> bool:

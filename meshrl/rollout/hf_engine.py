@@ -246,7 +246,7 @@ def _checkpoint_targets(model) -> dict[str, tuple[torch.Tensor, torch.Tensor | N
     # the parameters, and the buffers a checkpoint holds (DeepSeek-V3's expert bias, which the policy's sync sends)
     tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in saved_buffers)]
     for name, param in tensors:
-        saved = revert_weight_conversion(model, {name: param})
+        saved = revert_weight_conversion(model, {name: param.detach().to("meta")})  # names and shapes, no copy
         if len(saved) == 1 and tuple(next(iter(saved.values())).shape) == tuple(param.shape):
             targets[next(iter(saved))] = (param, None)
             continue

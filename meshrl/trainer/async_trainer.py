@@ -62,7 +62,7 @@ from typing import Any, Callable
 
 import torch
 
-from meshrl.config.async_keys import fully_async_test_freq
+from meshrl.config.async_keys import fully_async_test_freq, versions_span_steps
 from meshrl.protocol import Batch
 from meshrl.trainer.rl_trainer import RLTrainer, prompts_batch
 from meshrl.trainer.sample_queue import SampleQueue, staleness_budget
@@ -113,8 +113,7 @@ class AsyncRLTrainer(RLTrainer):
         self._fresh = True  # every trajectory of the step's batch came from the weights the trainer evaluates
         self._local_step = 1
         # verl's decoupled fully async (bypass_mode=False): pi_old is the version's weights through its local steps
-        self.version_pi_old = (cfg.trainer.async_mode == "fully_async" and self.plan.old_log_prob_pass
-                               and self.budget.trigger_parameter_sync_step > 1)
+        self.version_pi_old = versions_span_steps(cfg) and self.plan.old_log_prob_pass
         for line in self.notes():
             print(f"meshrl: note: {line}", file=sys.stderr)
 
@@ -260,17 +259,13 @@ class AsyncRLTrainer(RLTrainer):
         (``async_keys.fully_async_test_freq``: ``trainer.test_freq``, the older verl's ``rollout.test_freq``; with one
         step per version, every that many steps), and after the last step."""
         freq = fully_async_test_freq(self.cfg)
-        if freq <= 0:
-            return False
-        at_sync = not self.queue.mid_version and self.queue.param_version % freq == 0
-        return at_sync or self.step == self.total_steps
+        return freq > 0 and (self._just_synced_a_multiple_of(freq) or self.step == self.total_steps)
 
     def validate(self) -> dict[str, float]:
         if self.queue.mid_version and self.step == self.total_steps:
-            # the last step between two syncs: the version ends and its weights reach the engine first, as verl's
-            # fit does before its final validation (validating mid-version would score the previous version's)
-            self.queue.end_version()
-            self.sync(Timer(), {})
+            # the last step between two syncs: its weights reach the engine first, as verl's fit does before its final
+            # validation (validating mid-version would score the previous version's)
+            self._end_version_now()
         self.finish_generation()  # one engine, one caller at a time
         return super().validate()
 
@@ -280,8 +275,17 @@ class AsyncRLTrainer(RLTrainer):
         freq = self.cfg.trainer.save_freq
         if stop or freq <= 0:
             return stop
-        at_sync = not self.queue.mid_version and self.queue.param_version % freq == 0
-        return at_sync or self.step == self.total_steps
+        return self._just_synced_a_multiple_of(freq) or self.step == self.total_steps
+
+    def _just_synced_a_multiple_of(self, freq: int) -> bool:
+        """The step ended a version (its sync is done) whose number is a multiple of ``freq``: verl's fully async
+        trainer validates and saves there."""
+        return not self.queue.mid_version and self.queue.param_version % freq == 0
+
+    def _end_version_now(self) -> None:
+        """End the version after the local steps trained so far and sync its weights into the engine."""
+        self.queue.end_version()
+        self.sync(Timer(), {})
 
     def save(self):
         if self.queue.mid_version:  # a stop request or the last step between two syncs: the version ends here
@@ -289,8 +293,7 @@ class AsyncRLTrainer(RLTrainer):
                   f"{self.budget.trigger_parameter_sync_step} (async_training.trigger_parameter_sync_step): the "
                   "weights are synced first, so that a resumed run's rollouter starts from the weights this run's "
                   "does", file=sys.stderr)
-            self.queue.end_version()
-            self.sync(Timer(), {})
+            self._end_version_now()
         self.finish_generation()  # the engine's state and the queue's prompts, as of no generation in flight
         # (partial rollout: the streams' groups all finished and queued, and saved as they are: driver_state)
         return super().save()
